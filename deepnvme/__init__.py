@@ -9,11 +9,19 @@ from deepnvme._version import __version__
 # Resolved from op_builder on first access, so `import deepnvme` stays free of torch, probes and compilers.
 _FROM_OP_BUILDER = ("AsyncIOBuilder", "GDSBuilder", "PinMemoryBuilder", "OpBuilder", "ALL_OPS", "register")
 
-__all__ = ["ALL_OPS", "AsyncIOBuilder", "GDSBuilder", "OpBuilder", "PinMemoryBuilder", "__version__", "register"]
+__all__ = [
+    "ALL_OPS",
+    "AsyncIOBuilder",
+    "GDSBuilder",
+    "OpBuilder",
+    "PinMemoryBuilder",
+    "__version__",
+    "register",
+]
 
 
 def __getattr__(name: str) -> Any:
-    """Fetch a builder name from op_builder on demand; ALL_OPS is looked up each time since plugins may register."""
+    """Fetch a name from op_builder on demand; ALL_OPS is looked up anew since plugins may register."""
     if name in _FROM_OP_BUILDER:
         import op_builder
 

@@ -1,4 +1,4 @@
-"""ds_report: which deepnvme ops this machine can build and run, in DeepSpeed's layout, plus why and how to fix."""
+"""ds_report: which deepnvme ops this machine can build and run, in DeepSpeed's layout, and why not."""
 
 from __future__ import annotations
 
@@ -36,15 +36,16 @@ MARKER_WIDTH = 11
 ENV_NAME_WIDTH = 33
 SEPARATOR = "-" * (OP_NAME_WIDTH + MARKER_WIDTH + len("op name") + len("installed"))
 
-# One aligned block: 4 KiB satisfies both 512-byte and 4 KiB logical sectors, and an mmap buffer is page aligned.
+# One aligned block: 4 KiB suits both 512-byte and 4 KiB logical sectors, and an mmap buffer is page aligned.
 O_DIRECT_BLOCK = 4096
-# Below this, one large pinned tensor or the staging pool cannot be locked; 1 GiB is a modest checkpoint shard.
+# Below this, one large pinned tensor or the staging pool cannot be locked; 1 GiB is a modest shard.
 MEMLOCK_WANTED = 1 << 30
 # DeepSpeed warns below this /dev/shm size because Docker's 64 MB default starves dataloaders and NCCL.
 SHM_WANTED = 512 << 20
 CAP_IPC_LOCK_BIT = 14
-# Engine names as the C++ side reports them; posix threads needs nothing beyond a compiler.
-ENGINE_URING, ENGINE_LIBAIO, ENGINE_POSIX = "io_uring", "libaio", "posix threads"
+# Engine names as the C++ side and DEEPNVME_ENGINE spell them, in auto's order of preference; posix (a thread
+# pool doing pread/pwrite) needs nothing beyond the op itself.
+ENGINE_URING, ENGINE_LIBAIO, ENGINE_POSIX = "io_uring", "libaio", "posix"
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class Report:
     engines: list[str] = field(default_factory=list)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # Small helpers
 
 
@@ -130,11 +131,17 @@ def _run_probe(key: str, label: str, func: Callable[[], Any]) -> Finding:
     try:
         return _from_probe(key, label, func())
     except Exception as exc:  # noqa: BLE001 - any probe failure must still leave a readable report
-        return Finding(key, label, False, "probe failed", f"{type(exc).__name__}: {exc}",
-                       "report this as a deepnvme bug, with the output of ds_report --json")
+        return Finding(
+            key,
+            label,
+            False,
+            "probe failed",
+            f"{type(exc).__name__}: {exc}",
+            "report this as a deepnvme bug, with the output of ds_report --json",
+        )
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # Checks deepnvme does itself (pure Python, no compiler)
 
 
@@ -164,8 +171,10 @@ def check_o_direct(directory: str) -> Finding:
     key, label = "o_direct", "O_DIRECT"
     _, fstype = _mount_of(directory)
     where = f"{directory} ({fstype})" if fstype else directory
-    fallback = ("deepnvme falls back to buffered I/O there: it works, but every byte goes through the page "
-                "cache, which costs RAM and throughput")
+    fallback = (
+        "deepnvme falls back to buffered I/O there: it works, but every byte goes through the page "
+        "cache, which costs RAM and throughput"
+    )
     fix = "point --dir, and the paths you read and write, at a local disk filesystem such as ext4 or xfs"
     if not hasattr(os, "O_DIRECT"):
         return Finding(key, label, False, "O_DIRECT is not defined on this platform", fallback, fix)
@@ -174,10 +183,24 @@ def check_o_direct(directory: str) -> Finding:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
     except OSError as exc:
         if exc.errno == errno.EINVAL:
-            return Finding(key, label, False, f"refused on {where}",
-                           f"the filesystem rejects O_DIRECT (open gave EINVAL); {fallback}", fix)
-        return Finding(key, label, False, f"could not test {directory}: {exc.strerror}",
-                       "a test file could not be created there", "pass --dir with a writable directory")
+            # Some filesystems (ramfs) create the file before refusing the flag; the name is ours (O_EXCL).
+            _unlink_quietly(path)
+            return Finding(
+                key,
+                label,
+                False,
+                f"refused on {where}",
+                f"the filesystem rejects O_DIRECT (open gave EINVAL); {fallback}",
+                fix,
+            )
+        return Finding(
+            key,
+            label,
+            False,
+            f"could not test {directory}: {exc.strerror}",
+            "a test file could not be created there",
+            "pass --dir with a writable directory",
+        )
     try:
         out = mmap.mmap(-1, O_DIRECT_BLOCK)
         back = mmap.mmap(-1, O_DIRECT_BLOCK)
@@ -188,21 +211,46 @@ def check_o_direct(directory: str) -> Finding:
             read = os.preadv(fd, [back], 0)
         except OSError as exc:
             if exc.errno == errno.EINVAL:
-                return Finding(key, label, False, f"open accepted O_DIRECT on {where} but a "
-                               f"{O_DIRECT_BLOCK}-byte aligned transfer gave EINVAL",
-                               f"the device needs a larger alignment than {O_DIRECT_BLOCK} bytes; {fallback}", fix)
-            return Finding(key, label, False, f"I/O on {where} failed: {exc.strerror}",
-                           "the aligned test write or read failed", "check the device and free space")
+                return Finding(
+                    key,
+                    label,
+                    False,
+                    f"open accepted O_DIRECT on {where} but a "
+                    f"{O_DIRECT_BLOCK}-byte aligned transfer gave EINVAL",
+                    f"the device needs a larger alignment than {O_DIRECT_BLOCK} bytes; {fallback}",
+                    fix,
+                )
+            return Finding(
+                key,
+                label,
+                False,
+                f"I/O on {where} failed: {exc.strerror}",
+                "the aligned test write or read failed",
+                "check the device and free space",
+            )
         if written != O_DIRECT_BLOCK or read != O_DIRECT_BLOCK or back[:] != pattern:
-            return Finding(key, label, False, f"short or corrupt aligned transfer on {where}",
-                           f"wrote {written} and read {read} of {O_DIRECT_BLOCK} bytes", "check the device")
-        return Finding(key, label, True, f"supported on {where}: {O_DIRECT_BLOCK}-byte aligned write and read back")
+            return Finding(
+                key,
+                label,
+                False,
+                f"short or corrupt aligned transfer on {where}",
+                f"wrote {written} and read {read} of {O_DIRECT_BLOCK} bytes",
+                "check the device",
+            )
+        return Finding(
+            key, label, True, f"supported on {where}: {O_DIRECT_BLOCK}-byte aligned write and read back"
+        )
     finally:
         os.close(fd)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        _unlink_quietly(path)
+
+
+def _unlink_quietly(path: str) -> None:
+    """Remove the O_DIRECT test file; a file already gone is fine."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _has_cap_ipc_lock() -> bool:
@@ -231,11 +279,16 @@ def check_memlock() -> Finding:
         return Finding(key, label, True, f"{limits}; not enforced: this process has CAP_IPC_LOCK")
     if soft >= MEMLOCK_WANTED:
         return Finding(key, label, True, limits)
-    return Finding(key, label, False, limits,
-                   f"pinned (page-locked) tensors and staging buffers can lock at most {show(soft)} in total; "
-                   "larger requests fail to lock",
-                   "raise it: `ulimit -l unlimited` (as root, or up to the hard limit), '* - memlock unlimited' "
-                   "in /etc/security/limits.conf, or `docker run --ulimit memlock=-1`")
+    return Finding(
+        key,
+        label,
+        False,
+        limits,
+        f"pinned (page-locked) tensors and staging buffers can lock at most {show(soft)} in total; "
+        "larger requests fail to lock",
+        "raise it: `ulimit -l unlimited` (as root, or up to the hard limit), '* - memlock unlimited' "
+        "in /etc/security/limits.conf, or `docker run --ulimit memlock=-1`",
+    )
 
 
 def _shm_size() -> tuple[str, int | None]:
@@ -248,12 +301,12 @@ def _shm_size() -> tuple[str, int | None]:
     return _human_bytes(size), size
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # Environment (no `import torch`: reading torch's metadata is ~100x faster and enough for the report)
 
 
 def _torch_info() -> dict[str, Any]:
-    """Torch's install path, version and CUDA version without importing torch (unless it is already imported)."""
+    """Torch's install path, version and CUDA version, without importing torch unless it already is."""
     mod = sys.modules.get("torch")
     if mod is not None and hasattr(mod, "version"):
         return {"path": list(mod.__path__), "version": mod.__version__, "cuda": mod.version.cuda}
@@ -284,7 +337,7 @@ def _torch_info() -> dict[str, Any]:
 
 
 def _nvcc_path() -> str | None:
-    """Locate nvcc the way torch's cpp_extension does: CUDA_HOME/CUDA_PATH, then PATH, then /usr/local/cuda."""
+    """Locate nvcc as torch's cpp_extension does: CUDA_HOME/CUDA_PATH, then PATH, then /usr/local/cuda."""
     for var in ("CUDA_HOME", "CUDA_PATH"):
         home = os.environ.get(var)
         if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
@@ -314,7 +367,7 @@ def _git_describe(pkg_dir: Path) -> tuple[str, str]:
 
 
 def _installed_record() -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The prebuilt ops and the torch they were built against, as setup.py recorded them; empty when JIT only."""
+    """The prebuilt ops and the torch they were built for, as setup.py recorded them; empty when JIT only."""
     try:
         mod = importlib.import_module("deepnvme._installed_ops")
     except ModuleNotFoundError as exc:
@@ -374,12 +427,12 @@ ENV_LABELS = {
 }
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # Ops and probes
 
 
 def _op_reason(builder: Any) -> str:
-    """The builder's own account of why it is not compatible, whatever attribute this op_builder keeps it in."""
+    """The builder's own account of why it is not compatible, wherever this op_builder keeps it."""
     for attr in ("incompatible_reason", "error_log", "reason"):
         value = getattr(builder, attr, None)
         if callable(value):
@@ -392,8 +445,12 @@ def _op_reason(builder: Any) -> str:
     return ""
 
 
-def gather_ops(all_ops: dict[str, Any], installed: dict[str, Any], torch_version: str | None,
-               torch_built: dict[str, Any] | None) -> list[OpRow]:
+def gather_ops(
+    all_ops: dict[str, Any],
+    installed: dict[str, Any],
+    torch_version: str | None,
+    torch_built: dict[str, Any] | None,
+) -> list[OpRow]:
     """One row per registered op: prebuilt for this torch?, compatible for a JIT build?, and why not."""
     rows = []
     built_for = _major_minor(str((torch_built or {}).get("version") or ""))
@@ -417,10 +474,16 @@ def gather_ops(all_ops: dict[str, Any], installed: dict[str, Any], torch_version
 
 
 def gather_probes() -> tuple[dict[str, Finding], str | None]:
-    """Run op_builder's probes concurrently (they are compile-and-link checks); error text if op_builder is absent."""
-    specs = [("compiler", "compiler", "compiler"), ("ninja", "ninja", "ninja"), ("libaio", "libaio", "libaio"),
-             ("liburing", "liburing", "liburing"), ("io_uring_runtime", "io_uring runtime", "io_uring_runtime"),
-             ("cuda", "CUDA", "cuda"), ("cufile", "cuFile (GDS)", "cufile")]
+    """Run op_builder's probes concurrently (compile-and-link checks); error text if op_builder is absent."""
+    specs = [
+        ("compiler", "compiler", "compiler"),
+        ("ninja", "ninja", "ninja"),
+        ("libaio", "libaio", "libaio"),
+        ("liburing", "liburing", "liburing"),
+        ("io_uring_runtime", "io_uring runtime", "io_uring_runtime"),
+        ("cuda", "CUDA", "cuda"),
+        ("cufile", "cuFile (GDS)", "cufile"),
+    ]
     try:
         probe = importlib.import_module("op_builder.probe")
     except Exception as exc:  # noqa: BLE001 - the report must still explain a broken install
@@ -442,9 +505,14 @@ def engines_finding(usable: bool, probes: dict[str, Finding], async_reason: str)
     """Which async_io engines this machine will run; posix threads needs only the op itself."""
     key, label = "async_io_engines", "async_io engines"
     if not usable:
-        return Finding(key, label, False, "none: async_io can neither be loaded prebuilt nor JIT compiled",
-                       async_reason or "async_io is not compatible",
-                       probes["compiler"].fix or probes["ninja"].fix or "install a C++ compiler and ninja"), []
+        return Finding(
+            key,
+            label,
+            False,
+            "none: async_io can neither be loaded prebuilt nor JIT compiled",
+            async_reason or "async_io is not compatible",
+            probes["compiler"].fix or probes["ninja"].fix or "install a C++ compiler and ninja",
+        ), []
     engines, missing = [], []
     if probes["liburing"].ok and probes["io_uring_runtime"].ok:
         engines.append(ENGINE_URING)
@@ -456,17 +524,30 @@ def engines_finding(usable: bool, probes: dict[str, Finding], async_reason: str)
     else:
         missing.append(f"libaio ({probes['libaio'].reason or 'unavailable'})")
     engines.append(ENGINE_POSIX)
+    detail = (
+        ", ".join(e if e != ENGINE_POSIX else "posix threads" for e in engines) + f"; auto picks {engines[0]}"
+    )
     if not missing:
-        return Finding(key, label, True, ", ".join(engines)), engines
+        return Finding(key, label, True, detail), engines
     reason = "missing " + "; ".join(missing)
     if len(engines) == 1:
-        reason += ("; async_io still works through its posix thread engine (pread/pwrite on worker threads), "
-                   "slower than a kernel queue")
-    fix = "; ".join(filter(None, [probes["liburing"].fix if not probes["liburing"].ok else "",
-                                  probes["io_uring_runtime"].fix if probes["liburing"].ok
-                                  and not probes["io_uring_runtime"].ok else "",
-                                  probes["libaio"].fix if not probes["libaio"].ok else ""]))
-    return Finding(key, label, True, ", ".join(engines), reason, fix), engines
+        reason += (
+            "; async_io still works through its posix thread engine (pread/pwrite on worker threads), "
+            "slower than a kernel queue"
+        )
+    fix = "; ".join(
+        filter(
+            None,
+            [
+                probes["liburing"].fix if not probes["liburing"].ok else "",
+                probes["io_uring_runtime"].fix
+                if probes["liburing"].ok and not probes["io_uring_runtime"].ok
+                else "",
+                probes["libaio"].fix if not probes["libaio"].ok else "",
+            ],
+        )
+    )
+    return Finding(key, label, True, detail, reason, fix), engines
 
 
 def gather(directory: str) -> Report:
@@ -492,17 +573,35 @@ def gather(directory: str) -> Report:
     aio_reason = import_error or (aio.reason if aio else "async_io is not registered in op_builder.ALL_OPS")
     engines, engine_list = engines_finding(usable, probes, aio_reason)
 
-    capabilities = [probes["compiler"], probes["ninja"], probes["libaio"], probes["liburing"],
-                    probes["io_uring_runtime"], o_direct, check_memlock(), probes["cuda"], probes["cufile"], engines]
+    capabilities = [
+        probes["compiler"],
+        probes["ninja"],
+        probes["libaio"],
+        probes["liburing"],
+        probes["io_uring_runtime"],
+        o_direct,
+        check_memlock(),
+        probes["cuda"],
+        probes["cufile"],
+        engines,
+    ]
     env_warnings = []
     if environment["shm_size_bytes"] is not None and environment["shm_size_bytes"] < SHM_WANTED:
-        env_warnings.append("/dev/shm is smaller than 512 MB; in Docker start the container with --shm-size=1g")
-    return Report(ninja=probes["ninja"], ops=rows,
-                  environment=environment, env_warnings=env_warnings, capabilities=capabilities,
-                  async_io_usable=usable, engines=engine_list)
+        env_warnings.append(
+            "/dev/shm is smaller than 512 MB; in Docker start the container with --shm-size=1g"
+        )
+    return Report(
+        ninja=probes["ninja"],
+        ops=rows,
+        environment=environment,
+        env_warnings=env_warnings,
+        capabilities=capabilities,
+        async_io_usable=usable,
+        engines=engine_list,
+    )
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # Rendering
 
 
@@ -544,18 +643,27 @@ def render_text(report: Report, directory: str, paint: Painter, show_warnings: b
     out: list[str] = []
     okay, no, yes = paint("[OKAY]", GREEN), paint("[NO]", YELLOW), paint("[YES]", GREEN)
     if report.ops is not None and report.ninja is not None:
-        out += [SEPARATOR, "deepnvme C++/CUDA extension op report", SEPARATOR,
-                "NOTE: an op that is not installed (prebuilt) is compiled just in",
-                "      time (JIT) on its first load(). 'compatible' means this machine",
-                "      has everything that JIT build of the op needs.",
-                SEPARATOR, "JIT compiled ops requires ninja",
-                f"ninja {'.' * 18} {okay if report.ninja.ok else paint('[FAIL]', RED)}",
-                SEPARATOR, "op name ................ installed .. compatible", SEPARATOR]
+        out += [
+            SEPARATOR,
+            "deepnvme C++/CUDA extension op report",
+            SEPARATOR,
+            "NOTE: an op that is not installed (prebuilt) is compiled just in",
+            "      time (JIT) on its first load(). 'compatible' means this machine",
+            "      has everything that JIT build of the op needs.",
+            SEPARATOR,
+            "JIT compiled ops requires ninja",
+            f"ninja {'.' * 18} {okay if report.ninja.ok else paint('[FAIL]', RED)}",
+            SEPARATOR,
+            "op name ................ installed .. compatible",
+            SEPARATOR,
+        ]
         for row in report.ops:
             installed = "[YES]" if row.installed else "[NO]"
             shown = yes if row.installed else no
-            out.append(f"{row.name} {_dots(row.name, OP_NAME_WIDTH)} {shown} "
-                       f"{'.' * (MARKER_WIDTH - len(installed))} {okay if row.compatible else no}")
+            out.append(
+                f"{row.name} {_dots(row.name, OP_NAME_WIDTH)} {shown} "
+                f"{'.' * (MARKER_WIDTH - len(installed))} {okay if row.compatible else no}"
+            )
             if row.reason and show_warnings:
                 out.append(f" {paint('[WARNING]', YELLOW)} {row.name}: {row.reason}")
         out.append(SEPARATOR)
@@ -576,7 +684,9 @@ def render_text(report: Report, directory: str, paint: Painter, show_warnings: b
 
     out += [SEPARATOR, f"deepnvme I/O capabilities (O_DIRECT tested in {directory})", SEPARATOR]
     for cap in report.capabilities:
-        out.append(f"{cap.label} {_dots(cap.label, ENV_NAME_WIDTH)} {_marker(cap, paint)} {cap.detail}".rstrip())
+        out.append(
+            f"{cap.label} {_dots(cap.label, ENV_NAME_WIDTH)} {_marker(cap, paint)} {cap.detail}".rstrip()
+        )
         if cap.reason:
             out.append(f"    reason: {cap.reason}")
         if cap.fix:
@@ -599,22 +709,29 @@ def render_json(report: Report, directory: str) -> str:
     return json.dumps(doc, indent=2) + "\n"
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # Command line
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """DeepSpeed's two flags plus --json and --dir."""
     parser = argparse.ArgumentParser(
-        prog="ds_report",
-        description="Report which deepnvme ops this machine can build and run, and why not.")
-    parser.add_argument("--hide_operator_status", action="store_true",
-                        help="skip the op table (ninja, installed, compatible)")
-    parser.add_argument("--hide_errors_and_warnings", action="store_true",
-                        help="do not print per-op reasons and environment warnings")
+        prog="ds_report", description="Report which deepnvme ops this machine can build and run, and why not."
+    )
+    parser.add_argument(
+        "--hide_operator_status", action="store_true", help="skip the op table (ninja, installed, compatible)"
+    )
+    parser.add_argument(
+        "--hide_errors_and_warnings",
+        action="store_true",
+        help="do not print per-op reasons and environment warnings",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    parser.add_argument("--dir", default=os.getcwd(),
-                        help="directory in which to test O_DIRECT (default: the current directory)")
+    parser.add_argument(
+        "--dir",
+        default=os.getcwd(),
+        help="directory in which to test O_DIRECT (default: the current directory)",
+    )
     return parser.parse_args(argv)
 
 
@@ -630,8 +747,14 @@ def main(argv: Sequence[str] | None = None, stream: TextIO | None = None) -> int
     if args.json:
         stream.write(render_json(report, directory))
     else:
-        stream.write(render_text(report, directory, Painter(want_colour(stream)),
-                                 show_warnings=not args.hide_errors_and_warnings))
+        stream.write(
+            render_text(
+                report,
+                directory,
+                Painter(want_colour(stream)),
+                show_warnings=not args.hide_errors_and_warnings,
+            )
+        )
     stream.flush()
     return 0 if report.async_io_usable else 1
 
