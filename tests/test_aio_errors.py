@@ -1,0 +1,435 @@
+"""Bad input and real failures: every one raises the right Python exception and the handle survives."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+MiB = 1 << 20
+
+
+def tbytes(t: torch.Tensor) -> bytes:
+    """Raw bytes of a contiguous tensor of any dtype."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def random_tensor(n: int) -> tuple[torch.Tensor, bytes]:
+    """A plain uint8 tensor holding n random bytes, and the bytes."""
+    data = os.urandom(n)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8), data
+
+
+def sh(*cmd: str) -> subprocess.CompletedProcess:
+    """Run a system command, capturing its output."""
+    return subprocess.run(cmd, check=False, capture_output=True, text=True)
+
+
+def mount_or_skip(args: list[str], where: Path) -> None:
+    """Mount something at `where`, skipping the test when this machine does not allow it."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount")
+    where.mkdir(parents=True, exist_ok=True)
+    r = sh("mount", *args, str(where))
+    if r.returncode != 0:
+        pytest.skip(f"mount {' '.join(args)} failed: {r.stderr.strip()}")
+
+
+def umount(where: Path) -> None:
+    """Unmount, lazily if something still holds it."""
+    if sh("umount", str(where)).returncode != 0:
+        sh("umount", "-l", str(where))
+
+
+@pytest.fixture(scope="module")
+def full_fs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A 16 MiB ext4 file system on a loop device, unmounted at teardown."""
+    base = tmp_path_factory.mktemp("fullfs")
+    img, mnt = base / "fs.img", base / "mnt"
+    with open(img, "wb") as f:
+        f.truncate(16 * MiB)
+    r = sh("mkfs.ext4", "-q", "-F", str(img))
+    if r.returncode != 0:
+        pytest.skip(f"mkfs.ext4 failed: {r.stderr.strip()}")
+    mount_or_skip(["-o", "loop", str(img)], mnt)
+    try:
+        yield mnt
+    finally:
+        umount(mnt)
+
+
+@pytest.fixture
+def ramfs(tmp_path: Path) -> Iterator[Path]:
+    """A fresh ramfs mount, a file system that refuses O_DIRECT at open."""
+    mnt = tmp_path / "ramfs"
+    mount_or_skip(["-t", "ramfs", "ramfs"], mnt)
+    try:
+        yield mnt
+    finally:
+        umount(mnt)
+
+
+@pytest.fixture
+def handle(aio_module: ModuleType, engine: str):
+    """A small handle with P=2 on the engine under test."""
+    return aio_module.aio_handle(4096, 8, False, True, 2, engine=engine)
+
+
+def assert_usable(h, workdir: Path) -> None:
+    """The handle still does correct I/O and has nothing pending."""
+    assert h.wait() == 0
+    src, data = random_tensor(10000)
+    assert h.sync_pwrite(src, str(workdir / "after")) == 1
+    dst = torch.zeros(10000, dtype=torch.uint8)
+    assert h.sync_pread(dst, str(workdir / "after")) == 1
+    assert tbytes(dst) == data
+
+
+# ----------------------------------------------------------------------------- bad arguments
+
+@pytest.mark.parametrize("kwargs", [
+    {"block_size": 0}, {"block_size": -4096}, {"queue_depth": 0}, {"queue_depth": -1},
+    {"intra_op_parallelism": 0}, {"intra_op_parallelism": -2},
+])
+def test_bad_handle_sizes(aio_module: ModuleType, kwargs: dict) -> None:
+    """Non-positive block size, queue depth or parallelism is a ValueError, not a crash."""
+    with pytest.raises(ValueError):
+        aio_module.aio_handle(**kwargs)
+
+
+@pytest.mark.parametrize("args", [
+    ("big",), (4096, "deep"), (4096, 8, False, False, 1.5), (4096, 8, False, False, 1, 3),
+])
+def test_bad_handle_types(aio_module: ModuleType, args: tuple) -> None:
+    """Wrong argument types for the constructor are TypeErrors."""
+    with pytest.raises(TypeError):
+        aio_module.aio_handle(*args)
+
+
+def _all_calls(h, m, buf, path: str, offset: int = 0):
+    """Every entry point with the same buffer, file and offset."""
+    return {
+        "sync_pread": lambda: h.sync_pread(buf, path, offset),
+        "sync_pwrite": lambda: h.sync_pwrite(buf, path, offset),
+        "async_pread": lambda: h.async_pread(buf, path, offset),
+        "async_pwrite": lambda: h.async_pwrite(buf, path, offset),
+        "pread": lambda: h.pread(buf, path, False, False, offset),
+        "pwrite": lambda: h.pwrite(buf, path, False, True, offset),
+        "read": lambda: h.read(buf, path, False, offset),
+        "write": lambda: h.write(buf, path, False, offset),
+    }
+
+
+CALLS = ["sync_pread", "sync_pwrite", "async_pread", "async_pwrite", "pread", "pwrite", "read", "write"]
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_non_contiguous_rejected(aio_module, handle, workdir: Path, call: str) -> None:
+    """A non-contiguous tensor is a ValueError before any I/O (DeepSpeed lost such reads)."""
+    path = workdir / "f"
+    path.write_bytes(bytes(64 * 64 * 4))
+    buf = torch.zeros(64, 64).t()
+    with pytest.raises(ValueError):
+        _all_calls(handle, aio_module, buf, str(path))[call]()
+    assert path.read_bytes() == bytes(64 * 64 * 4)
+    assert handle.wait() == 0
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_negative_offset_rejected(aio_module, handle, workdir: Path, call: str) -> None:
+    """A negative file offset is a ValueError."""
+    path = workdir / "f"
+    path.write_bytes(bytes(8192))
+    with pytest.raises(ValueError):
+        _all_calls(handle, aio_module, torch.zeros(4096, dtype=torch.uint8), str(path), -4096)[call]()
+    assert handle.wait() == 0
+
+
+@pytest.mark.parametrize("call", CALLS)
+@pytest.mark.parametrize("bad", [b"\0" * 16, bytearray(16), [0] * 16, None],
+                         ids=["bytes", "bytearray", "list", "None"])
+def test_non_tensor_buffer(aio_module, handle, workdir: Path, call: str, bad) -> None:
+    """Something that is not a tensor is a TypeError."""
+    path = workdir / "f"
+    path.write_bytes(bytes(16))
+    with pytest.raises(TypeError):
+        _all_calls(handle, aio_module, bad, str(path))[call]()
+
+
+def test_wrong_argument_types(handle, workdir: Path) -> None:
+    """A float file name, a string offset or a string flag are TypeErrors."""
+    buf = torch.zeros(16, dtype=torch.uint8)
+    with pytest.raises(TypeError):
+        handle.sync_pread(buf, 1.5)
+    with pytest.raises(TypeError):
+        handle.sync_pwrite(buf, str(workdir / "f"), "0")
+    with pytest.raises(TypeError):
+        handle.pread(buf, str(workdir / "f"), "yes", False)
+
+
+def test_module_functions_bad_input(aio_module: ModuleType, workdir: Path) -> None:
+    """aio_read/aio_write validate their arguments like the handle does."""
+    path = workdir / "f"
+    path.write_bytes(bytes(4096))
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    with pytest.raises(ValueError):
+        aio_module.aio_read(buf, str(path), 0, 8, False, False, False)
+    with pytest.raises(ValueError):
+        aio_module.aio_write(buf, str(path), 4096, 0, False, False, False)
+    with pytest.raises(ValueError):
+        aio_module.aio_write(torch.zeros(64, 64).t(), str(path), 4096, 8, False, False, False)
+    with pytest.raises(TypeError):
+        aio_module.aio_read(b"abc", str(path), 4096, 8, False, False, False)
+    with pytest.raises(FileNotFoundError):
+        aio_module.aio_read(buf, str(workdir / "missing"), 4096, 8, False, False, False)
+    with pytest.raises(ValueError):
+        aio_module.aio_read(torch.zeros(8192, dtype=torch.uint8), str(path), 4096, 8, False, False, False)
+
+
+# ----------------------------------------------------------------------------- missing, short, unwritable
+
+READS = ["sync_pread", "pread", "read"]
+
+
+@pytest.mark.parametrize("call", READS)
+def test_missing_file(aio_module, handle, workdir: Path, call: str) -> None:
+    """Reading a missing file raises FileNotFoundError with errno and file name; the handle survives."""
+    path = str(workdir / "missing.bin")
+    with pytest.raises(FileNotFoundError) as exc:
+        _all_calls(handle, aio_module, torch.zeros(4096, dtype=torch.uint8), path)[call]()
+    assert exc.value.errno == errno.ENOENT
+    assert exc.value.filename == path
+    assert_usable(handle, workdir)
+
+
+def test_missing_file_async(handle, workdir: Path) -> None:
+    """An async read of a missing file raises at the call or at the wait() that collects it, not both."""
+    path = str(workdir / "missing.bin")
+    try:
+        rc = handle.async_pread(torch.zeros(4096, dtype=torch.uint8), path)
+    except FileNotFoundError as e:
+        assert e.errno == errno.ENOENT and e.filename == path
+    else:
+        assert rc == 0
+        with pytest.raises(FileNotFoundError) as exc:
+            handle.wait()
+        assert exc.value.filename == path
+    assert_usable(handle, workdir)
+
+
+@pytest.mark.parametrize("call", ["sync_pread", "async_pread", "pread", "read"])
+@pytest.mark.parametrize("offset,size", [(0, 8192), (4000, 200), (4096, 1), (0, 4097)])
+def test_read_past_eof(aio_module, handle, workdir: Path, call: str, offset: int, size: int) -> None:
+    """A read past EOF raises ValueError naming file and sizes at the call, before touching the buffer."""
+    path = workdir / "short.bin"
+    path.write_bytes(os.urandom(4096))
+    buf = torch.full((size,), 0xEE, dtype=torch.uint8)
+    with pytest.raises(ValueError) as exc:
+        _all_calls(handle, aio_module, buf, str(path), offset)[call]()
+    msg = str(exc.value)
+    assert "short.bin" in msg and "4096" in msg, msg
+    assert bool((buf == 0xEE).all())
+    assert handle.wait() == 0
+    assert_usable(handle, workdir)
+
+
+def test_read_past_eof_by_fd(handle, workdir: Path) -> None:
+    """A read past EOF through a descriptor is a ValueError too, and the descriptor stays open."""
+    path = workdir / "short.bin"
+    path.write_bytes(bytes(4096))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError):
+            handle.sync_pread(torch.zeros(4097, dtype=torch.uint8), fd=fd)
+        with pytest.raises(ValueError):
+            handle.async_pread(torch.zeros(10, dtype=torch.uint8), fd=fd, file_offset=4090)
+        assert handle.wait() == 0
+        os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def test_bad_fd(handle, workdir: Path) -> None:
+    """A closed descriptor is an OSError EBADF, and a read-only one refuses writes with EBADF."""
+    path = workdir / "ro"
+    path.write_bytes(bytes(4096))
+    fd = os.open(path, os.O_RDONLY)
+    os.close(fd)
+    with pytest.raises(OSError) as exc:
+        handle.sync_pread(torch.zeros(16, dtype=torch.uint8), fd=fd)
+    assert exc.value.errno == errno.EBADF
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as exc:
+            handle.sync_pwrite(torch.zeros(4096, dtype=torch.uint8), fd=fd)
+        assert exc.value.errno == errno.EBADF
+    finally:
+        os.close(fd)
+    assert_usable(handle, workdir)
+
+
+@pytest.mark.parametrize("call", ["sync_pwrite", "pwrite", "write", "async_pwrite"])
+def test_immutable_file(aio_module, handle, workdir: Path, call: str) -> None:
+    """Writing an immutable file (chattr +i, which binds root too) raises PermissionError with the name."""
+    path = workdir / "frozen"
+    path.write_bytes(b"keep")
+    if sh("chattr", "+i", str(path)).returncode != 0:
+        pytest.skip("chattr +i not supported here")
+    try:
+        buf = torch.zeros(4096, dtype=torch.uint8)
+        with pytest.raises(PermissionError) as exc:
+            _all_calls(handle, aio_module, buf, str(path))[call]()
+            handle.wait()
+        assert exc.value.filename == str(path)
+        assert handle.wait() == 0
+    finally:
+        sh("chattr", "-i", str(path))
+    assert path.read_bytes() == b"keep"
+    assert_usable(handle, workdir)
+
+
+@pytest.mark.parametrize("call", ["sync_pwrite", "sync_pread", "write", "read"])
+def test_path_under_regular_file(aio_module, handle, workdir: Path, call: str) -> None:
+    """A path through a regular file raises NotADirectoryError carrying the path."""
+    (workdir / "plain").write_bytes(bytes(10))
+    path = str(workdir / "plain" / "child")
+    with pytest.raises(NotADirectoryError) as exc:
+        _all_calls(handle, aio_module, torch.zeros(16, dtype=torch.uint8), path)[call]()
+    assert exc.value.errno == errno.ENOTDIR and exc.value.filename == path
+    assert_usable(handle, workdir)
+
+
+@pytest.mark.parametrize("call", ["sync_pwrite", "write"])
+def test_directory_as_file(aio_module, handle, workdir: Path, call: str) -> None:
+    """Writing to a directory raises IsADirectoryError carrying the path."""
+    path = str(workdir)
+    with pytest.raises(IsADirectoryError) as exc:
+        _all_calls(handle, aio_module, torch.zeros(16, dtype=torch.uint8), path)[call]()
+    assert exc.value.errno == errno.EISDIR and exc.value.filename == path
+    assert_usable(handle, workdir)
+
+
+def test_read_only_mount(handle, tmp_path: Path, workdir: Path) -> None:
+    """Writing under a read-only bind mount raises OSError EROFS with the file name; reads still work."""
+    src, ro = tmp_path / "src", tmp_path / "ro"
+    src.mkdir()
+    (src / "f").write_bytes(b"x" * 4096)
+    mount_or_skip(["--bind", str(src)], ro)
+    try:
+        if sh("mount", "-o", "remount,bind,ro", str(ro)).returncode != 0:
+            pytest.skip("cannot remount read-only")
+        for name in ("f", "new"):
+            with pytest.raises(OSError) as exc:
+                handle.sync_pwrite(torch.zeros(4096, dtype=torch.uint8), str(ro / name))
+            assert exc.value.errno == errno.EROFS and exc.value.filename == str(ro / name)
+        dst = torch.zeros(4096, dtype=torch.uint8)
+        assert handle.sync_pread(dst, str(ro / "f")) == 1
+        assert tbytes(dst) == b"x" * 4096
+    finally:
+        umount(ro)
+    assert_usable(handle, workdir)
+
+
+# ----------------------------------------------------------------------------- full file system
+
+@pytest.mark.parametrize("mode", ["sync", "async", "write"])
+def test_full_file_system(handle, full_fs: Path, workdir: Path, mode: str) -> None:
+    """Filling a 16 MiB file system raises OSError ENOSPC with the name, from the call or its wait()."""
+    path = full_fs / f"big-{mode}"
+    src = torch.ones(24 * MiB, dtype=torch.uint8)
+    try:
+        with pytest.raises(OSError) as exc:
+            if mode == "sync":
+                handle.sync_pwrite(src, str(path))
+            elif mode == "write":
+                handle.write(src, str(path), False)
+            else:
+                small = torch.ones(4096, dtype=torch.uint8)
+                assert handle.async_pwrite(src, str(path)) == 0
+                assert handle.async_pwrite(small, str(workdir / "ok")) == 0
+                handle.wait()
+        assert exc.value.errno == errno.ENOSPC
+        assert exc.value.filename == str(path)
+        if mode == "async":
+            assert (workdir / "ok").read_bytes() == b"\1" * 4096, "other requests must finish first"
+        assert handle.wait() == 0
+    finally:
+        path.unlink(missing_ok=True)
+    small, data = random_tensor(8192)
+    assert handle.sync_pwrite(small, str(full_fs / "small")) == 1
+    assert (full_fs / "small").read_bytes() == data
+    (full_fs / "small").unlink()
+    assert_usable(handle, workdir)
+
+
+# ----------------------------------------------------------------------------- ramfs (no O_DIRECT)
+
+def test_ramfs_falls_back_with_one_warning(aio_module: ModuleType, engine: str, ramfs: Path) -> None:
+    """On a file system refusing O_DIRECT, I/O is buffered, correct, and warns exactly once."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for par in (1, 2, 3):
+            h = aio_module.aio_handle(4096, 8, False, True, par, engine=engine)
+            for size, off in ((4096, 0), (MiB, 8192), (4097, 1), (1, 5)):
+                path = str(ramfs / f"f{par}-{size}")
+                src = h.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+                data = os.urandom(size)
+                src.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                assert h.sync_pwrite(src, path, off) == 1
+                assert Path(path).read_bytes() == bytes(off) + data
+                dst = torch.zeros(size, dtype=torch.uint8)
+                assert h.async_pread(dst, path, off) == 0
+                assert h.wait() == 1
+                assert tbytes(dst) == data
+                assert h.write(src, path, False, off) == 0
+                assert h.read(dst, path, True, off) == 0
+            assert aio_module.aio_write(src, str(ramfs / "m"), 4096, 4, False, False, False) == 0
+    odirect = [w for w in caught if "O_DIRECT" in str(w.message)]
+    assert len(odirect) == 1, [str(w.message) for w in caught]
+    assert issubclass(odirect[0].category, RuntimeWarning)
+
+
+# ----------------------------------------------------------------------------- validate and stdout
+
+def test_validate_respects_offset(aio_module: ModuleType, handle, workdir: Path) -> None:
+    """validate=True compares at file_offset (DeepSpeed compared from 0) and passes silently."""
+    path = workdir / "v"
+    path.write_bytes(os.urandom(3 * 4096))
+    src, data = random_tensor(4096)
+    assert handle.pwrite(src, str(path), True, False, 4096) == 1
+    assert handle.pwrite(src, str(path), True, True, 8192 - 7) == 0
+    assert handle.wait() == 1
+    dst = torch.zeros(4096, dtype=torch.uint8)
+    assert handle.pread(dst, str(path), True, False, 4096) == 1
+    assert tbytes(dst) == data
+    assert handle.pread(dst, str(path), True, True, 0) == 0
+    assert handle.wait() == 1
+    assert handle.write(src, str(path), True, 5) == 0
+    assert handle.read(dst, str(path), True, 5) == 0
+
+
+def test_never_prints(aio_module: ModuleType, handle, workdir: Path, capfd: pytest.CaptureFixture) -> None:
+    """Neither successful nor failing calls write anything to stdout (DeepSpeed printed timings)."""
+    path = str(workdir / "p")
+    src, _ = random_tensor(MiB + 3)
+    handle.sync_pwrite(src, path)
+    handle.write(src, path, True)
+    handle.read(src, path, True)
+    handle.pread(src, path, True, False)
+    aio_module.aio_write(src, path, 4096, 4, False, False, True)
+    aio_module.aio_read(src, path, 4096, 4, False, False, True)
+    handle.wait()
+    for bad in (lambda: handle.sync_pread(src, path + ".missing"),
+                lambda: handle.sync_pread(torch.zeros(2 * MiB, dtype=torch.uint8), path),
+                lambda: handle.read(src, path + ".missing", False)):
+        with pytest.raises((OSError, ValueError)):
+            bad()
+    out, _ = capfd.readouterr()
+    assert out == ""

@@ -1,0 +1,321 @@
+"""GIL release, handles shared by threads, destruction with requests in flight, fd and locked-memory leaks."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from conftest import REPO_ROOT
+
+MiB = 1 << 20
+U8 = torch.empty(0, dtype=torch.uint8)
+
+
+def tbytes(t: torch.Tensor) -> bytes:
+    """Raw bytes of a contiguous tensor of any dtype."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def random_tensor(n: int) -> tuple[torch.Tensor, bytes]:
+    """A plain uint8 tensor holding n random bytes, and the bytes."""
+    data = os.urandom(n)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8), data
+
+
+def run_threads(targets: list[Callable[[], None]], timeout: float = 60.0) -> None:
+    """Run callables in threads started together; fail on any exception or a thread still alive."""
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(targets))
+
+    def wrap(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                barrier.wait()
+                fn()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+        return run
+
+    threads = [threading.Thread(target=wrap(t), daemon=True) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    if errors:
+        raise errors[0]
+
+
+def fd_count() -> int:
+    """Open descriptors of this process."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+def vm_lck_kb() -> int:
+    """Locked memory of this process in kB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmLck:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmLck line")
+
+
+# ----------------------------------------------------------------------------- GIL
+
+@pytest.mark.parametrize("op", ["sync_pread", "sync_pwrite", "pread", "pwrite", "read", "write", "wait"])
+def test_blocking_call_releases_gil(aio_module: ModuleType, engine: str, workdir: Path, op: str) -> None:
+    """With a 60 s switch interval, a peer thread still runs during a blocking call: the GIL is released."""
+    size = 8 * MiB
+    h = aio_module.aio_handle(MiB, 8, False, True, 2, engine=engine)
+    buf = h.new_cpu_locked_tensor(size, U8)
+    path = str(workdir / "gil")
+    payload, data = random_tensor(size)
+    buf.copy_(payload)
+    assert h.sync_pwrite(buf, path) == 1
+    calls: dict[str, Callable[[], object]] = {
+        "sync_pread": lambda: h.sync_pread(buf, path),
+        "sync_pwrite": lambda: h.sync_pwrite(buf, path),
+        "pread": lambda: h.pread(buf, path, False, False),
+        "pwrite": lambda: h.pwrite(buf, path, False, False),
+        "read": lambda: h.read(buf, path, False),
+        "write": lambda: h.write(buf, path, False),
+        "wait": h.wait,
+    }
+    expected = 0 if op in ("read", "write") else 1
+    ran_during = False
+    old = sys.getswitchinterval()
+    for _ in range(32):
+        gate = threading.Lock()
+        gate.acquire()
+        ran = threading.Event()
+
+        def peer(gate: threading.Lock = gate, ran: threading.Event = ran) -> None:
+            with gate:
+                ran.set()
+
+        t = threading.Thread(target=peer, daemon=True)
+        t.start()
+        if op == "wait":
+            assert h.async_pread(buf, path) == 0
+        sys.setswitchinterval(60)
+        try:
+            gate.release()
+            assert calls[op]() == expected
+            ran_during = ran.is_set()
+        finally:
+            sys.setswitchinterval(old)
+        t.join(10)
+        if ran_during:
+            break
+    assert ran_during, f"{op} never let another thread run: the GIL is held"
+    assert h.sync_pread(buf, path) == 1
+    assert tbytes(buf) == data
+
+
+def test_threads_share_one_handle(aio_module: ModuleType, engine: str, workdir: Path) -> None:
+    """Four threads doing sync writes and reads through one handle each get 1 and their own bytes back."""
+    h = aio_module.aio_handle(65536, 16, False, True, 2, engine=engine)
+
+    def worker(k: int) -> Callable[[], None]:
+        def run() -> None:
+            path = str(workdir / f"t{k}")
+            for i in range(12):
+                size = 4096 * (k + 1) + 333 * i
+                src, data = random_tensor(size)
+                assert h.sync_pwrite(src, path, i) == 1
+                dst = torch.zeros(size, dtype=torch.uint8) if i % 2 else h.new_cpu_locked_tensor(size, U8)
+                assert h.sync_pread(dst, path, i) == 1
+                assert tbytes(dst) == data
+                if not i % 2:
+                    assert h.free_cpu_locked_tensor(dst) is True
+        return run
+
+    run_threads([worker(k) for k in range(4)])
+    assert h.wait() == 0
+
+
+def test_locked_alloc_while_reading(aio_module: ModuleType, engine: str, workdir: Path) -> None:
+    """Allocating and freeing locked tensors in one thread while another reads plain buffers is safe."""
+    h = aio_module.aio_handle(4096, 2, True, True, 2, engine=engine)
+    path = str(workdir / "r")
+    _, data = random_tensor(4096)
+    Path(path).write_bytes(data)
+    dst = torch.zeros(4096, dtype=torch.uint8)
+
+    def reader() -> None:
+        for _ in range(32):
+            assert h.sync_pread(dst, path) == 1
+
+    def locker() -> None:
+        for _ in range(32):
+            t = h.new_cpu_locked_tensor(4096, U8)
+            assert h.free_cpu_locked_tensor(t) is True
+
+    run_threads([reader, locker])
+    assert tbytes(dst) == data
+
+
+# ----------------------------------------------------------------------------- destruction
+
+@pytest.mark.parametrize("kind", ["write", "read"])
+def test_destroy_with_pending_requests(aio_module: ModuleType, engine: str, workdir: Path, kind: str) -> None:
+    """Deleting a handle right after many async requests waits for them; every file/buffer is complete."""
+    n, size = 48, 256 * 1024 + 7
+    h = aio_module.aio_handle(65536, 4, False, False, 2, engine=engine)
+    items = [random_tensor(size) for _ in range(n)]
+    bufs = []
+    for i, (src, data) in enumerate(items):
+        path = str(workdir / f"d{i}")
+        if kind == "write":
+            assert h.async_pwrite(src, path) == 0
+        else:
+            Path(path).write_bytes(data)
+            dst = torch.zeros(size, dtype=torch.uint8)
+            bufs.append(dst)
+            assert h.async_pread(dst, path) == 0
+    del h
+    gc.collect()
+    for i, (_, data) in enumerate(items):
+        if kind == "write":
+            assert (workdir / f"d{i}").read_bytes() == data, i
+        else:
+            assert tbytes(bufs[i]) == data, i
+
+
+def test_destroy_with_failed_pending_request(aio_module: ModuleType, workdir: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deleting a handle whose pending request failed neither crashes nor loses the other requests."""
+    monkeypatch.setenv("DEEPNVME_FAULT", "eio@2")
+    h = aio_module.aio_handle(4096, 4, False, False, 1, engine="fault")
+    items = [random_tensor(4 * 4096) for _ in range(4)]
+    for i, (src, _) in enumerate(items):
+        assert h.async_pwrite(src, str(workdir / f"e{i}")) == 0
+    del h
+    gc.collect()
+    intact = sum((workdir / f"e{i}").read_bytes() == data for i, (_, data) in enumerate(items))
+    assert intact >= 3
+
+
+# ----------------------------------------------------------------------------- leaks
+
+def test_no_fd_leak(aio_module: ModuleType, available_engines: list[str], workdir: Path,
+                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hundreds of operations, failed ones included, leave the process's descriptor count unchanged."""
+    gc.collect()
+    baseline = fd_count()
+    path = str(workdir / "f")
+    src, _ = random_tensor(10000)
+    monkeypatch.setenv("DEEPNVME_FAULT", "eio@3")
+    fault = aio_module.aio_handle(4096, 4, False, False, 1, engine="fault")
+    handles = [aio_module.aio_handle(4096, 4, False, True, 2, engine=e) for e in available_engines]
+    with_handles = None
+    for rnd in range(30):
+        for h in handles:
+            assert h.sync_pwrite(src, path) == 1
+            assert h.sync_pread(src, path) == 1
+            assert h.async_pwrite(src, path, 5) == 0
+            assert h.async_pread(src, path) == 0
+            assert h.wait() == 2
+            assert h.write(src, path, True) == 0
+            assert h.read(src, path, True) == 0
+            with pytest.raises(FileNotFoundError):
+                h.sync_pread(src, path + ".missing")
+            with pytest.raises(ValueError):
+                h.sync_pread(torch.zeros(20000, dtype=torch.uint8), path)
+            with pytest.raises(NotADirectoryError):
+                h.sync_pwrite(src, path + "/x")
+            with pytest.raises(IsADirectoryError):
+                h.sync_pwrite(src, str(workdir))
+        fault_h = aio_module.aio_handle(4096, 4, False, False, 1, engine="fault")
+        with pytest.raises(OSError) as e:
+            fault_h.sync_pwrite(src, path)
+        assert e.value.errno == errno.EIO
+        del fault_h
+        if rnd == 4:
+            gc.collect()
+            with_handles = fd_count()
+    gc.collect()
+    assert fd_count() == with_handles, "descriptors leak per operation"
+    del handles, fault
+    gc.collect()
+    assert fd_count() == baseline, "descriptors leak per handle"
+
+
+def test_no_locked_memory_leak(aio_module: ModuleType, pin_module: ModuleType, available_engines: list[str],
+                               workdir: Path) -> None:
+    """VmLck returns to its baseline after locked tensors are freed and handles (with their pools) die."""
+    gc.collect()
+    baseline = vm_lck_kb()
+    ph = pin_module.pin_handle()
+    handles = [aio_module.aio_handle(MiB, 8, False, True, 2, engine=e) for e in available_engines]
+    locked = [h.new_cpu_locked_tensor(MiB, U8) for h in handles] + [ph.new_cpu_locked_tensor(MiB, U8)]
+    assert vm_lck_kb() >= baseline + len(locked) * 1024, "new_cpu_locked_tensor did not lock memory"
+    path = str(workdir / "f")
+    for h in handles:
+        plain, data = random_tensor(3 * MiB + 1)
+        misaligned = torch.empty(3 * MiB + 2, dtype=torch.uint8)[1:]
+        assert h.sync_pwrite(plain, path, 1) == 1
+        assert h.sync_pread(misaligned, path, 1) == 1
+        assert tbytes(misaligned) == data
+    for t in locked:
+        assert handles[0].free_cpu_locked_tensor(t) is True
+    del locked, t, handles, h, ph
+    gc.collect()
+    assert vm_lck_kb() == baseline
+
+
+MLOCK_SCRIPT = textwrap.dedent("""
+    import os, sys, warnings, torch
+    from op_builder import AsyncIOBuilder
+    m = AsyncIOBuilder().load()
+    path = sys.argv[1]
+    n = 64 << 20
+    for engine in m.available_engines():
+        h = m.aio_handle(1 << 20, 8, False, True, 2, engine=engine)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                buf = h.new_cpu_locked_tensor(n, torch.empty(0, dtype=torch.uint8))
+            except (MemoryError, OSError) as e:
+                print("raised", type(e).__name__, file=sys.stderr)
+                buf = torch.empty(n, dtype=torch.uint8)
+            else:
+                warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+                assert warned, [str(w.message) for w in caught]
+                assert buf.numel() == n and h.is_pinned(buf), "fallback tensor must stay managed"
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        buf.copy_(data)
+        assert h.sync_pwrite(buf, path) == 1
+        buf.zero_()
+        assert h.sync_pread(buf, path) == 1
+        assert torch.equal(buf, data)
+        plain = torch.empty(n + 1, dtype=torch.uint8)[1:]
+        assert h.sync_pread(plain, path) == 1 and torch.equal(plain, data)
+        if h.is_pinned(buf):
+            assert h.free_cpu_locked_tensor(buf) is True
+    print("OK")
+""")
+
+
+def test_mlock_failure_is_not_fatal(aio_module: ModuleType, workdir: Path) -> None:
+    """Without CAP_IPC_LOCK and a 64 KiB RLIMIT_MEMLOCK, a 64 MiB locked tensor warns or raises; I/O works."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop CAP_IPC_LOCK")
+    script = workdir / "mlock.py"
+    script.write_text(MLOCK_SCRIPT)
+    cmd = f"prlimit --memlock=65536 {sys.executable} {script} {workdir / 'data'}"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    r = subprocess.run(["capsh", "--drop=cap_ipc_lock", "--", "-c", cmd], check=False, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout}\n{r.stderr}"
+    assert r.stdout.strip().endswith("OK"), r.stdout
