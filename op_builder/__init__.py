@@ -1,0 +1,27 @@
+"""deepnvme's op-builder framework: builders, capability probes and the ALL_OPS registry.
+
+Importing this package runs no probe and no compiler and does not import torch; ``ALL_OPS`` is built on
+first access.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .async_io import AsyncIOBuilder
+from .builder import CUDAOpBuilder, OpBuilder, TorchCPUOpBuilder
+from .gds import GDSBuilder
+from .pin_memory import PinMemoryBuilder
+from .registry import register
+
+__all__ = ["ALL_OPS", "AsyncIOBuilder", "CUDAOpBuilder", "GDSBuilder", "OpBuilder", "PinMemoryBuilder",
+           "TorchCPUOpBuilder", "register"]
+
+
+def __getattr__(name: str) -> Any:
+    # ALL_OPS is lazy: entry-point plugins are imported only when someone asks for the table.
+    if name == "ALL_OPS":
+        from .registry import all_ops
+
+        return all_ops()
+    raise AttributeError(f"module 'op_builder' has no attribute {name!r}")
