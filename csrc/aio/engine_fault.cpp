@@ -1,0 +1,119 @@
+// fault engine, for tests: runs plain pread/pwrite like the posix engine but injects the failures a disk
+// cannot produce on demand (EIO, short transfers, partial or refused submits), by rules from $DEEPNVME_FAULT.
+// Rules (comma-separated): eio@N, enospc@N, short@N, zero@N, eagain_submit@N, partial_submit.
+// N counts block operations (or submit calls) from 1, across all engines of one handle.
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+#include "engine_specs.h"
+#include "error.h"
+
+namespace dnv {
+namespace {
+
+struct FaultRules final : EngineShared {
+    long eio_at = 0, enospc_at = 0, short_at = 0, zero_at = 0, eagain_submit_at = 0;
+    bool partial_submit = false;
+    std::atomic<long> ops{0};
+    std::atomic<long> submits{0};
+};
+
+long parse_count(const std::string& rule, size_t at) {
+    char* end = nullptr;
+    long v = std::strtol(rule.c_str() + at + 1, &end, 10);
+    if (end == rule.c_str() + at + 1 || *end != '\0' || v <= 0)
+        throw ArgError("DEEPNVME_FAULT: bad count in rule '" + rule + "' (want NAME@N with N >= 1)");
+    return v;
+}
+
+std::shared_ptr<FaultRules> parse_rules(const char* text) {
+    auto rules = std::make_shared<FaultRules>();
+    std::string all(text);
+    size_t start = 0;
+    while (start <= all.size()) {
+        size_t comma = all.find(',', start);
+        std::string rule = all.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+        start = comma == std::string::npos ? all.size() + 1 : comma + 1;
+        if (rule.empty()) continue;
+        size_t at = rule.find('@');
+        std::string name = rule.substr(0, at);
+        if (name == "partial_submit" && at == std::string::npos) {
+            rules->partial_submit = true;
+            continue;
+        }
+        if (at == std::string::npos) throw ArgError("DEEPNVME_FAULT: rule '" + rule + "' needs @N");
+        long n = parse_count(rule, at);
+        if (name == "eio") rules->eio_at = n;
+        else if (name == "enospc") rules->enospc_at = n;
+        else if (name == "short") rules->short_at = n;
+        else if (name == "zero") rules->zero_at = n;
+        else if (name == "eagain_submit") rules->eagain_submit_at = n;
+        else throw ArgError("DEEPNVME_FAULT: unknown rule '" + name + "'");
+    }
+    return rules;
+}
+
+class FaultEngine final : public Engine {
+public:
+    FaultEngine(unsigned queue_depth, std::shared_ptr<FaultRules> rules) : rules_(std::move(rules)) {
+        done_.reserve(queue_depth);
+    }
+
+    size_t submit(const IoOp* ops, size_t n) override {
+        long call = ++rules_->submits;
+        if (call == rules_->eagain_submit_at) return 0;
+        if (rules_->partial_submit && n > 1) n = 1;
+        for (size_t i = 0; i < n; ++i) done_.push_back({ops[i].tag, run(ops[i])});
+        return n;
+    }
+
+    size_t reap(IoDone* out, size_t /*min_done*/, size_t max) override {
+        size_t n = done_.size() < max ? done_.size() : max;
+        for (size_t i = 0; i < n; ++i) out[i] = done_[i];
+        done_.erase(done_.begin(), done_.begin() + static_cast<std::ptrdiff_t>(n));
+        return n;
+    }
+
+private:
+    int64_t run(const IoOp& op) {
+        long k = ++rules_->ops;
+        if (k == rules_->eio_at) return -EIO;
+        if (k == rules_->enospc_at) return -ENOSPC;
+        if (k == rules_->zero_at) return 0;
+        if (k == rules_->short_at && op.len > 1) {
+            IoOp half = op;
+            half.len = op.len / 2;
+            return transfer_once(half);
+        }
+        return transfer_once(op);
+    }
+
+    std::shared_ptr<FaultRules> rules_;
+    std::vector<IoDone> done_;
+};
+
+}  // namespace
+
+std::shared_ptr<EngineShared> make_fault_shared() {
+    const char* text = std::getenv("DEEPNVME_FAULT");
+    if (text == nullptr || *text == '\0')
+        throw UnsupportedError("engine 'fault' is for tests and needs rules in $DEEPNVME_FAULT (e.g. eio@2)");
+    return parse_rules(text);
+}
+
+std::unique_ptr<Engine> make_fault_engine(unsigned qd, const std::shared_ptr<EngineShared>& shared) {
+    auto rules = std::dynamic_pointer_cast<FaultRules>(shared);
+    if (!rules) throw UnsupportedError("engine 'fault' was created without its rules");
+    return std::make_unique<FaultEngine>(qd, std::move(rules));
+}
+
+std::string probe_fault() {
+    const char* text = std::getenv("DEEPNVME_FAULT");
+    return text != nullptr && *text != '\0' ? std::string() : std::string("test-only: set $DEEPNVME_FAULT to use it");
+}
+
+}  // namespace dnv

@@ -1,0 +1,172 @@
+#include "file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <fstream>
+#include <utility>
+#include <vector>
+
+#include "error.h"
+
+namespace dnv {
+namespace {
+
+int open_retry(const char* path, int flags, mode_t mode) {
+    int fd;
+    do {
+        fd = ::open(path, flags, mode);
+    } while (fd < 0 && errno == EINTR);
+    return fd;
+}
+
+size_t read_sysfs_size(const std::string& file) {
+    std::ifstream in(file);
+    size_t v = 0;
+    if (in >> v) return v;
+    return 0;
+}
+
+// Logical block size of the device holding the file; 0 if unknown (not a block device: tmpfs, overlay...).
+size_t logical_block_size(dev_t dev) {
+    std::string base = "/sys/dev/block/" + std::to_string(major(dev)) + ":" + std::to_string(minor(dev));
+    size_t v = read_sysfs_size(base + "/queue/logical_block_size");
+    if (v == 0) v = read_sysfs_size(base + "/../queue/logical_block_size");  // a partition: ask its disk
+    return v;
+}
+
+struct AlignCache {
+    std::mutex mu;
+    std::vector<std::pair<dev_t, Alignment>> entries;
+};
+
+AlignCache& align_cache() {
+    static AlignCache cache;
+    return cache;
+}
+
+}  // namespace
+
+size_t page_size() noexcept {
+    long p = ::sysconf(_SC_PAGESIZE);
+    return p > 0 ? static_cast<size_t>(p) : 4096;
+}
+
+Alignment direct_alignment(int fd) {
+    Alignment a;
+    struct statx sx {};
+    if (::statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN) &&
+        sx.stx_dio_offset_align != 0) {
+        a.mem = sx.stx_dio_mem_align;
+        a.off = sx.stx_dio_offset_align;
+        return a;
+    }
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) return a;
+    AlignCache& cache = align_cache();
+    std::lock_guard<std::mutex> lock(cache.mu);
+    for (const auto& [dev, known] : cache.entries)
+        if (dev == st.st_dev) return known;
+    size_t lbs = logical_block_size(st.st_dev);
+    if (lbs != 0) a.mem = a.off = lbs;  // else keep the page size: safe for every device we know
+    cache.entries.emplace_back(st.st_dev, a);
+    return a;
+}
+
+TargetFile::TargetFile(TargetFile&& o) noexcept { *this = std::move(o); }
+
+TargetFile& TargetFile::operator=(TargetFile&& o) noexcept {
+    if (this == &o) return *this;
+    path_ = std::move(o.path_);
+    write_ = o.write_;
+    refused_ = o.refused_;
+    dev_ = o.dev_;
+    align_ = o.align_;
+    owned_direct_ = std::move(o.owned_direct_);
+    owned_buffered_ = std::move(o.owned_buffered_);
+    direct_fd_ = std::exchange(o.direct_fd_, -1);
+    buffered_fd_ = std::exchange(o.buffered_fd_, -1);
+    user_fd_ = std::exchange(o.user_fd_, -1);
+    return *this;
+}
+
+TargetFile TargetFile::open_path(const std::string& path, bool write) {
+    TargetFile f;
+    f.path_ = path;
+    f.write_ = write;
+    int base = (write ? O_WRONLY | O_CREAT : O_RDONLY) | O_CLOEXEC;
+    int fd = open_retry(path.c_str(), base | O_DIRECT, 0666);
+    if (fd < 0 && errno == EINVAL) {
+        // The file system refuses O_DIRECT (ramfs, some FUSE/overlay setups): fall back to buffered I/O.
+        fd = open_retry(path.c_str(), base, 0666);
+        if (fd < 0) throw_io(errno, std::string("cannot open for ") + (write ? "writing" : "reading"), path);
+        f.refused_ = true;
+        f.owned_buffered_ = FileDesc(fd);
+        f.buffered_fd_ = fd;
+    } else if (fd < 0) {
+        throw_io(errno, std::string("cannot open for ") + (write ? "writing" : "reading"), path);
+    } else {
+        f.owned_direct_ = FileDesc(fd);
+        f.direct_fd_ = fd;
+    }
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) throw_io(errno, "fstat failed", path);
+    if (S_ISDIR(st.st_mode)) throw IoError(EISDIR, "is a directory: " + errno_text(EISDIR), path);
+    f.dev_ = st.st_dev;
+    if (f.direct_fd_ >= 0) f.align_ = direct_alignment(f.direct_fd_);
+    return f;
+}
+
+TargetFile TargetFile::from_fd(int fd, bool write) {
+    TargetFile f;
+    f.path_ = "<fd " + std::to_string(fd) + ">";
+    f.write_ = write;
+    f.user_fd_ = fd;
+    int flags = ::fcntl(fd, F_GETFL);
+    if (flags < 0) throw_io(errno, "not an open file descriptor", f.path_);
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) throw_io(errno, "fstat failed", f.path_);
+    if (S_ISDIR(st.st_mode)) throw IoError(EISDIR, "is a directory: " + errno_text(EISDIR), f.path_);
+    f.dev_ = st.st_dev;
+    if (flags & O_DIRECT) {
+        f.direct_fd_ = fd;
+        f.align_ = direct_alignment(fd);
+    } else {
+        // The caller's descriptor is buffered: use it for everything rather than reopening behind its back.
+        f.buffered_fd_ = fd;
+    }
+    return f;
+}
+
+int TargetFile::buffered_fd() {
+    std::lock_guard<std::mutex> lock(lazy_);
+    if (buffered_fd_ >= 0) return buffered_fd_;
+    // Reopen the same file without O_DIRECT for the unaligned edges. /proc/self/fd works for a caller's
+    // descriptor too, whatever its path was.
+    int src = direct_fd_;
+    int flags = (write_ ? O_WRONLY : O_RDONLY) | O_CLOEXEC;
+    std::string proc = "/proc/self/fd/" + std::to_string(src);
+    int fd = open_retry(proc.c_str(), flags, 0);
+    if (fd < 0) throw_io(errno, "cannot reopen without O_DIRECT for unaligned edges", path_);
+    owned_buffered_ = FileDesc(fd);
+    buffered_fd_ = fd;
+    return fd;
+}
+
+uint64_t TargetFile::size() const {
+    int fd = direct_fd_ >= 0 ? direct_fd_ : buffered_fd_;
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) throw_io(errno, "fstat failed", path_);
+    return static_cast<uint64_t>(st.st_size);
+}
+
+void TargetFile::close() noexcept {
+    owned_direct_.reset();
+    owned_buffered_.reset();
+    direct_fd_ = buffered_fd_ = -1;
+}
+
+}  // namespace dnv

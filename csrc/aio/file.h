@@ -1,0 +1,95 @@
+// Files as the engine sees them: an RAII descriptor, and an opened request target that knows whether
+// O_DIRECT is on and which alignment the device wants.
+#pragma once
+
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+namespace dnv {
+
+// Owns one file descriptor; closes it once.
+class FileDesc {
+public:
+    FileDesc() = default;
+    explicit FileDesc(int fd) : fd_(fd) {}
+    ~FileDesc() { reset(); }
+    FileDesc(FileDesc&& o) noexcept : fd_(o.release()) {}
+    FileDesc& operator=(FileDesc&& o) noexcept {
+        if (this != &o) {
+            reset();
+            fd_ = o.release();
+        }
+        return *this;
+    }
+    FileDesc(const FileDesc&) = delete;
+    FileDesc& operator=(const FileDesc&) = delete;
+
+    int get() const noexcept { return fd_; }
+    explicit operator bool() const noexcept { return fd_ >= 0; }
+    int release() noexcept {
+        int fd = fd_;
+        fd_ = -1;
+        return fd;
+    }
+    void reset() noexcept {
+        if (fd_ >= 0) ::close(fd_);
+        fd_ = -1;
+    }
+
+private:
+    int fd_ = -1;
+};
+
+// Direct-I/O alignment rules of one file: buffer address and file offset/length granularity.
+struct Alignment {
+    size_t mem = 4096;
+    size_t off = 4096;
+};
+
+// The file behind one request. Holds a direct descriptor when O_DIRECT is possible, and a buffered one
+// for unaligned edges (opened lazily). A caller's descriptor is borrowed, never closed.
+class TargetFile {
+public:
+    // Opens `path` for reading or writing (created 0666 & ~umask, never truncated).
+    // Throws IoError naming the path. Sets o_direct_refused() when the file system refuses O_DIRECT.
+    static TargetFile open_path(const std::string& path, bool write);
+    // Wraps a caller's open descriptor.
+    static TargetFile from_fd(int fd, bool write);
+
+    TargetFile() = default;
+    TargetFile(TargetFile&&) noexcept;
+    TargetFile& operator=(TargetFile&&) noexcept;
+
+    int direct_fd() const noexcept { return direct_fd_; }  // -1 if no O_DIRECT descriptor
+    int buffered_fd();                                     // opens one on first use; throws IoError
+    const std::string& path() const noexcept { return path_; }
+    const Alignment& alignment() const noexcept { return align_; }
+    uint64_t size() const;                                 // current size (fstat)
+    bool o_direct_refused() const noexcept { return refused_; }
+    uint64_t device() const noexcept { return dev_; }
+    int user_fd() const noexcept { return user_fd_; }     // the caller's descriptor, or -1
+    void close() noexcept;                                 // closes what we own; borrowed fds stay open
+
+private:
+    std::string path_;
+    bool write_ = false;
+    bool refused_ = false;
+    uint64_t dev_ = 0;
+    Alignment align_;
+    FileDesc owned_direct_, owned_buffered_;
+    int direct_fd_ = -1, buffered_fd_ = -1;
+    int user_fd_ = -1;
+    std::mutex lazy_;
+};
+
+// Alignment for a descriptor opened with O_DIRECT: statx(STATX_DIOALIGN) where the kernel reports it,
+// else the block device's logical block size, else the page size. Cached per device.
+Alignment direct_alignment(int fd);
+
+size_t page_size() noexcept;
+
+}  // namespace dnv

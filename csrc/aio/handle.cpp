@@ -1,0 +1,465 @@
+#include "handle.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <set>
+
+#include "error.h"
+
+namespace dnv {
+namespace {
+
+constexpr size_t kStagingBudget = 32u << 20;  // per worker: enough buffers in flight to hide the copies
+constexpr size_t kMaxStagingBuffer = 8u << 20;
+
+std::string where(const Request& r, size_t rel, size_t len) {
+    return std::string(r.write ? "write" : "read") + " of " + std::to_string(len) + " bytes at file offset " +
+           std::to_string(r.offset + rel);
+}
+
+// Synchronous buffered transfer of a whole range, resuming after partial transfers.
+void transfer_all(Request& r, int fd, char* buf, size_t rel, size_t len) {
+    size_t done = 0;
+    while (done < len) {
+        off_t off = static_cast<off_t>(r.offset + rel + done);
+        ssize_t n = r.write ? ::pwrite(fd, buf + done, len - done, off) : ::pread(fd, buf + done, len - done, off);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) throw_io(errno, where(r, rel + done, len - done) + " failed", r.file.path());
+        if (n == 0)
+            throw IoError(EIO, "short " + where(r, rel + done, len - done) + ": no progress (end of file?)",
+                          r.file.path());
+        done += static_cast<size_t>(n);
+    }
+}
+
+// Device memory goes through a small host buffer; host memory is used in place.
+void transfer_edge(Request& r, size_t begin, size_t end) {
+    if (begin >= end) return;
+    int fd = r.file.buffered_fd();
+    size_t len = end - begin;
+    if (!r.copier) {
+        transfer_all(r, fd, r.mem + begin, begin, len);
+        return;
+    }
+    std::vector<char> tmp(len);
+    if (r.write) r.copier->to_host(tmp.data(), begin, len);
+    transfer_all(r, fd, tmp.data(), begin, len);
+    if (!r.write) r.copier->from_host(begin, tmp.data(), len);
+}
+
+struct WarnedDevices {
+    std::mutex mu;
+    std::set<uint64_t> devices;
+};
+
+WarnedDevices& warned_devices() {
+    static WarnedDevices w;
+    return w;
+}
+
+}  // namespace
+
+void Request::fail(int err, const std::string& what) {
+    std::lock_guard<std::mutex> lock(err_mu_);
+    if (failed_.load(std::memory_order_relaxed)) return;
+    err_ = err;
+    err_what_ = what;
+    failed_.store(true, std::memory_order_relaxed);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Worker
+
+Worker::Worker(IoHandle& handle, std::unique_ptr<Engine> engine)
+    : h_(handle),
+      engine_(std::move(engine)),
+      staging_(std::min(handle.config().block_size, kMaxStagingBuffer),
+               std::clamp<size_t>(kStagingBudget / std::min(handle.config().block_size, kMaxStagingBuffer), 2,
+                                  std::max<size_t>(2, handle.config().queue_depth))),
+      slots_(handle.config().queue_depth),
+      done_(handle.config().queue_depth) {
+    free_slots_.reserve(slots_.size());
+    for (size_t i = slots_.size(); i > 0; --i) free_slots_.push_back(static_cast<unsigned>(i - 1));
+    ready_.reserve(slots_.size());
+    thread_ = std::thread([this] { run(); });
+}
+
+Worker::~Worker() {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop_ = true;
+    }
+    cv_.notify_one();
+    if (thread_.joinable()) thread_.join();
+}
+
+void Worker::enqueue(Slice* slice) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        incoming_.push_back(slice);
+    }
+    cv_.notify_one();
+}
+
+void Worker::run() {
+    for (;;) {
+        {
+            std::unique_lock<std::mutex> lock(mu_);
+            if (active_.empty() && inflight_ == 0 && ready_.empty()) {
+                cv_.wait(lock, [this] { return stop_ || !incoming_.empty(); });
+                if (incoming_.empty()) return;  // stop requested and nothing left
+            }
+            while (!incoming_.empty()) {
+                incoming_.front()->queued = true;
+                active_.push_back(incoming_.front());
+                incoming_.pop_front();
+            }
+        }
+        fill();
+        submit_ready();
+        if (inflight_ > 0) {
+            reap();
+        } else if (!ready_.empty()) {
+            // The engine refused everything with nothing in flight (EAGAIN): give the kernel a moment.
+            std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+    }
+}
+
+IoOp Worker::op_for(unsigned tag) const {
+    const Slot& s = slots_[tag];
+    const Request& r = *s.slice->req;
+    char* buf = s.staging >= 0 ? staging_.data(s.staging) : r.mem + s.rel;
+    int fixed = (fixed_buffers_ && s.staging >= 0) ? s.staging : -1;
+    return IoOp{r.body_fd, buf + s.done, s.len - s.done, r.offset + s.rel + s.done, r.write, tag, fixed};
+}
+
+void Worker::fill() {
+    const size_t depth = slots_.size();
+    while (inflight_ + ready_.size() < depth && !active_.empty() && !free_slots_.empty()) {
+        Slice* s = active_.front();
+        Request& r = *s->req;
+        if (r.failed() || s->cursor >= s->plan.body_end) {
+            // Nothing more to issue (done, or the request failed: stop feeding it).
+            s->cursor = s->plan.body_end;
+            active_.pop_front();
+            s->queued = false;
+            maybe_finish(s);
+            continue;
+        }
+        size_t len = std::min(h_.config().block_size, s->plan.body_end - s->cursor);
+        int st = -1;
+        if (r.staged) {
+            bool fresh = !staging_.allocated();
+            try {
+                st = staging_.acquire();
+            } catch (const std::bad_alloc&) {
+                r.fail(ENOMEM, "cannot allocate staging buffers");
+                continue;
+            }
+            if (fresh) {
+                auto bufs = staging_.buffers();
+                fixed_buffers_ = engine_->register_buffers(bufs.data(), bufs.size(), staging_.buffer_bytes());
+            }
+            if (st < 0) break;  // all staging buffers busy: reap first
+            len = std::min(len, staging_.buffer_bytes());
+        }
+        unsigned tag = free_slots_.back();
+        free_slots_.pop_back();
+        slots_[tag] = Slot{s, s->cursor, len, 0, st};
+        s->cursor += len;
+        s->outstanding++;
+        if (st >= 0 && r.write) {
+            try {
+                if (r.copier)
+                    r.copier->to_host(staging_.data(st), slots_[tag].rel, len);
+                else
+                    std::memcpy(staging_.data(st), r.mem + slots_[tag].rel, len);
+            } catch (const std::exception& e) {
+                r.fail(EIO, std::string("copy to staging buffer failed: ") + e.what());
+                release_slot(tag);
+                continue;
+            }
+        }
+        ready_.push_back(op_for(tag));
+    }
+}
+
+void Worker::submit_ready() {
+    size_t pos = 0;
+    try {
+        while (pos < ready_.size()) {
+            size_t n = h_.config().single_submit ? 1 : ready_.size() - pos;
+            size_t accepted = engine_->submit(ready_.data() + pos, n);
+            if (accepted == 0) break;  // busy; retry after the next reap
+            pos += accepted;
+            inflight_ += static_cast<unsigned>(accepted);
+        }
+    } catch (const IoError& e) {
+        // The engine itself broke: fail what it did not take, rather than hang waiting for it.
+        for (size_t i = pos; i < ready_.size(); ++i) {
+            unsigned tag = static_cast<unsigned>(ready_[i].tag);
+            slots_[tag].slice->req->fail(e.err(), e.what());
+            maybe_finish(release_slot(tag));
+        }
+        pos = ready_.size();
+    }
+    ready_.erase(ready_.begin(), ready_.begin() + static_cast<std::ptrdiff_t>(pos));
+}
+
+void Worker::reap() {
+    size_t min_done = h_.config().overlap_events ? 1 : inflight_;
+    size_t n;
+    try {
+        n = engine_->reap(done_.data(), min_done, std::min<size_t>(done_.size(), inflight_));
+    } catch (const IoError& e) {
+        // Cannot tell what completed: fail everything in flight instead of waiting forever.
+        for (unsigned tag = 0; tag < slots_.size(); ++tag)
+            if (slots_[tag].slice != nullptr) slots_[tag].slice->req->fail(e.err(), e.what());
+        std::vector<unsigned> busy;
+        for (unsigned tag = 0; tag < slots_.size(); ++tag)
+            if (slots_[tag].slice != nullptr) busy.push_back(tag);
+        inflight_ = 0;
+        ready_.clear();
+        for (unsigned tag : busy) maybe_finish(release_slot(tag));
+        return;
+    }
+    inflight_ -= static_cast<unsigned>(n);
+    for (size_t i = 0; i < n; ++i) complete(done_[i].tag, done_[i].res);
+}
+
+void Worker::complete(uint64_t tag64, int64_t res) {
+    unsigned tag = static_cast<unsigned>(tag64);
+    Slot& sl = slots_[tag];
+    Request& r = *sl.slice->req;
+    size_t want = sl.len - sl.done;
+    if (res < 0) {
+        r.fail(static_cast<int>(-res), where(r, sl.rel + sl.done, want) + " failed: " +
+                                           errno_text(static_cast<int>(-res)));
+    } else if (static_cast<size_t>(res) < want) {
+        if (res == 0) {
+            r.fail(EIO, "short " + where(r, sl.rel + sl.done, want) + ": no progress (" +
+                            (r.write ? "device full?" : "file shrank?") + ")");
+        } else {
+            sl.done += static_cast<size_t>(res);
+            IoOp rest = op_for(tag);
+            const Alignment& a = r.file.alignment();
+            bool aligned = !r.direct || (rest.off % a.off == 0 && rest.len % a.off == 0 &&
+                                         reinterpret_cast<uintptr_t>(rest.buf) % (a.mem ? a.mem : 1) == 0);
+            if (aligned) {
+                ready_.push_back(rest);  // resubmit the remainder through the engine
+                return;
+            }
+            try {
+                char* base = static_cast<char*>(rest.buf) - (sl.rel + sl.done);
+                transfer_all(r, r.file.buffered_fd(), base, sl.rel + sl.done, rest.len);
+            } catch (const IoError& e) {
+                r.fail(e.err(), e.what());
+            }
+            sl.done = sl.len;
+        }
+    }
+    if (!r.failed() && sl.staging >= 0 && !r.write) {
+        try {
+            if (r.copier)
+                r.copier->from_host(sl.rel, staging_.data(sl.staging), sl.len);
+            else
+                std::memcpy(r.mem + sl.rel, staging_.data(sl.staging), sl.len);
+        } catch (const std::exception& e) {
+            r.fail(EIO, std::string("copy from staging buffer failed: ") + e.what());
+        }
+    }
+    maybe_finish(release_slot(tag));
+}
+
+Slice* Worker::release_slot(unsigned tag) {
+    Slot& sl = slots_[tag];
+    Slice* s = sl.slice;
+    if (sl.staging >= 0) staging_.release(sl.staging);
+    s->outstanding--;
+    sl = Slot{};
+    free_slots_.push_back(tag);
+    return s;
+}
+
+void Worker::maybe_finish(Slice* s) {
+    if (s->finished || s->outstanding > 0 || s->cursor < s->plan.body_end) return;
+    if (s->queued) return;  // still in active_: fill() finishes it when it leaves the queue
+    finish_slice(s);
+}
+
+void Worker::finish_slice(Slice* s) {
+    s->finished = true;
+    Request& r = *s->req;
+    if (!r.failed()) {
+        // Edges go after the body so the page cache never races this slice's direct I/O on a shared page.
+        try {
+            transfer_edge(r, s->plan.head_begin, s->plan.head_end);
+            transfer_edge(r, s->plan.tail_begin, s->plan.tail_end);
+        } catch (const IoError& e) {
+            r.fail(e.err(), e.what());
+        } catch (const std::exception& e) {
+            r.fail(EIO, e.what());
+        }
+    }
+    if (r.slices_left.fetch_sub(1, std::memory_order_acq_rel) == 1) h_.request_done(&r);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// IoHandle
+
+IoHandle::IoHandle(const HandleConfig& cfg) : cfg_(cfg) {
+    if (cfg.block_size == 0) throw ArgError("block_size must be positive");
+    if (cfg.queue_depth == 0) throw ArgError("queue_depth must be positive");
+    if (cfg.parallelism == 0) throw ArgError("intra_op_parallelism must be positive");
+    engine_ = resolve_engine(cfg.engine);
+    shared_ = make_engine_shared(engine_);
+    // Engines are built here, on the caller's thread, so that a failure (io_setup EAGAIN...) raises now.
+    std::vector<std::unique_ptr<Engine>> engines;
+    for (unsigned i = 0; i < cfg.parallelism; ++i) engines.push_back(make_engine(engine_, cfg.queue_depth, shared_));
+    for (auto& e : engines) workers_.push_back(std::make_unique<Worker>(*this, std::move(e)));
+}
+
+IoHandle::~IoHandle() {
+    std::vector<std::unique_ptr<Request>> rest;
+    drain(rest);
+    workers_.clear();  // joins the threads
+}
+
+uint64_t IoHandle::submit(Params p, std::string& warning) {
+    auto r = std::make_unique<Request>();
+    r->write = p.write;
+    r->is_async = p.is_async;
+    r->validate = p.validate;
+    r->mem = p.mem;
+    r->copier = std::move(p.copier);
+    r->nbytes = p.nbytes;
+    r->offset = p.offset;
+    r->keepalive = std::move(p.keepalive);
+    r->file = p.fd >= 0 ? TargetFile::from_fd(p.fd, p.write) : TargetFile::open_path(p.path, p.write);
+    if (r->file.o_direct_refused()) {
+        WarnedDevices& w = warned_devices();
+        std::lock_guard<std::mutex> lock(w.mu);
+        if (w.devices.insert(r->file.device()).second)
+            warning = "O_DIRECT is not supported by the file system of " + r->file.path() +
+                      "; deepnvme uses buffered I/O there (correct, but through the page cache)";
+    }
+    if (!p.write) {
+        uint64_t size = r->file.size();
+        if (p.nbytes > 0 && p.offset + p.nbytes > size)
+            throw ArgError("read past end of file " + r->file.path() + ": file_offset " + std::to_string(p.offset) +
+                           " + buffer nbytes " + std::to_string(p.nbytes) + " > file size " + std::to_string(size));
+    }
+    r->direct = r->file.direct_fd() >= 0;
+    RequestPlan plan = plan_request(reinterpret_cast<uintptr_t>(r->mem), r->nbytes, r->offset, r->direct,
+                                    !r->copier, r->file.alignment(), cfg_.parallelism);
+    r->staged = plan.staged;
+    r->body_fd = r->direct ? r->file.direct_fd() : r->file.buffered_fd();
+    if (plan.has_edges) r->file.buffered_fd();  // open it now so a failure raises before any I/O
+    r->slices.resize(plan.slices.size());
+    for (size_t i = 0; i < plan.slices.size(); ++i) {
+        r->slices[i].req = r.get();
+        r->slices[i].plan = plan.slices[i];
+        r->slices[i].cursor = plan.slices[i].body_begin;
+    }
+    r->slices_left.store(static_cast<unsigned>(r->slices.size()));
+    Request* raw = r.get();
+    unsigned first_worker;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        raw->id = ++next_id_;
+        first_worker = next_worker_;
+        next_worker_ = static_cast<unsigned>((next_worker_ + raw->slices.size()) % workers_.size());
+        if (raw->slices.empty()) {
+            raw->file.close();
+            raw->done = true;
+        }
+        pending_.push_back(std::move(r));
+    }
+    for (size_t i = 0; i < raw->slices.size(); ++i)
+        workers_[(first_worker + i) % workers_.size()]->enqueue(&raw->slices[i]);
+    return raw->id;
+}
+
+void IoHandle::request_done(Request* r) {
+    r->file.close();  // free descriptors now, not at wait(): thousands of queued files must not pile up
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        r->done = true;
+    }
+    cv_.notify_all();
+}
+
+size_t IoHandle::wait(uint64_t own, std::vector<std::unique_ptr<Request>>& out) {
+    std::unique_lock<std::mutex> lock(mu_);
+    size_t first = out.size();
+    auto keep = std::stable_partition(pending_.begin(), pending_.end(), [own](const auto& r) {
+        return !(r->is_async || r->id == own);
+    });
+    for (auto it = keep; it != pending_.end(); ++it) out.push_back(std::move(*it));
+    pending_.erase(keep, pending_.end());
+    cv_.wait(lock, [&] {
+        return std::all_of(out.begin() + static_cast<std::ptrdiff_t>(first), out.end(),
+                           [](const auto& r) { return r->done; });
+    });
+    return out.size() - first;
+}
+
+void IoHandle::drain(std::vector<std::unique_ptr<Request>>& out) {
+    std::unique_lock<std::mutex> lock(mu_);
+    size_t first = out.size();
+    for (auto& r : pending_) out.push_back(std::move(r));
+    pending_.clear();
+    cv_.wait(lock, [&] {
+        return std::all_of(out.begin() + static_cast<std::ptrdiff_t>(first), out.end(),
+                           [](const auto& r) { return r->done; });
+    });
+}
+
+const Request* first_failure(const std::vector<std::unique_ptr<Request>>& reqs) {
+    const Request* best = nullptr;
+    for (const auto& r : reqs)
+        if (r->failed() && (best == nullptr || r->id < best->id)) best = r.get();
+    return best;
+}
+
+std::string verify_request(Request& r) {
+    // Reopen buffered: the request's own descriptors are closed by now, and may have been O_DIRECT.
+    std::string src = r.file.user_fd() >= 0 ? "/proc/self/fd/" + std::to_string(r.file.user_fd()) : r.file.path();
+    FileDesc fd(::open(src.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) throw_io(errno, "cannot reopen for validation", r.file.path());
+    constexpr size_t kChunk = 1u << 20;
+    std::vector<char> disk(std::min(kChunk, r.nbytes)), mem(r.copier ? disk.size() : 0);
+    for (size_t at = 0; at < r.nbytes; at += kChunk) {
+        size_t len = std::min(kChunk, r.nbytes - at);
+        size_t got = 0;
+        while (got < len) {
+            ssize_t n = ::pread(fd.get(), disk.data() + got, len - got, static_cast<off_t>(r.offset + at + got));
+            if (n < 0 && errno == EINTR) continue;
+            if (n < 0) throw_io(errno, "validation read failed", r.file.path());
+            if (n == 0) return "file " + r.file.path() + " is shorter than the buffer (" +
+                               std::to_string(r.offset + at + got) + " bytes)";
+            got += static_cast<size_t>(n);
+        }
+        const char* want = r.mem + at;
+        if (r.copier) {
+            r.copier->to_host(mem.data(), at, len);
+            want = mem.data();
+        }
+        if (std::memcmp(disk.data(), want, len) != 0) {
+            size_t i = 0;
+            while (disk[i] == want[i]) ++i;
+            return "validation failed for " + r.file.path() + ": file byte " + std::to_string(r.offset + at + i) +
+                   " differs from buffer byte " + std::to_string(at + i);
+        }
+    }
+    return {};
+}
+
+}  // namespace dnv

@@ -1,0 +1,55 @@
+#include "plan.h"
+
+namespace dnv {
+namespace {
+
+constexpr size_t kMinSlice = 256 * 1024;  // below this another thread costs more than it brings
+
+size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+size_t align_down(size_t v, size_t a) { return v / a * a; }
+
+void split_body(RequestPlan& plan, size_t begin, size_t end, size_t granule, unsigned parallelism) {
+    size_t len = end - begin;
+    size_t want = len / (kMinSlice > granule ? kMinSlice : granule);
+    unsigned k = want == 0 ? 1u : (want < parallelism ? static_cast<unsigned>(want) : parallelism);
+    size_t per = align_up((len + k - 1) / k, granule);
+    for (size_t at = begin; at < end; at += per) {
+        SlicePlan s;
+        s.body_begin = at;
+        s.body_end = at + per < end ? at + per : end;
+        plan.slices.push_back(s);
+    }
+}
+
+}  // namespace
+
+RequestPlan plan_request(uintptr_t mem, size_t nbytes, uint64_t file_offset, bool direct, bool host_memory,
+                         const Alignment& align, unsigned parallelism) {
+    RequestPlan plan;
+    if (nbytes == 0) return plan;
+    size_t page = page_size();
+    size_t granule = align.off > page ? align.off : page;
+    if (!direct) {
+        split_body(plan, 0, nbytes, granule, parallelism);
+        return plan;
+    }
+    // Body: the largest stretch whose file offsets start and end on the device's alignment.
+    size_t body_begin = static_cast<size_t>(align_up(file_offset, align.off) - file_offset);
+    size_t body_end = static_cast<size_t>(align_down(file_offset + nbytes, align.off) - file_offset);
+    if (body_begin >= body_end || body_begin >= nbytes) {
+        SlicePlan s;  // too small to have an aligned body: all of it is one buffered edge
+        s.head_end = nbytes;
+        plan.slices.push_back(s);
+        plan.has_edges = true;
+        return plan;
+    }
+    plan.staged = !host_memory || (mem + body_begin) % (align.mem ? align.mem : 1) != 0;
+    split_body(plan, body_begin, body_end, granule, parallelism);
+    plan.slices.front().head_end = body_begin;
+    plan.slices.back().tail_begin = body_end;
+    plan.slices.back().tail_end = nbytes;
+    plan.has_edges = body_begin > 0 || body_end < nbytes;
+    return plan;
+}
+
+}  // namespace dnv

@@ -1,0 +1,229 @@
+// Python binding of the async_io op: DeepSpeed's aio_handle API over dnv::IoHandle. Thin on purpose: it
+// checks arguments, turns tensors into spans, releases the GIL around anything that blocks, and raises.
+#include <Python.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+#include "handle.h"
+#include "tensor_glue.h"
+
+namespace dnv {
+namespace {
+
+HandleConfig make_config(int64_t block_size, int64_t queue_depth, bool single_submit, bool overlap_events,
+                         int64_t parallelism, const std::string& engine) {
+    if (block_size <= 0) throw ArgError("block_size must be positive, got " + std::to_string(block_size));
+    if (queue_depth <= 0 || queue_depth > 65536)
+        throw ArgError("queue_depth must be in 1..65536, got " + std::to_string(queue_depth));
+    if (parallelism <= 0 || parallelism > 1024)
+        throw ArgError("intra_op_parallelism must be in 1..1024, got " + std::to_string(parallelism));
+    HandleConfig c;
+    c.block_size = static_cast<size_t>(block_size);
+    c.queue_depth = static_cast<unsigned>(queue_depth);
+    c.single_submit = single_submit;
+    c.overlap_events = overlap_events;
+    c.parallelism = static_cast<unsigned>(parallelism);
+    c.engine = engine;
+    return c;
+}
+
+// Where a request goes: a path or a caller's descriptor.
+struct Target {
+    std::string path;
+    int fd = -1;
+};
+
+class AioHandle {
+public:
+    AioHandle(int64_t block_size, int64_t queue_depth, bool single_submit, bool overlap_events,
+              int64_t parallelism, const std::string& engine) {
+        HandleConfig cfg = make_config(block_size, queue_depth, single_submit, overlap_events, parallelism, engine);
+        py::gil_scoped_release nogil;
+        core_ = std::make_unique<IoHandle>(cfg);
+    }
+
+    ~AioHandle() {
+        // Requests still in flight finish first; their tensors are released with the GIL held.
+        std::vector<std::unique_ptr<Request>> rest;
+        if (Py_IsInitialized() && !_Py_IsFinalizing()) {
+            py::gil_scoped_release nogil;
+            core_->drain(rest);
+            core_.reset();
+        } else {
+            core_->drain(rest);
+            core_.reset();
+        }
+    }
+
+    int64_t io(const at::Tensor& buffer, const Target& target, bool write, bool validate, bool async,
+               int64_t file_offset) {
+        if (file_offset < 0) throw ArgError("file_offset must be >= 0, got " + std::to_string(file_offset));
+        if (target.fd < -1) throw ArgError("fd must be a non-negative file descriptor");
+        BufferArg b = buffer_arg(buffer);
+        IoHandle::Params p;
+        p.write = write;
+        p.mem = b.mem;
+        p.copier = std::move(b.copier);
+        p.nbytes = b.nbytes;
+        p.offset = static_cast<uint64_t>(file_offset);
+        p.path = target.path;
+        p.fd = target.fd;
+        p.is_async = async;
+        p.validate = validate;
+        p.keepalive = std::move(b.keepalive);
+        std::string warning;
+        uint64_t id;
+        {
+            py::gil_scoped_release nogil;  // open() can block on a slow file system
+            id = core_->submit(std::move(p), warning);
+        }
+        if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
+        return async ? 0 : collect(id);
+    }
+
+    int64_t wait() { return collect(0); }
+
+    const HandleConfig& config() const { return core_->config(); }
+    const std::string& engine() const { return core_->engine_name(); }
+
+private:
+    int64_t collect(uint64_t own) {
+        std::vector<std::unique_ptr<Request>> done;
+        size_t n;
+        std::string mismatch, verify_error;
+        {
+            py::gil_scoped_release nogil;
+            n = core_->wait(own, done);
+            for (auto& r : done) {
+                if (!r->validate || r->failed() || !mismatch.empty()) continue;
+                try {
+                    mismatch = verify_request(*r);
+                } catch (const std::exception& e) {
+                    mismatch = std::string("validation could not read the file back: ") + e.what();
+                }
+            }
+        }
+        const Request* bad = first_failure(done);
+        int err = bad ? bad->error() : 0;
+        std::string what = bad ? bad->error_text() : std::string();
+        std::string path = bad ? bad->file.path() : std::string();
+        done.clear();  // drops the tensor references, with the GIL held
+        if (bad) throw IoError(err, what, path);
+        if (!mismatch.empty()) throw std::runtime_error(mismatch);
+        return static_cast<int64_t>(n);
+    }
+
+    std::unique_ptr<IoHandle> core_;
+};
+
+Target by_path(const std::string& p) { return Target{p, -1}; }
+Target by_fd(int fd) {
+    if (fd < 0) throw ArgError("fd must be a non-negative file descriptor, got " + std::to_string(fd));
+    return Target{{}, fd};
+}
+Target by_pathlike(const py::object& o) {
+    py::object s = py::module_::import("os").attr("fspath")(o);
+    if (!py::isinstance<py::str>(s)) throw ArgError("filename must be a str path");
+    return Target{s.cast<std::string>(), -1};
+}
+
+int64_t whole_file_op(const at::Tensor& buffer, const std::string& filename, int64_t block_size,
+                      int64_t queue_depth, bool single_submit, bool overlap_events, bool validate, bool write) {
+    AioHandle h(block_size, queue_depth, single_submit, overlap_events, 1, "auto");
+    h.io(buffer, by_path(filename), write, validate, false, 0);
+    return 0;
+}
+
+}  // namespace
+}  // namespace dnv
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    using namespace dnv;
+    namespace py = pybind11;
+    attach_shared_registry();
+    register_translators();
+    m.doc() = "deepnvme async_io: DeepSpeed-compatible aio_handle over io_uring, libaio or POSIX threads";
+
+    m.def("aio_read",
+          [](const at::Tensor& b, const std::string& f, int64_t bs, int64_t qd, bool ss, bool oe, bool v) {
+              return whole_file_op(b, f, bs, qd, ss, oe, v, false);
+          },
+          "Read buffer.nbytes from the start of a file (DeepSpeed's aio_read); returns 0.");
+    m.def("aio_write",
+          [](const at::Tensor& b, const std::string& f, int64_t bs, int64_t qd, bool ss, bool oe, bool v) {
+              return whole_file_op(b, f, bs, qd, ss, oe, v, true);
+          },
+          "Write a buffer at the start of a file (DeepSpeed's aio_write); returns 0.");
+    m.def("deepspeed_memcpy",
+          [](at::Tensor& dest, const at::Tensor& src) {
+              dest.copy_(src);
+              return 0;
+          },
+          py::arg("dest"), py::arg("src"));
+    m.def("available_engines", &available_engines, "Engines usable here, in the order 'auto' tries them.");
+    m.def("engine_status", [] {
+        py::dict d;
+        for (const auto& [name, why] : engine_status()) d[py::str(name)] = why;
+        return d;
+    }, "Every engine this build knows: 'ok' or why it is unavailable.");
+
+    py::class_<AioHandle>(m, "aio_handle")
+        .def(py::init<int64_t, int64_t, bool, bool, int64_t, const std::string&>(), py::arg("block_size") = 1048576,
+             py::arg("queue_depth") = 128, py::arg("single_submit") = false, py::arg("overlap_events") = false,
+             py::arg("intra_op_parallelism") = 1, py::arg("engine") = "auto")
+        .def("get_block_size", [](const AioHandle& h) { return static_cast<int64_t>(h.config().block_size); })
+        .def("get_queue_depth", [](const AioHandle& h) { return static_cast<int64_t>(h.config().queue_depth); })
+        .def("get_single_submit", [](const AioHandle& h) { return h.config().single_submit; })
+        .def("get_overlap_events", [](const AioHandle& h) { return h.config().overlap_events; })
+        .def("get_intra_op_parallelism", [](const AioHandle& h) { return static_cast<int64_t>(h.config().parallelism); })
+        .def("get_alignment",
+             [](const AioHandle& h) { return static_cast<int64_t>(h.config().parallelism * page_size()); },
+             "Sizes that are multiples of this go entirely O_DIRECT on any common device (others work too).")
+        .def("get_engine", &AioHandle::engine)
+        .def("read",
+             [](AioHandle& h, const at::Tensor& b, const std::string& f, bool v, int64_t off) {
+                 h.io(b, by_path(f), false, v, false, off);
+                 return 0;
+             },
+             py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("file_offset") = 0)
+        .def("write",
+             [](AioHandle& h, const at::Tensor& b, const std::string& f, bool v, int64_t off) {
+                 h.io(b, by_path(f), true, v, false, off);
+                 return 0;
+             },
+             py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("file_offset") = 0)
+        .def("pread",
+             [](AioHandle& h, const at::Tensor& b, const std::string& f, bool v, bool a, int64_t off) {
+                 return h.io(b, by_path(f), false, v, a, off);
+             },
+             py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
+        .def("pwrite",
+             [](AioHandle& h, const at::Tensor& b, const std::string& f, bool v, bool a, int64_t off) {
+                 return h.io(b, by_path(f), true, v, a, off);
+             },
+             py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
+#define DNV_IO_METHOD(NAME, WRITE, ASYNC)                                                                    \
+    .def(NAME, [](AioHandle& h, const at::Tensor& b, const std::string& f,                                 \
+                  int64_t off) { return h.io(b, by_path(f), WRITE, false, ASYNC, off); },                  \
+         py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)                               \
+    .def(NAME, [](AioHandle& h, const at::Tensor& b, int fd,                                               \
+                  int64_t off) { return h.io(b, by_fd(fd), WRITE, false, ASYNC, off); },                   \
+         py::arg("buffer"), py::arg("fd"), py::arg("file_offset") = 0)                                     \
+    .def(NAME, [](AioHandle& h, const at::Tensor& b, const py::object& f,                                  \
+                  int64_t off) { return h.io(b, by_pathlike(f), WRITE, false, ASYNC, off); },              \
+         py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
+        DNV_IO_METHOD("sync_pread", false, false)
+        DNV_IO_METHOD("sync_pwrite", true, false)
+        DNV_IO_METHOD("async_pread", false, true)
+        DNV_IO_METHOD("async_pwrite", true, true)
+#undef DNV_IO_METHOD
+        .def("wait", &AioHandle::wait, "Wait for every queued async request; returns how many completed.")
+        .def("new_cpu_locked_tensor", [](AioHandle&, int64_t n, const at::Tensor& e) { return new_locked_tensor(n, e); }, py::arg("num_elem"), py::arg("example_tensor"))
+        .def("new_cpu_locked_tensor", [](AioHandle&, int64_t n, const at::Tensor& e) { return new_locked_tensor(n, e); }, py::arg("num_elem"), py::arg("example_tenosr"))
+        .def("free_cpu_locked_tensor", [](AioHandle&, const at::Tensor& t) { return free_locked_tensor(t); },
+             py::arg("tensor"))
+        .def("is_pinned", [](AioHandle&, const at::Tensor& t) { return is_pinned_tensor(t); }, py::arg("buffer"));
+}

@@ -1,0 +1,129 @@
+// What both bindings (async_io and pin_memory) need from torch: turning tensors into raw spans or copiers,
+// locked tensors, and the exception translation. Included only by binding files: it pulls in torch headers.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <memory>
+#include <string>
+
+#include "error.h"
+#include "handle.h"
+#include "pinned.h"
+
+namespace dnv {
+
+namespace py = pybind11;
+
+// Raises a Python warning from C++; a warning turned into an error by the filters propagates.
+inline void warn(PyObject* category, const std::string& text) {
+    if (PyErr_WarnEx(category, text.c_str(), 1) != 0) throw py::error_already_set();
+}
+
+// Copies through torch for memory the engine cannot address (CUDA and other device tensors).
+class TensorCopier final : public Copier {
+public:
+    explicit TensorCopier(const at::Tensor& t) : bytes_(t.reshape({-1}).view(at::kByte)) {}
+    void to_host(void* dst, size_t offset, size_t len) const override {
+        host(dst, len).copy_(bytes_.narrow(0, static_cast<int64_t>(offset), static_cast<int64_t>(len)));
+    }
+    void from_host(size_t offset, const void* src, size_t len) const override {
+        bytes_.narrow(0, static_cast<int64_t>(offset), static_cast<int64_t>(len))
+            .copy_(host(const_cast<void*>(src), len));
+    }
+
+private:
+    static at::Tensor host(void* p, size_t len) {
+        return at::from_blob(p, {static_cast<int64_t>(len)}, at::TensorOptions().dtype(at::kByte));
+    }
+    at::Tensor bytes_;
+};
+
+// The memory of a tensor argument as the engine wants it. Raises ValueError naming the argument.
+struct BufferArg {
+    char* mem = nullptr;
+    size_t nbytes = 0;
+    std::shared_ptr<const Copier> copier;
+    std::shared_ptr<void> keepalive;
+};
+
+inline BufferArg buffer_arg(const at::Tensor& t, const char* name = "buffer") {
+    if (!t.defined()) throw ArgError(std::string(name) + " is an undefined tensor");
+    if (t.layout() != at::kStrided) throw ArgError(std::string(name) + " must be a dense (strided) tensor");
+    if (!t.is_contiguous())
+        throw ArgError(std::string(name) + " must be contiguous (call .contiguous() first; a copy would make "
+                       "reads land in a temporary)");
+    if (t.device().is_meta()) throw ArgError(std::string(name) + " is a meta tensor: it has no memory");
+    BufferArg b;
+    b.nbytes = t.nbytes();
+    if (t.device().is_cpu()) {
+        b.mem = static_cast<char*>(t.data_ptr());
+    } else if (b.nbytes > 0) {
+        b.copier = std::make_shared<TensorCopier>(t);
+    }
+    b.keepalive = std::make_shared<at::Tensor>(t);
+    return b;
+}
+
+inline bool is_pinned_tensor(const at::Tensor& t) {
+    if (!t.defined() || !t.device().is_cpu()) return false;
+    try {
+        if (t.is_pinned()) return true;
+    } catch (const std::exception&) {
+        // CPU-only builds may refuse the question; the registry below still answers it.
+    }
+    return t.nbytes() > 0 && shared_registry().contains(t.data_ptr(), t.nbytes());
+}
+
+// A 1-D CPU tensor over page-aligned memory registered as locked. Its memory is freed when the tensor dies,
+// so free_cpu_locked_tensor() can never leave a dangling tensor behind.
+inline at::Tensor new_locked_tensor(int64_t num_elem, const at::Tensor& example) {
+    if (num_elem <= 0) throw ArgError("num_elem must be positive, got " + std::to_string(num_elem));
+    auto dtype = example.scalar_type();
+    size_t bytes = static_cast<size_t>(num_elem) * c10::elementSize(dtype);
+    PinnedRegistry* reg = &shared_registry();
+    PinnedRegistry::Allocation a{};
+    {
+        py::gil_scoped_release nogil;  // locking gigabytes takes a while
+        a = reg->allocate(bytes);
+    }
+    at::Tensor t = at::from_blob(
+        a.ptr, {num_elem}, [reg](void* p) { reg->release(p); },
+        at::TensorOptions().dtype(dtype).device(at::kCPU));
+    if (!a.locked)
+        warn(PyExc_RuntimeWarning, "mlock of " + std::to_string(bytes) + " bytes was refused (" +
+                                       errno_text(a.lock_errno) +
+                                       "; see RLIMIT_MEMLOCK / ulimit -l): the tensor works but is not locked");
+    return t;
+}
+
+inline bool free_locked_tensor(const at::Tensor& t) {
+    return t.defined() && t.device().is_cpu() && shared_registry().forget(t.data_ptr());
+}
+
+// OSError(errno, message, filename) so that Python picks FileNotFoundError, PermissionError...
+inline void register_translators() {
+    static bool done = false;
+    if (done) return;
+    done = true;
+    py::register_local_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const IoError& e) {
+            py::object filename = e.path().empty() ? py::none() : py::object(py::str(e.path()));
+            PyObject* exc = PyObject_CallFunction(PyExc_OSError, "isO", e.err(), e.what(), filename.ptr());
+            if (exc != nullptr) {
+                PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc)), exc);
+                Py_DECREF(exc);
+            }
+        } catch (const ArgError& e) {
+            PyErr_SetString(PyExc_ValueError, e.what());
+        } catch (const UnsupportedError& e) {
+            PyErr_SetString(PyExc_RuntimeError, e.what());
+        }
+    });
+}
+
+}  // namespace dnv
