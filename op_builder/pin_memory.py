@@ -15,7 +15,7 @@ class PinMemoryBuilder(TorchCPUOpBuilder):
     BUILTIN_SOURCES = True
 
     def sources(self) -> list[str]:
-        return ["csrc/pin/py_pin.cpp", "csrc/aio/pinned.cpp"]
+        return ["csrc/pin/py_pin.cpp", "csrc/aio/pinned.cpp", "csrc/aio/error.cpp"]
 
     def include_paths(self) -> list[str]:
         return ["csrc/aio"]

@@ -8,12 +8,13 @@
 #include <memory>
 #include <new>
 
-#include "file.h"
+#include <unistd.h>
 
 namespace dnv {
 
 PinnedRegistry::Allocation PinnedRegistry::allocate(size_t bytes) {
-    size_t page = page_size();
+    long sys_page = ::sysconf(_SC_PAGESIZE);
+    size_t page = sys_page > 0 ? static_cast<size_t>(sys_page) : 4096;
     size_t rounded = bytes == 0 ? page : (bytes + page - 1) / page * page;
     void* p = nullptr;
     if (::posix_memalign(&p, page, rounded) != 0 || p == nullptr) throw std::bad_alloc();
