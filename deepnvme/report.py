@@ -43,6 +43,8 @@ MEMLOCK_WANTED = 1 << 30
 # DeepSpeed warns below this /dev/shm size because Docker's 64 MB default starves dataloaders and NCCL.
 SHM_WANTED = 512 << 20
 CAP_IPC_LOCK_BIT = 14
+# A probe's reason may end with the compiler's output; the text view keeps only its last lines (JSON has all).
+TEXT_TAIL_LINES = 4
 # Engine names as the C++ side and DEEPNVME_ENGINE spell them, in auto's order of preference; posix (a thread
 # pool doing pread/pwrite) needs nothing beyond the op itself.
 ENGINE_URING, ENGINE_LIBAIO, ENGINE_POSIX = "io_uring", "libaio", "posix"
@@ -448,13 +450,13 @@ def _op_reason(builder: Any) -> str:
 def gather_ops(
     all_ops: dict[str, Any],
     installed: dict[str, Any],
-    torch_version: str | None,
+    torch: dict[str, Any],
     torch_built: dict[str, Any] | None,
 ) -> list[OpRow]:
     """One row per registered op: prebuilt for this torch?, compatible for a JIT build?, and why not."""
     rows = []
-    built_for = _major_minor(str((torch_built or {}).get("version") or ""))
-    running = _major_minor(torch_version)
+    built = ((torch_built or {}).get("version"), (torch_built or {}).get("cuda_version"))
+    running = (torch["version"], torch["cuda"])
     for name, builder in all_ops.items():
         reason = ""
         try:
@@ -464,10 +466,13 @@ def gather_ops(
         if not compatible and not reason:
             reason = _op_reason(builder) or "not compatible (the builder gave no reason)"
         is_installed = bool(installed.get(name))
-        if is_installed and built_for and running and built_for != running:
-            # load() ignores a prebuilt op for another torch and JIT compiles instead, so it does not count.
+        if is_installed and built != running:
+            # As OpBuilder.load() decides: a prebuilt op for another torch/CUDA is skipped for a JIT build.
             is_installed = False
-            stale = f"prebuilt for torch {built_for}, running torch {running}: load() JIT compiles instead"
+            stale = (
+                f"prebuilt for torch {built[0]} (CUDA {built[1]}), running torch {running[0]} "
+                f"(CUDA {running[1]}): load() JIT compiles instead"
+            )
             reason = "; ".join(filter(None, [stale, reason]))
         rows.append(OpRow(name, is_installed, compatible, reason))
     return rows
@@ -567,7 +572,7 @@ def gather(directory: str) -> Report:
         except Exception as exc:  # noqa: BLE001 - a broken plugin entry point must not hide the rest
             import_error = f"op_builder.ALL_OPS failed: {type(exc).__name__}: {exc}"
             all_ops = {}
-        rows = gather_ops(all_ops, installed, torch["version"], torch_built)
+        rows = gather_ops(all_ops, installed, torch, torch_built)
     aio = next((r for r in rows if r.name == "async_io"), None)
     usable = aio is not None and (aio.installed or aio.compatible)
     aio_reason = import_error or (aio.reason if aio else "async_io is not registered in op_builder.ALL_OPS")
@@ -638,6 +643,16 @@ def _marker(finding: Finding, paint: Painter) -> str:
     return paint("[FAIL]", RED) if finding.key == "async_io_engines" else paint("[NO]", YELLOW)
 
 
+def _wrapped(prefix: str, text: str, indent: int) -> list[str]:
+    """A possibly multi-line reason under its prefix; compiler output is cut to its last lines."""
+    first, *rest = text.strip().splitlines() or [""]
+    lines = [f"{prefix}{first}"]
+    if len(rest) > TEXT_TAIL_LINES:
+        lines.append(" " * indent + f"... ({len(rest) - TEXT_TAIL_LINES} more lines in ds_report --json)")
+        rest = rest[-TEXT_TAIL_LINES:]
+    return lines + [" " * indent + ln.strip() for ln in rest]
+
+
 def render_text(report: Report, directory: str, paint: Painter, show_warnings: bool) -> str:
     """DeepSpeed's op table and environment block, then deepnvme's capability lines."""
     out: list[str] = []
@@ -665,7 +680,7 @@ def render_text(report: Report, directory: str, paint: Painter, show_warnings: b
                 f"{'.' * (MARKER_WIDTH - len(installed))} {okay if row.compatible else no}"
             )
             if row.reason and show_warnings:
-                out.append(f" {paint('[WARNING]', YELLOW)} {row.name}: {row.reason}")
+                out += _wrapped(f" {paint('[WARNING]', YELLOW)} {row.name}: ", row.reason, 6)
         out.append(SEPARATOR)
 
     out.append("deepnvme general environment info:")
@@ -688,9 +703,9 @@ def render_text(report: Report, directory: str, paint: Painter, show_warnings: b
             f"{cap.label} {_dots(cap.label, ENV_NAME_WIDTH)} {_marker(cap, paint)} {cap.detail}".rstrip()
         )
         if cap.reason:
-            out.append(f"    reason: {cap.reason}")
+            out += _wrapped("    reason: ", cap.reason, 12)
         if cap.fix:
-            out.append(f"    fix:    {cap.fix}")
+            out += _wrapped("    fix:    ", cap.fix, 12)
     out.append(SEPARATOR)
     return "\n".join(out) + "\n"
 
