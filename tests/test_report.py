@@ -164,7 +164,8 @@ def test_text_layout_matches_deepspeed(
     # Per-op warnings (reasons) sit under their row; the table proper is the rows between the separators.
     table = lines[header + 2 : lines.index(SEP, header + 2)]
     rows = [ln for ln in table if not ln.startswith(" [WARNING] ")]
-    for name, row in zip(all_ops, rows, strict=True):
+    assert len(rows) == len(all_ops), rows
+    for name, row in zip(all_ops, rows):
         dots = "." * max(1, 23 - len(name))
         assert re.fullmatch(
             rf"{re.escape(name)} {dots} (\[YES\] \.{{6}}|\[NO\] \.{{7}}) \[(OKAY|NO)\]", row
