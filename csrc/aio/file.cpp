@@ -50,6 +50,24 @@ AlignCache& align_cache() {
 
 }  // namespace
 
+std::string mount_point_of(int fd) {
+    struct statx sx {};
+    if (::statx(fd, "", AT_EMPTY_PATH, STATX_MNT_ID, &sx) != 0 || !(sx.stx_mask & STATX_MNT_ID)) return {};
+    std::ifstream in("/proc/self/mountinfo");
+    std::string line;
+    while (std::getline(in, line)) {
+        // "<mount id> <parent id> <major:minor> <root> <mount point> ..."
+        size_t sp = line.find(' ');
+        if (sp == std::string::npos || line.compare(0, sp, std::to_string(sx.stx_mnt_id)) != 0) continue;
+        size_t a = sp;
+        for (int field = 0; field < 3 && a != std::string::npos; ++field) a = line.find(' ', a + 1);
+        if (a == std::string::npos) return {};
+        size_t b = line.find(' ', a + 1);
+        return line.substr(a + 1, b == std::string::npos ? std::string::npos : b - a - 1);
+    }
+    return {};
+}
+
 size_t page_size() noexcept {
     long p = ::sysconf(_SC_PAGESIZE);
     return p > 0 ? static_cast<size_t>(p) : 4096;

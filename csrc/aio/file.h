@@ -92,4 +92,8 @@ Alignment direct_alignment(int fd);
 
 size_t page_size() noexcept;
 
+// Mount point of the file system holding fd ("" if unknown); names a file system better than st_dev,
+// which a new mount can reuse.
+std::string mount_point_of(int fd);
+
 }  // namespace dnv

@@ -17,6 +17,12 @@ namespace {
 
 constexpr size_t kStagingBudget = 32u << 20;  // per worker: enough buffers in flight to hide the copies
 constexpr size_t kMaxStagingBuffer = 8u << 20;
+constexpr size_t kStagingGranule = 64u << 10;  // a multiple of every direct-I/O alignment we expect
+
+size_t staging_buffer_bytes(size_t block_size) {
+    size_t b = std::min(block_size, kMaxStagingBuffer);
+    return (b + kStagingGranule - 1) / kStagingGranule * kStagingGranule;
+}
 
 std::string where(const Request& r, size_t rel, size_t len) {
     return std::string(r.write ? "write" : "read") + " of " + std::to_string(len) + " bytes at file offset " +
@@ -32,7 +38,7 @@ void transfer_all(Request& r, int fd, char* buf, size_t rel, size_t len) {
         if (n < 0 && errno == EINTR) continue;
         if (n < 0) throw_io(errno, where(r, rel + done, len - done) + " failed", r.file.path());
         if (n == 0)
-            throw IoError(EIO, "short " + where(r, rel + done, len - done) + ": no progress (end of file?)",
+            throw IoError(EIO, "short transfer: " + where(r, rel + done, len - done) + " made no progress (end of file?)",
                           r.file.path());
         done += static_cast<size_t>(n);
     }
@@ -55,7 +61,7 @@ void transfer_edge(Request& r, size_t begin, size_t end) {
 
 struct WarnedDevices {
     std::mutex mu;
-    std::set<uint64_t> devices;
+    std::set<std::string> file_systems;  // device + mount point: a remount is a new file system
 };
 
 WarnedDevices& warned_devices() {
@@ -79,8 +85,8 @@ void Request::fail(int err, const std::string& what) {
 Worker::Worker(IoHandle& handle, std::unique_ptr<Engine> engine)
     : h_(handle),
       engine_(std::move(engine)),
-      staging_(std::min(handle.config().block_size, kMaxStagingBuffer),
-               std::clamp<size_t>(kStagingBudget / std::min(handle.config().block_size, kMaxStagingBuffer), 2,
+      staging_(staging_buffer_bytes(handle.config().block_size),
+               std::clamp<size_t>(kStagingBudget / staging_buffer_bytes(handle.config().block_size), 2,
                                   std::max<size_t>(2, handle.config().queue_depth))),
       slots_(handle.config().queue_depth),
       done_(handle.config().queue_depth) {
@@ -154,6 +160,11 @@ void Worker::fill() {
             continue;
         }
         size_t len = std::min(h_.config().block_size, s->plan.body_end - s->cursor);
+        if (r.direct) {
+            // O_DIRECT needs whole device blocks; the body is a whole number of them, so this never overruns.
+            size_t unit = r.file.alignment().off;
+            len = len < unit ? unit : len / unit * unit;
+        }
         int st = -1;
         if (r.staged) {
             bool fresh = !staging_.allocated();
@@ -168,7 +179,16 @@ void Worker::fill() {
                 fixed_buffers_ = engine_->register_buffers(bufs.data(), bufs.size(), staging_.buffer_bytes());
             }
             if (st < 0) break;  // all staging buffers busy: reap first
-            len = std::min(len, staging_.buffer_bytes());
+            if (len > staging_.buffer_bytes()) {
+                size_t unit = r.direct ? r.file.alignment().off : 1;
+                if (unit > staging_.buffer_bytes()) {
+                    // No device we know needs this; refuse cleanly rather than overrun a staging buffer.
+                    r.fail(EINVAL, "device alignment " + std::to_string(unit) + " exceeds the staging buffer size");
+                    staging_.release(st);
+                    continue;
+                }
+                len = std::max(unit, staging_.buffer_bytes() / unit * unit);
+            }
         }
         unsigned tag = free_slots_.back();
         free_slots_.pop_back();
@@ -244,7 +264,7 @@ void Worker::complete(uint64_t tag64, int64_t res) {
                                            errno_text(static_cast<int>(-res)));
     } else if (static_cast<size_t>(res) < want) {
         if (res == 0) {
-            r.fail(EIO, "short " + where(r, sl.rel + sl.done, want) + ": no progress (" +
+            r.fail(EIO, "short transfer: " + where(r, sl.rel + sl.done, want) + " made no progress (" +
                             (r.write ? "device full?" : "file shrank?") + ")");
         } else {
             sl.done += static_cast<size_t>(res);
@@ -344,11 +364,13 @@ uint64_t IoHandle::submit(Params p, std::string& warning) {
     r->keepalive = std::move(p.keepalive);
     r->file = p.fd >= 0 ? TargetFile::from_fd(p.fd, p.write) : TargetFile::open_path(p.path, p.write);
     if (r->file.o_direct_refused()) {
+        std::string mount = mount_point_of(r->file.buffered_fd());
         WarnedDevices& w = warned_devices();
         std::lock_guard<std::mutex> lock(w.mu);
-        if (w.devices.insert(r->file.device()).second)
-            warning = "O_DIRECT is not supported by the file system of " + r->file.path() +
-                      "; deepnvme uses buffered I/O there (correct, but through the page cache)";
+        if (w.file_systems.insert(std::to_string(r->file.device()) + " " + mount).second)
+            warning = "O_DIRECT is not supported by the file system " +
+                      (mount.empty() ? std::string() : "mounted at " + mount + " ") + "(first seen with " +
+                      r->file.path() + "); deepnvme uses buffered I/O there: correct, but through the page cache";
     }
     if (!p.write) {
         uint64_t size = r->file.size();

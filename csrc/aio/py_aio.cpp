@@ -205,6 +205,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                  return h.io(b, by_path(f), true, v, a, off);
              },
              py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
+        .def("pread",
+             [](AioHandle& h, const at::Tensor& b, int fd, bool v, bool a, int64_t off) {
+                 return h.io(b, by_fd(fd), false, v, a, off);
+             },
+             py::arg("buffer"), py::arg("fd"), py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
+        .def("pwrite",
+             [](AioHandle& h, const at::Tensor& b, int fd, bool v, bool a, int64_t off) {
+                 return h.io(b, by_fd(fd), true, v, a, off);
+             },
+             py::arg("buffer"), py::arg("fd"), py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
 #define DNV_IO_METHOD(NAME, WRITE, ASYNC)                                                                    \
     .def(NAME, [](AioHandle& h, const at::Tensor& b, const std::string& f,                                 \
                   int64_t off) { return h.io(b, by_path(f), WRITE, false, ASYNC, off); },                  \
