@@ -1,0 +1,336 @@
+#include "gds_handle.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <set>
+
+#include "device_buffers.h"
+#include "error.h"
+
+namespace dnv::gds {
+namespace {
+
+// Split points between threads fall on file offsets that are multiples of this, so that two threads never
+// write parts of one disk block: with O_DIRECT that would be a read-modify-write race inside cuFile.
+constexpr uint64_t kSplitAlign = 4096;
+// Smaller pieces cost more in thread hand-offs than a second thread gains.
+constexpr size_t kMinChunk = 64u << 10;
+// One cuFile call moves at most this; the loop resumes. The kernel moves under 2 GiB per POSIX call in
+// compatibility mode anyway, and cuFile's return is an ssize_t.
+constexpr size_t kMaxCall = 1u << 30;
+
+std::string where(const DeviceRequest& r, uint64_t rel, size_t len) {
+    return std::string(r.write ? "cuFileWrite" : "cuFileRead") + " of " + std::to_string(len) +
+           " bytes at file offset " + std::to_string(r.offset + rel) + " (cuda:" + std::to_string(r.device) + ")";
+}
+
+// cuFile errors that mean "not this file" rather than "broken": the host engine can still serve the file.
+bool stageable(CUfileOpError e) {
+    switch (e) {
+        case CU_FILE_IO_NOT_SUPPORTED:
+        case CU_FILE_INVALID_FILE_OPEN_FLAG:
+        case CU_FILE_DIO_NOT_SET:
+        case CU_FILE_INVALID_FILE_TYPE:
+        case CU_FILE_IO_DISABLED:
+            return true;
+        default:
+            return false;
+    }
+}
+
+struct WarnedDevices {
+    std::mutex mu;
+    std::set<uint64_t> devices;
+};
+
+WarnedDevices& warned_devices() {
+    static WarnedDevices w;
+    return w;
+}
+
+}  // namespace
+
+void CudaCopier::to_host(void* dst, size_t offset, size_t len) const {
+    set_device(device_);  // runs on the host engine's worker threads, which the gds op does not share
+    check_cuda(cudaMemcpy(dst, ptr_ + offset, len, cudaMemcpyDeviceToHost), "cudaMemcpy device to host");
+}
+
+void CudaCopier::from_host(size_t offset, const void* src, size_t len) const {
+    set_device(device_);
+    check_cuda(cudaMemcpy(const_cast<char*>(ptr_) + offset, src, len, cudaMemcpyHostToDevice),
+               "cudaMemcpy host to device");
+}
+
+void DeviceRequest::fail(int err, const std::string& what) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_.load(std::memory_order_relaxed)) return;
+    err_ = err;
+    what_ = what;
+    failed_.store(true, std::memory_order_release);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Worker
+
+GdsHandle::Worker::Worker(GdsHandle& h) : h_(h), thread_([this] { run(); }) {}
+
+GdsHandle::Worker::~Worker() {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop_ = true;
+    }
+    cv_.notify_one();
+    if (thread_.joinable()) thread_.join();
+}
+
+void GdsHandle::Worker::enqueue(Chunk c) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        queue_.push_back(c);
+    }
+    cv_.notify_one();
+}
+
+void GdsHandle::Worker::run() {
+    for (;;) {
+        Chunk c{};
+        {
+            std::unique_lock<std::mutex> lock(mu_);
+            cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+            if (queue_.empty()) return;  // stop requested and nothing left
+            c = queue_.front();
+            queue_.pop_front();
+        }
+        h_.run_chunk(c);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// GdsHandle
+
+GdsHandle::GdsHandle(const HandleConfig& cfg)
+    : driver_(open_driver(DriverSettings{cfg.queue_depth, cfg.parallelism})),
+      host_(std::make_unique<IoHandle>(cfg)) {
+    for (unsigned i = 0; i < cfg.parallelism; ++i) workers_.push_back(std::make_unique<Worker>(*this));
+}
+
+GdsHandle::~GdsHandle() {
+    Completed rest;
+    drain(rest);
+    workers_.clear();  // joins the threads
+}
+
+void GdsHandle::run_chunk(const Chunk& c) {
+    DeviceRequest& r = *c.req;
+    try {
+        if (!r.failed()) set_device(r.device);
+        size_t pos = c.begin;
+        while (pos < c.end && !r.failed()) {
+            size_t len = std::min(c.end - pos, kMaxCall);
+            auto foff = static_cast<off_t>(r.offset + pos);
+            auto boff = static_cast<off_t>(r.buf_off + pos);
+            errno = 0;
+            ssize_t n = r.write ? cuFileWrite(r.fh, r.base, len, foff, boff)
+                                : cuFileRead(r.fh, const_cast<void*>(r.base), len, foff, boff);
+            if (n == -1) {
+                int err = errno != 0 ? errno : EIO;
+                r.fail(err, where(r, pos, len) + " failed: " + errno_text(err));
+            } else if (n < 0) {
+                r.fail(EIO, where(r, pos, len) + " failed: " + cufile_io_error_text(n));
+            } else if (n == 0) {
+                r.fail(EIO, "short " + where(r, pos, len) + ": no progress (" +
+                                (r.write ? "device full?" : "file shrank?") + ")");
+            } else {
+                pos += static_cast<size_t>(n);  // a short transfer: resume where it stopped
+            }
+        }
+    } catch (const IoError& e) {
+        r.fail(e.err(), e.what());
+    } catch (const std::exception& e) {
+        r.fail(EIO, e.what());
+    }
+    if (r.chunks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) finish(&r);
+}
+
+void GdsHandle::finish(DeviceRequest* r) {
+    if (r->fh != nullptr) cuFileHandleDeregister(r->fh);
+    r->fh = nullptr;
+    r->file.close();  // free descriptors now, not at wait(): thousands of queued files must not pile up
+    r->lease.reset();
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        r->done = true;
+    }
+    cv_.notify_all();
+}
+
+Ticket GdsHandle::stage(DeviceParams& p, const std::string& why, uint64_t fs_device, std::string& warning) {
+    {
+        WarnedDevices& w = warned_devices();
+        std::lock_guard<std::mutex> lock(w.mu);
+        if (w.devices.insert(fs_device).second)
+            warning = "cuFile cannot do I/O on the file system of " + (p.fd >= 0 ? "<fd>" : p.path) + " (" + why +
+                      "); deepnvme stages CUDA tensors for it through host memory (correct, but slower)";
+    }
+    IoHandle::Params h;
+    h.write = p.write;
+    h.copier = std::make_shared<CudaCopier>(p.device, p.ptr);
+    h.nbytes = p.nbytes;
+    h.offset = p.offset;
+    h.path = p.path;
+    h.fd = p.fd;
+    h.is_async = p.is_async;
+    h.validate = p.validate;
+    h.keepalive = std::move(p.keepalive);
+    std::string host_warning;
+    Ticket t{true, host_->submit(std::move(h), host_warning)};
+    if (warning.empty()) warning = host_warning;
+    staged_.fetch_add(1, std::memory_order_relaxed);
+    return t;
+}
+
+Ticket GdsHandle::submit_device(DeviceParams p, std::string& warning) {
+    if (p.nbytes > 0 && p.ptr == nullptr) throw ArgError("device buffer has no memory");
+    auto r = std::make_unique<DeviceRequest>();
+    r->write = p.write;
+    r->is_async = p.is_async;
+    r->validate = p.validate;
+    r->device = p.device;
+    r->ptr = p.ptr;
+    r->nbytes = p.nbytes;
+    r->offset = p.offset;
+    r->file = p.fd >= 0 ? TargetFile::from_fd(p.fd, p.write) : TargetFile::open_path(p.path, p.write);
+    if (!p.write) {
+        uint64_t size = r->file.size();
+        if (p.nbytes > 0 && p.offset + p.nbytes > size)
+            throw ArgError("read past end of file " + r->file.path() + ": file_offset " + std::to_string(p.offset) +
+                           " + buffer nbytes " + std::to_string(p.nbytes) + " > file size " + std::to_string(size));
+    }
+    DeviceBuffers::Placement place = DeviceBuffers::instance().place(p.device, p.ptr, p.nbytes);
+    r->base = place.base;
+    r->buf_off = place.offset;
+    r->lease = std::move(place.lease);
+    r->keepalive = std::move(p.keepalive);
+
+    std::vector<Chunk> chunks;
+    if (p.nbytes > 0) {
+        CUfileDescr_t desc{};
+        desc.type = CU_FILE_HANDLE_TYPE_OPAQUE_FD;
+        desc.handle.fd = r->file.direct_fd() >= 0 ? r->file.direct_fd() : r->file.buffered_fd();
+        CUfileError_t st{};
+        {
+            DeviceGuard guard(p.device);  // cuFile checks the GPU side in the current context
+            st = cuFileHandleRegister(&r->fh, &desc);
+        }
+        if (st.err != CU_FILE_SUCCESS) {
+            r->fh = nullptr;
+            std::string why = "cuFileHandleRegister: " + cufile_error_text(st);
+            if (stageable(st.err)) {
+                uint64_t fs = r->file.device();
+                r->file.close();
+                p.keepalive = std::move(r->keepalive);
+                return stage(p, why, fs, warning);
+            }
+            throw IoError(EIO, why, r->file.path());
+        }
+        // Cut at aligned file offsets; fewer pieces than threads when the request is small.
+        size_t pieces = std::clamp<size_t>(p.nbytes / kMinChunk, 1, workers_.size());
+        size_t per = (p.nbytes + pieces - 1) / pieces;
+        size_t begin = 0;
+        while (begin < p.nbytes) {
+            uint64_t end_abs = p.offset + begin + per;
+            end_abs = (end_abs + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
+            size_t end = static_cast<size_t>(std::min<uint64_t>(end_abs - p.offset, p.nbytes));
+            chunks.push_back(Chunk{r.get(), begin, end});
+            begin = end;
+        }
+    }
+    DeviceRequest* raw = r.get();
+    raw->chunks_left.store(static_cast<unsigned>(chunks.size()));
+    unsigned first;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        raw->id = ++next_id_;
+        first = next_worker_;
+        next_worker_ = static_cast<unsigned>((next_worker_ + chunks.size()) % workers_.size());
+        if (chunks.empty()) {
+            raw->file.close();
+            raw->lease.reset();
+            raw->done = true;
+        }
+        pending_.push_back(std::move(r));
+    }
+    for (size_t i = 0; i < chunks.size(); ++i) workers_[(first + i) % workers_.size()]->enqueue(chunks[i]);
+    return Ticket{false, raw->id};
+}
+
+Ticket GdsHandle::submit_host(IoHandle::Params p, std::string& warning) {
+    return Ticket{true, host_->submit(std::move(p), warning)};
+}
+
+size_t GdsHandle::wait(const Ticket* own, Completed& out) {
+    uint64_t own_dev = (own != nullptr && !own->host) ? own->id : 0;
+    uint64_t own_host = (own != nullptr && own->host) ? own->id : 0;
+    size_t n = host_->wait(own_host, out.host);
+    std::unique_lock<std::mutex> lock(mu_);
+    size_t first = out.device.size();
+    auto keep = std::stable_partition(pending_.begin(), pending_.end(), [own_dev](const auto& r) {
+        return !(r->is_async || r->id == own_dev);
+    });
+    for (auto it = keep; it != pending_.end(); ++it) out.device.push_back(std::move(*it));
+    pending_.erase(keep, pending_.end());
+    cv_.wait(lock, [&] {
+        return std::all_of(out.device.begin() + static_cast<std::ptrdiff_t>(first), out.device.end(),
+                           [](const auto& r) { return r->done; });
+    });
+    return n + (out.device.size() - first);
+}
+
+void GdsHandle::drain(Completed& out) {
+    host_->drain(out.host);
+    std::unique_lock<std::mutex> lock(mu_);
+    size_t first = out.device.size();
+    for (auto& r : pending_) out.device.push_back(std::move(r));
+    pending_.clear();
+    cv_.wait(lock, [&] {
+        return std::all_of(out.device.begin() + static_cast<std::ptrdiff_t>(first), out.device.end(),
+                           [](const auto& r) { return r->done; });
+    });
+}
+
+std::string verify_device(DeviceRequest& r) {
+    // Reopen buffered: the request's own descriptors are closed by now, and may have been O_DIRECT.
+    std::string src = r.file.user_fd() >= 0 ? "/proc/self/fd/" + std::to_string(r.file.user_fd()) : r.file.path();
+    FileDesc fd(::open(src.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) throw_io(errno, "cannot reopen for validation", r.file.path());
+    DeviceGuard guard(r.device);
+    constexpr size_t kChunk = 4u << 20;
+    std::vector<char> disk(std::min(kChunk, r.nbytes)), mem(disk.size());
+    for (size_t at = 0; at < r.nbytes; at += kChunk) {
+        size_t len = std::min(kChunk, r.nbytes - at);
+        size_t got = 0;
+        while (got < len) {
+            ssize_t n = ::pread(fd.get(), disk.data() + got, len - got, static_cast<off_t>(r.offset + at + got));
+            if (n < 0 && errno == EINTR) continue;
+            if (n < 0) throw_io(errno, "validation read failed", r.file.path());
+            if (n == 0)
+                return "file " + r.file.path() + " is shorter than the buffer (" + std::to_string(r.offset + at + got) +
+                       " bytes)";
+            got += static_cast<size_t>(n);
+        }
+        check_cuda(cudaMemcpy(mem.data(), r.ptr + at, len, cudaMemcpyDeviceToHost), "validation cudaMemcpy");
+        if (std::memcmp(disk.data(), mem.data(), len) != 0) {
+            size_t i = 0;
+            while (disk[i] == mem[i]) ++i;
+            return "validation failed for " + r.file.path() + ": file byte " + std::to_string(r.offset + at + i) +
+                   " differs from buffer byte " + std::to_string(at + i);
+        }
+    }
+    return {};
+}
+
+}  // namespace dnv::gds

@@ -1,0 +1,347 @@
+// Python binding of the gds op: aio_handle's API plus device-buffer pinning, over dnv::gds::GdsHandle.
+// CUDA tensors go through cuFile; every other tensor through the host engine, exactly as in aio_handle.
+#include <Python.h>
+
+#include <ATen/ops/empty.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "device_buffers.h"
+#include "gds_handle.h"
+#include "tensor_glue.h"
+
+namespace dnv::gds {
+namespace {
+
+HandleConfig make_config(int64_t block_size, int64_t queue_depth, bool single_submit, bool overlap_events,
+                         int64_t parallelism, const std::string& engine) {
+    if (block_size <= 0) throw ArgError("block_size must be positive, got " + std::to_string(block_size));
+    if (queue_depth <= 0 || queue_depth > 65536)
+        throw ArgError("queue_depth must be in 1..65536, got " + std::to_string(queue_depth));
+    if (parallelism <= 0 || parallelism > 1024)
+        throw ArgError("intra_op_parallelism must be in 1..1024, got " + std::to_string(parallelism));
+    HandleConfig c;
+    c.block_size = static_cast<size_t>(block_size);
+    c.queue_depth = static_cast<unsigned>(queue_depth);
+    c.single_submit = single_submit;
+    c.overlap_events = overlap_events;
+    c.parallelism = static_cast<unsigned>(parallelism);
+    c.engine = engine;
+    return c;
+}
+
+struct Target {
+    std::string path;
+    int fd = -1;
+};
+
+Target by_path(const std::string& p) { return Target{p, -1}; }
+Target by_fd(int fd) {
+    if (fd < 0) throw ArgError("fd must be a non-negative file descriptor, got " + std::to_string(fd));
+    return Target{{}, fd};
+}
+Target by_pathlike(const py::object& o) {
+    py::object s = py::module_::import("os").attr("fspath")(o);
+    if (!py::isinstance<py::str>(s)) throw ArgError("filename must be a str path");
+    return Target{s.cast<std::string>(), -1};
+}
+
+at::Tensor require_cuda(const at::Tensor& t, const char* name) {
+    if (!t.defined() || !t.is_cuda()) throw ArgError(std::string(name) + " must be a CUDA tensor");
+    if (!t.is_contiguous()) throw ArgError(std::string(name) + " must be contiguous");
+    return t;
+}
+
+// torch's current stream on `device`, as the raw handle torch exposes to Python.
+cudaStream_t current_stream(int device) {
+    py::object s = py::module_::import("torch").attr("cuda").attr("current_stream")(device);
+    return reinterpret_cast<cudaStream_t>(s.attr("cuda_stream").cast<uintptr_t>());
+}
+
+class PyGdsHandle {
+public:
+    PyGdsHandle(int64_t block_size, int64_t queue_depth, bool single_submit, bool overlap_events,
+                int64_t parallelism, const std::string& engine) {
+        HandleConfig cfg = make_config(block_size, queue_depth, single_submit, overlap_events, parallelism, engine);
+        py::gil_scoped_release nogil;  // opening the cuFile driver takes a while
+        core_ = std::make_unique<GdsHandle>(cfg);
+    }
+
+    ~PyGdsHandle() {
+        // Requests still in flight finish first; their tensors are released with the GIL held.
+        Completed rest;
+        if (Py_IsInitialized() && !_Py_IsFinalizing()) {
+            py::gil_scoped_release nogil;
+            core_->drain(rest);
+            core_.reset();
+        } else {
+            core_->drain(rest);
+            core_.reset();
+        }
+    }
+
+    int64_t io(const at::Tensor& buffer, const Target& target, bool write, bool validate, bool async,
+               int64_t file_offset) {
+        if (file_offset < 0) throw ArgError("file_offset must be >= 0, got " + std::to_string(file_offset));
+        std::string warning;
+        Ticket t;
+        if (buffer.defined() && buffer.is_cuda()) {
+            if (!buffer.is_contiguous())
+                throw ArgError("buffer must be contiguous (call .contiguous() first; a copy would make reads land "
+                               "in a temporary)");
+            GdsHandle::DeviceParams p;
+            p.write = write;
+            p.device = buffer.get_device();
+            p.ptr = static_cast<char*>(buffer.data_ptr());
+            p.nbytes = buffer.nbytes();
+            p.offset = static_cast<uint64_t>(file_offset);
+            p.path = target.path;
+            p.fd = target.fd;
+            p.is_async = async;
+            p.validate = validate;
+            p.keepalive = std::make_shared<at::Tensor>(buffer);
+            cudaStream_t stream = current_stream(p.device);
+            py::gil_scoped_release nogil;
+            {
+                // cuFile is not ordered with CUDA streams: the kernels that produce (write) or still read
+                // (read) this buffer on torch's current stream must be done before cuFile touches it.
+                DeviceGuard guard(p.device);
+                check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize before cuFile I/O");
+            }
+            t = core_->submit_device(std::move(p), warning);
+        } else {
+            BufferArg b = buffer_arg(buffer);
+            IoHandle::Params p;
+            p.write = write;
+            p.mem = b.mem;
+            p.copier = std::move(b.copier);
+            p.nbytes = b.nbytes;
+            p.offset = static_cast<uint64_t>(file_offset);
+            p.path = target.path;
+            p.fd = target.fd;
+            p.is_async = async;
+            p.validate = validate;
+            p.keepalive = std::move(b.keepalive);
+            py::gil_scoped_release nogil;  // open() can block on a slow file system
+            t = core_->submit_host(std::move(p), warning);
+        }
+        if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
+        return async ? 0 : collect(&t);
+    }
+
+    int64_t wait() { return collect(nullptr); }
+
+    bool pin(const at::Tensor& t) {
+        require_cuda(t, "tensor");
+        int dev = t.get_device();
+        void* ptr = t.data_ptr();
+        size_t n = t.nbytes();
+        auto keep = std::make_shared<at::Tensor>(t);  // the memory must outlive its registration
+        py::gil_scoped_release nogil;
+        DeviceBuffers::instance().pin(dev, ptr, n, std::move(keep));
+        return true;
+    }
+
+    bool unpin(const at::Tensor& t) {
+        require_cuda(t, "tensor");
+        const void* ptr = t.data_ptr();
+        bool found;
+        {
+            py::gil_scoped_release nogil;
+            found = DeviceBuffers::instance().unpin(ptr);
+        }
+        return found;
+    }
+
+    // A CUDA tensor registered with cuFile for its whole life: its deleter deregisters before the memory
+    // goes back to torch, so the registration can never outlive the memory.
+    at::Tensor new_pinned(int64_t num_elem, const at::Tensor& example) {
+        if (num_elem <= 0) throw ArgError("num_elem must be positive, got " + std::to_string(num_elem));
+        at::TensorOptions opts = at::TensorOptions().dtype(example.scalar_type());
+        int dev = example.is_cuda() ? example.get_device()
+                                    : py::module_::import("torch").attr("cuda").attr("current_device")().cast<int>();
+        at::Tensor mem = at::empty({num_elem}, opts.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(dev))));
+        void* ptr = mem.data_ptr();
+        size_t n = mem.nbytes();
+        uint64_t token;
+        {
+            py::gil_scoped_release nogil;
+            token = DeviceBuffers::instance().pin(dev, ptr, n, nullptr);
+        }
+        return at::from_blob(
+            ptr, {num_elem},
+            [mem, token](void*) mutable {
+                DeviceBuffers::instance().unpin_token(token);
+                mem.reset();
+            },
+            mem.options());
+    }
+
+    const GdsHandle& core() const { return *core_; }
+
+private:
+    int64_t collect(const Ticket* own) {
+        Completed done;
+        size_t n;
+        std::string mismatch;
+        {
+            py::gil_scoped_release nogil;
+            n = core_->wait(own, done);
+            for (auto& r : done.device) {
+                if (!r->validate || r->failed() || !mismatch.empty()) continue;
+                try {
+                    mismatch = verify_device(*r);
+                } catch (const std::exception& e) {
+                    mismatch = std::string("validation could not read the file back: ") + e.what();
+                }
+            }
+            for (auto& r : done.host) {
+                if (!r->validate || r->failed() || !mismatch.empty()) continue;
+                try {
+                    mismatch = verify_request(*r);
+                } catch (const std::exception& e) {
+                    mismatch = std::string("validation could not read the file back: ") + e.what();
+                }
+            }
+        }
+        // The device side's first failure, else the host side's: both carry the errno, text and file name.
+        int err = 0;
+        std::string what, path;
+        bool bad = false;
+        for (const auto& r : done.device) {
+            if (!r->failed()) continue;
+            err = r->error();
+            what = r->error_text();
+            path = r->file.path();
+            bad = true;
+            break;
+        }
+        if (const Request* h = bad ? nullptr : first_failure(done.host)) {
+            err = h->error();
+            what = h->error_text();
+            path = h->file.path();
+            bad = true;
+        }
+        done.device.clear();  // drops the tensor references, with the GIL held
+        done.host.clear();
+        if (bad) throw IoError(err, what, path);
+        if (!mismatch.empty()) throw std::runtime_error(mismatch);
+        return static_cast<int64_t>(n);
+    }
+
+    std::unique_ptr<GdsHandle> core_;
+};
+
+py::dict driver_info(const DriverInfo& d, uint64_t staged) {
+    py::dict out;
+    out["mode"] = d.mode();
+    out["gpudirect"] = d.gpudirect;
+    out["compat_allowed"] = d.compat_allowed;
+    out["compat_forced"] = d.compat_forced;
+    out["nvfs_version"] = std::to_string(d.nvfs_major) + "." + std::to_string(d.nvfs_minor);
+    out["status_flags"] = d.status_flags;
+    out["control_flags"] = d.control_flags;
+    out["feature_flags"] = d.feature_flags;
+    out["max_direct_io_size_kb"] = d.max_direct_io_size_kb;
+    out["cufile_version"] = d.version;
+    out["user_config"] = d.user_config;
+    out["log_dir"] = d.log_dir;
+    out["notes"] = d.notes;
+    out["staged_requests"] = staged;
+    return out;
+}
+
+}  // namespace
+}  // namespace dnv::gds
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    using namespace dnv;
+    using namespace dnv::gds;
+    namespace py = pybind11;
+    attach_shared_registry();
+    register_translators();
+    m.doc() = "deepnvme gds: DeepSpeed-compatible gds_handle; CUDA tensors through cuFile (GPUDirect Storage)";
+
+    py::class_<PyGdsHandle>(m, "gds_handle")
+        .def(py::init<int64_t, int64_t, bool, bool, int64_t, const std::string&>(), py::arg("block_size") = 1048576,
+             py::arg("queue_depth") = 128, py::arg("single_submit") = false, py::arg("overlap_events") = false,
+             py::arg("intra_op_parallelism") = 1, py::arg("engine") = "auto")
+        .def("get_block_size", [](const PyGdsHandle& h) { return static_cast<int64_t>(h.core().config().block_size); })
+        .def("get_queue_depth", [](const PyGdsHandle& h) { return static_cast<int64_t>(h.core().config().queue_depth); })
+        .def("get_single_submit", [](const PyGdsHandle& h) { return h.core().config().single_submit; })
+        .def("get_overlap_events", [](const PyGdsHandle& h) { return h.core().config().overlap_events; })
+        .def("get_intra_op_parallelism",
+             [](const PyGdsHandle& h) { return static_cast<int64_t>(h.core().config().parallelism); })
+        .def("get_alignment",
+             [](const PyGdsHandle& h) { return static_cast<int64_t>(h.core().config().parallelism * page_size()); },
+             "Sizes that are multiples of this go entirely O_DIRECT on any common device (others work too).")
+        .def("get_engine", [](const PyGdsHandle& h) { return h.core().engine_name(); },
+             "The host engine serving CPU tensors (and CUDA tensors on file systems cuFile cannot serve).")
+        .def("get_io_mode", [](const PyGdsHandle& h) { return std::string(h.core().driver().mode()); },
+             "'gpudirect' when cuFile moves data by DMA between GPU and storage, 'compat' when it goes through "
+             "host memory (cuFile's compatibility mode).")
+        .def("is_gpudirect", [](const PyGdsHandle& h) { return h.core().driver().gpudirect; })
+        .def("get_io_info", [](const PyGdsHandle& h) { return driver_info(h.core().driver(), h.core().staged_requests()); },
+             "cuFile's session as it describes itself, and how many CUDA requests were staged through host memory.")
+        .def("read",
+             [](PyGdsHandle& h, const at::Tensor& b, const std::string& f, bool v, int64_t off) {
+                 h.io(b, by_path(f), false, v, false, off);
+                 return 0;
+             },
+             py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("file_offset") = 0)
+        .def("write",
+             [](PyGdsHandle& h, const at::Tensor& b, const std::string& f, bool v, int64_t off) {
+                 h.io(b, by_path(f), true, v, false, off);
+                 return 0;
+             },
+             py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("file_offset") = 0)
+        .def("pread",
+             [](PyGdsHandle& h, const at::Tensor& b, const std::string& f, bool v, bool a, int64_t off) {
+                 return h.io(b, by_path(f), false, v, a, off);
+             },
+             py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
+        .def("pwrite",
+             [](PyGdsHandle& h, const at::Tensor& b, const std::string& f, bool v, bool a, int64_t off) {
+                 return h.io(b, by_path(f), true, v, a, off);
+             },
+             py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
+#define DNV_IO_METHOD(NAME, WRITE, ASYNC)                                                                    \
+    .def(NAME, [](PyGdsHandle& h, const at::Tensor& b, const std::string& f,                               \
+                  int64_t off) { return h.io(b, by_path(f), WRITE, false, ASYNC, off); },                  \
+         py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)                               \
+    .def(NAME, [](PyGdsHandle& h, const at::Tensor& b, int fd,                                             \
+                  int64_t off) { return h.io(b, by_fd(fd), WRITE, false, ASYNC, off); },                   \
+         py::arg("buffer"), py::arg("fd"), py::arg("file_offset") = 0)                                     \
+    .def(NAME, [](PyGdsHandle& h, const at::Tensor& b, const py::object& f,                                \
+                  int64_t off) { return h.io(b, by_pathlike(f), WRITE, false, ASYNC, off); },              \
+         py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
+        DNV_IO_METHOD("sync_pread", false, false)
+        DNV_IO_METHOD("sync_pwrite", true, false)
+        DNV_IO_METHOD("async_pread", false, true)
+        DNV_IO_METHOD("async_pwrite", true, true)
+#undef DNV_IO_METHOD
+        .def("wait", &PyGdsHandle::wait, "Wait for every queued async request; returns how many completed.")
+        .def("new_cpu_locked_tensor", [](PyGdsHandle&, int64_t n, const at::Tensor& e) { return new_locked_tensor(n, e); },
+             py::arg("num_elem"), py::arg("example_tensor"))
+        .def("new_cpu_locked_tensor", [](PyGdsHandle&, int64_t n, const at::Tensor& e) { return new_locked_tensor(n, e); },
+             py::arg("num_elem"), py::arg("example_tenosr"))
+        .def("free_cpu_locked_tensor", [](PyGdsHandle&, const at::Tensor& t) { return free_locked_tensor(t); },
+             py::arg("tensor"))
+        .def("is_pinned",
+             [](PyGdsHandle&, const at::Tensor& t) {
+                 if (t.defined() && t.is_cuda())
+                     return t.nbytes() > 0 && DeviceBuffers::instance().contains(t.data_ptr(), t.nbytes());
+                 return is_pinned_tensor(t);
+             },
+             py::arg("buffer"))
+        .def("new_pinned_device_tensor", &PyGdsHandle::new_pinned, py::arg("num_elem"), py::arg("example_tensor"))
+        .def("new_pinned_device_tensor", &PyGdsHandle::new_pinned, py::arg("num_elem"), py::arg("example_tenosr"))
+        .def("free_pinned_device_tensor", &PyGdsHandle::unpin, py::arg("tensor"),
+             "Deregisters from cuFile; the memory goes back to torch when the tensor dies. False if not pinned.")
+        .def("pin_device_tensor", &PyGdsHandle::pin, py::arg("tensor"),
+             "Registers a CUDA tensor with cuFile (holding its memory until unpin_device_tensor).")
+        .def("unpin_device_tensor", &PyGdsHandle::unpin, py::arg("tensor"),
+             "Deregisters a tensor pinned with pin_device_tensor; False if it was not pinned.");
+}
