@@ -199,7 +199,7 @@ def test_async_error_surfaces_after_all_finish(fault, workdir: Path) -> None:
         paths.append(str(p))
         refs.append(data)
         bufs.append(h.new_cpu_locked_tensor(4 * BLOCK, U8))
-    for b, p in zip(bufs, paths, strict=True):
+    for b, p in zip(bufs, paths):
         assert h.async_pread(b, p) == 0
     with pytest.raises(OSError) as exc:
         bounded(h.wait)

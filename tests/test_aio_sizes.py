@@ -252,6 +252,22 @@ def test_fd_unaligned(aio_module: ModuleType, engine: str, workdir: Path, direct
             assert tbytes(dst) == data
         assert path.read_bytes() == bytes(model)
         assert os.fstat(fd).st_size == len(model)
-        assert h.pread(torch.empty(3, dtype=torch.uint8), fd, False, False, 0) == 1
+    finally:
+        os.close(fd)
+
+
+def test_pread_pwrite_accept_fd(aio_module: ModuleType, engine: str, workdir: Path) -> None:
+    """pread/pwrite take a descriptor in place of the file name, like the sync_/async_ calls."""
+    h = aio_module.aio_handle(4096, 4, False, True, 2, engine=engine)
+    fd = os.open(workdir / "fd", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        src = torch.arange(100, dtype=torch.uint8)
+        assert h.pwrite(src, fd, False, False, 7) == 1
+        assert h.pwrite(buffer=src, fd=fd, validate=False, file_offset=107, **{"async": True}) == 0
+        assert h.wait() == 1
+        dst = torch.zeros(200, dtype=torch.uint8)
+        assert h.pread(dst, fd, False, False, 7) == 1
+        assert tbytes(dst) == tbytes(src) * 2
+        os.fstat(fd)
     finally:
         os.close(fd)
