@@ -508,11 +508,15 @@ def _cufile_candidates() -> tuple[list[str], list[str]]:
     if home:
         incs += [f"{home}/include", *sorted(glob.glob(f"{home}/targets/*/include"))]
         libs += [f"{home}/lib64", f"{home}/lib", *sorted(glob.glob(f"{home}/targets/*/lib"))]
-    for site in _site_dirs():  # the nvidia-cufile wheel: site-packages/nvidia/cufile/{include,lib}
-        base = os.path.join(site, "nvidia", "cufile")
-        if os.path.isdir(base):
-            incs.append(os.path.join(base, "include"))
-            libs.append(os.path.join(base, "lib"))
+    for site in _site_dirs():
+        # The nvidia-cufile wheel: site-packages/nvidia/cufile/{include,lib}; newer releases use
+        # site-packages/nvidia/cu<major>/{include,lib}.
+        bases = [os.path.join(site, "nvidia", "cufile"),
+                 *sorted(glob.glob(os.path.join(site, "nvidia", "cu[0-9]*")), reverse=True)]
+        for base in bases:
+            if os.path.isdir(base):
+                incs.append(os.path.join(base, "include"))
+                libs.append(os.path.join(base, "lib"))
     multiarch = sysconfig.get_config_var("MULTIARCH") or ""
     incs += ["/usr/include", "/usr/local/include"]
     libs += [f"/usr/lib/{multiarch}" if multiarch else "/usr/lib64", "/usr/lib", "/usr/local/lib"]

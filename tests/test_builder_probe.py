@@ -125,10 +125,13 @@ def test_compiler_and_ninja():
     assert nin.ok, nin.reason
 
 
-def test_cufile_absent_here_says_how_to_get_it():
+def test_cufile_found_or_says_how_to_get_it():
     cap = probe.cufile()
-    if probe.find_cufile().include_dir is None:
+    loc = probe.find_cufile()
+    if loc.include_dir is None:
         assert not cap.ok and "cufile.h" in cap.reason and "nvidia-cufile" in cap.fix
+    elif loc.library_dir is not None:  # e.g. the nvidia-cufile wheel: header and library both found
+        assert cap.ok, cap.reason
 
 
 def test_cuda_probe_on_a_cpu_torch():
