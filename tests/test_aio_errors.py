@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -433,3 +434,25 @@ def test_never_prints(aio_module: ModuleType, handle, workdir: Path, capfd: pyte
             bad()
     out, _ = capfd.readouterr()
     assert out == ""
+
+
+@pytest.mark.parametrize("kind", ["read", "write"])
+def test_validate_mismatch_raises(handle, workdir: Path, capfd: pytest.CaptureFixture, kind: str) -> None:
+    """validate=True raises RuntimeError on a mismatch (DeepSpeed printed 'Fail' and returned success)."""
+    path = workdir / "v"
+    data = os.urandom(8192)
+    path.write_bytes(data)
+    buf = handle.new_cpu_locked_tensor(8192, torch.empty(0, dtype=torch.uint8))
+    buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    if kind == "read":
+        assert handle.pread(buf, str(path), True, True, 0) == 0
+        time.sleep(0.5)  # the 8 KiB read is long done; change the file before wait() validates it
+        path.write_bytes(os.urandom(8192))
+    else:
+        assert handle.pwrite(buf, str(path), True, True, 0) == 0
+        time.sleep(0.5)  # the 8 KiB write is long done; change the buffer before wait() validates it
+        buf[100] ^= 0xFF
+    with pytest.raises(RuntimeError):
+        handle.wait()
+    assert capfd.readouterr().out == ""
+    assert_usable(handle, workdir)

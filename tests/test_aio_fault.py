@@ -233,3 +233,18 @@ def test_bad_rules_rejected(aio_module: ModuleType, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("DEEPNVME_FAULT", rules)
     with pytest.raises((ValueError, RuntimeError)):
         aio_module.aio_handle(engine="fault")
+
+
+@pytest.mark.parametrize("rule", ["eio@5", "enospc@9", "zero@2"])
+@pytest.mark.parametrize("par", [2, 3])
+def test_fault_with_parallel_workers(fault, workdir: Path, rule: str, par: int) -> None:
+    """With P workers, one failing block still fails the request once, after all workers finished."""
+    h = fault(rule, qd=4, overlap=True, par=par)
+    path = workdir / "f"
+    src, data = aligned(h, 12)
+    path.write_bytes(data)
+    expect = errno.ENOSPC if rule.startswith("enospc") else errno.EIO
+    with pytest.raises(OSError) as exc:
+        bounded(lambda: h.sync_pwrite(src, str(path)))
+    assert exc.value.errno == expect and exc.value.filename == str(path)
+    check_usable(h, workdir)

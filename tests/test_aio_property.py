@@ -35,7 +35,7 @@ def make_buffer(h, n: int, kind: str) -> torch.Tensor:
     return torch.empty(n, dtype=torch.uint8)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_io_matches_model(aio_module: ModuleType, available_engines: list[str],
                                  tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
@@ -58,9 +58,13 @@ def test_random_io_matches_model(aio_module: ModuleType, available_engines: list
             assert buf.numpy().tobytes() == expect
         pending.clear()
 
-    for _ in range(data.draw(st.integers(1, 6), label="steps")):
+    for _ in range(data.draw(st.integers(1, 8), label="steps")):
         op = data.draw(ops, label="op")
         size, off = data.draw(sizes, label="size"), data.draw(offsets, label="offset")
+        if op.endswith("pread") or op == "read":
+            if model and data.draw(st.integers(0, 3), label="in_bounds") > 0:
+                off = data.draw(st.integers(0, len(model)), label="read_offset")
+                size = data.draw(st.integers(0, len(model) - off), label="read_size")
         buf = make_buffer(h, size, data.draw(memory, label="memory"))
         if op != "async_pread":
             drain()
@@ -73,7 +77,8 @@ def test_random_io_matches_model(aio_module: ModuleType, available_engines: list
             elif op == "write":
                 assert h.write(buf, str(path), False, off) == 0
             elif op == "fd_pwrite":
-                fd = os.open(path, os.O_WRONLY)
+                direct = data.draw(st.booleans(), label="O_DIRECT")
+                fd = os.open(path, os.O_WRONLY | (os.O_DIRECT if direct else 0))
                 try:
                     assert h.sync_pwrite(buf, fd=fd, file_offset=off) == 1
                 finally:
