@@ -8,6 +8,7 @@ Nothing here imports torch at module import time.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib
 import importlib.machinery
@@ -407,7 +408,12 @@ class OpBuilder(ABC):
         (build_dir / STAMP_FILE).unlink(missing_ok=True)
         from torch.utils import cpp_extension
 
+        # torch's own build lock is a plain file that a killed build leaves behind, and every later load
+        # then waits on it forever. An flock dies with its holder: under it, torch's lock can only be stale.
+        lock_fd = os.open(build_dir / ".deepnvme-build.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
             module = cpp_extension.load(
                 name=self.name, sources=srcs, extra_cflags=cflags, extra_ldflags=ldflags,
                 extra_cuda_cflags=self.nvcc_args() if self.with_cuda() else None, extra_include_paths=incs,
@@ -420,6 +426,8 @@ class OpBuilder(ABC):
             raise RuntimeError(
                 f"Building op '{self.name}' failed.\nreason (compiler's last lines):\n{_compiler_tail(log)}\n"
                 f"fix: {_fix_for(log)}\nbuild folder: {build_dir}") from exc
+        finally:
+            os.close(lock_fd)  # releases the flock
         self._write_stamp(build_dir, key, module, {"sources": srcs, "cxx": cflags, "ld": ldflags,
                                                     "include": incs})
         return module

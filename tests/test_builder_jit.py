@@ -66,6 +66,16 @@ def test_two_processes_loading_at_once_build_once(tmp_path):
     assert outputs.count("tiny.o") == 1 and outputs.count("tiny_race.so") == 1
 
 
+def test_stale_lock_of_a_killed_build_does_not_hang(tmp_path):
+    """A lock file left by a killed build (torch would wait on it forever) is cleared and built past."""
+    write_plugin(tmp_path, name="tiny_stale")
+    ext = tmp_path / "ext"
+    (ext / "tiny_stale").mkdir(parents=True)
+    (ext / "tiny_stale" / "lock").write_text("")
+    out = run_python(LOAD_TINY.format(name="tiny_stale"), paths=[tmp_path], env=_env(ext))
+    assert out["result"]["value"] == 1
+
+
 def test_a_failed_build_names_op_reason_and_fix(tmp_path, monkeypatch):
     write_plugin(tmp_path, name="tiny_broken")
     (tmp_path / "tinyplug" / "csrc" / "tiny.cpp").write_text('#include "deepnvme_missing_header.h"\n')
