@@ -271,3 +271,30 @@ def test_pread_pwrite_accept_fd(aio_module: ModuleType, engine: str, workdir: Pa
         os.fstat(fd)
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("kind", ["plain", "misaligned", "locked"])
+def test_concurrent_neighbouring_requests(aio_module: ModuleType, engine: str, workdir: Path,
+                                          kind: str) -> None:
+    """Async requests on adjacent unaligned regions of one file, in flight at once, never clobber."""
+    h = aio_module.aio_handle(4096, 16, False, True, 3, engine=engine)
+    path = workdir / "n"
+    cuts = [0, 1, 700, 4095, 4097, 9000, 12288, 12289, 20000, 20001, 33333]
+    data = os.urandom(cuts[-1])
+    path.write_bytes(bytes(len(data)))
+    bufs = []
+    for a, b in zip(cuts, cuts[1:]):
+        t = buffer(h, b - a, kind)
+        fill(t, data[a:b])
+        bufs.append(t)
+        assert h.async_pwrite(t, str(path), a) == 0
+    assert h.wait() == len(bufs)
+    assert path.read_bytes() == data
+    outs = []
+    for a, b in zip(cuts, cuts[1:]):
+        t = buffer(h, b - a, kind)
+        t.fill_(0)
+        outs.append(t)
+        assert h.async_pread(t, str(path), a) == 0
+    assert h.wait() == len(outs)
+    assert b"".join(tbytes(t) for t in outs) == data

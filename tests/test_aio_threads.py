@@ -192,6 +192,27 @@ def test_destroy_with_pending_requests(aio_module: ModuleType, engine: str, work
             assert tbytes(bufs[i]) == data, i
 
 
+def test_pending_request_keeps_buffer_alive(aio_module: ModuleType, engine: str, workdir: Path) -> None:
+    """Dropping the last reference to a buffer with a request in flight neither crashes nor corrupts."""
+    h = aio_module.aio_handle(65536, 4, False, True, 2, engine=engine)
+    expected = []
+    for i in range(16):
+        src, data = random_tensor(300_000 + i)
+        expected.append(data)
+        assert h.async_pwrite(src, str(workdir / f"k{i}"), 0) == 0
+        del src
+    gc.collect()
+    junk = [torch.full((300_000,), 0xAB, dtype=torch.uint8) for _ in range(16)]
+    assert h.wait() == 16
+    for i, data in enumerate(expected):
+        assert (workdir / f"k{i}").read_bytes() == data, i
+    for i in range(16):
+        assert h.async_pread(torch.empty(300_000 + i, dtype=torch.uint8), str(workdir / f"k{i}")) == 0
+    gc.collect()
+    assert h.wait() == 16
+    del junk
+
+
 def test_destroy_with_failed_pending_request(aio_module: ModuleType, workdir: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Deleting a handle whose pending request failed neither crashes nor loses the other requests."""
