@@ -123,3 +123,17 @@ def test_bad_locked_tensor_requests(aio_module: ModuleType, pin_module: ModuleTy
             h.new_cpu_locked_tensor(16, "float32")
         with pytest.raises(TypeError):
             h.is_pinned([1, 2, 3])
+
+
+HUGE = [(2**61, torch.int64), (2**60, torch.int64), (2**62, torch.float32), (2**62, torch.uint8),
+        (2**45, torch.uint8)]
+
+
+@pytest.mark.parametrize("num_elem,dtype", HUGE)
+def test_huge_locked_tensor_raises(aio_module: ModuleType, pin_module: ModuleType, num_elem: int,
+                                   dtype: torch.dtype) -> None:
+    """A size that overflows or cannot be allocated raises; never a tensor over too little memory."""
+    for h in (aio_module.aio_handle(), pin_module.pin_handle()):
+        with pytest.raises((MemoryError, ValueError, OverflowError, OSError)):
+            t = h.new_cpu_locked_tensor(num_elem, torch.empty(0, dtype=dtype))
+            pytest.fail(f"got numel {t.numel()} over {t.untyped_storage().nbytes()} bytes")
