@@ -279,6 +279,16 @@ def render(cases: list[Case], meta: dict) -> str:
             out.append(f"- {op}: best deepnvme {ds['median']:.2f} GB/s ({dc.name}) / best fio "
                        f"{fs['median']:.2f} GB/s ({fc.name}) = **{ds['median'] / fs['median']:.2f}×**")
     for op in ("write", "read"):
+        for settings in ("QD32 P2 locked", "QD128 P2 locked", "QD32 P2 plain"):
+            d = [summary(c) for c in cases if c.group == "deepnvme" and c.op == op and c.samples
+                 and c.name.endswith(settings)]
+            k = [summary(c) for c in cases if c.group == "DeepSpeed" and c.op == op and c.samples
+                 and c.name.endswith(settings)]
+            if d and k:
+                best_d = max(x["median"] for x in d)
+                out.append(f"- {op} vs DeepSpeed at {settings}: deepnvme {best_d:.2f} / DeepSpeed "
+                           f"{k[0]['median']:.2f} GB/s = **{best_d / k[0]['median']:.2f}×**")
+    for op in ("write", "read"):
         pairs = []
         for (group, name), ops in names.items():
             if group == "deepnvme" and name.endswith(" plain") and op in ops:
@@ -441,11 +451,28 @@ def bench(args: argparse.Namespace, size: int, work: str) -> int:
     cases.append(Case("baseline", "deepnvme write+fsync (QD32 P2 locked)", "write", aio_write_fsync, size))
 
     try:
-        import deepspeed  # noqa: F401
-    except Exception as exc:  # any failure to import means there is nothing to compare with
-        notes.append(f"DeepSpeed: not measured (`import deepspeed` failed: {type(exc).__name__})")
+        from deepspeed.ops.op_builder import AsyncIOBuilder as DSAsyncIOBuilder
+        ds_aio = DSAsyncIOBuilder().load()
+    except Exception as exc:  # any failure to import or build means there is nothing to compare with
+        notes.append(f"DeepSpeed: not measured (its async_io is unavailable: {type(exc).__name__}: {exc})")
     else:
-        notes.append("DeepSpeed is importable but this script does not drive it yet")
+        # Same settings as deepnvme's rows, same locked tensor (DeepSpeed reads it as pinned memory only when
+        # it allocated it, so give it its own locked buffer).
+        ds_locked = ds_aio.aio_handle().new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+        ds_locked.copy_(locked)
+        for depth, threads in ((32, 2), (128, 2)):
+            kw = handle_settings("", depth, threads)
+            kw.pop("engine")
+            h = ds_aio.aio_handle(**kw)
+            handles.append(h)
+            for op in ("write", "read"):
+                cases.append(Case("DeepSpeed", f"aio_handle QD{depth} P{threads} locked", op,
+                                  aio_seq(h, ds_locked, seq, op), size))
+        plain_h = ds_aio.aio_handle(**{k: v for k, v in handle_settings("", 32, 2).items() if k != "engine"})
+        handles.append(plain_h)
+        for op in ("write", "read"):
+            cases.append(Case("DeepSpeed", "aio_handle QD32 P2 plain", op,
+                              aio_seq(plain_h, plain, seq, op), size))
 
     # Correctness once, before timing: a deepnvme round trip of the sequential file.
     check = cases[0].run  # first deepnvme write
