@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import subprocess
 import time
@@ -64,6 +65,31 @@ def full_fs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield mnt
     finally:
         umount(mnt)
+
+
+@pytest.fixture(scope="module")
+def fs_4kn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """An ext4 file system on a loop device with 4096-byte logical sectors (a 4Kn drive)."""
+    base = tmp_path_factory.mktemp("4kn")
+    img, mnt = base / "fs.img", base / "mnt"
+    with open(img, "wb") as f:
+        f.truncate(64 * MiB)
+    if os.geteuid() != 0:
+        pytest.skip("needs root for losetup")
+    r = sh("losetup", "-f", "--show", "-b", "4096", str(img))
+    if r.returncode != 0:
+        pytest.skip(f"losetup -b 4096 failed: {r.stderr.strip()}")
+    dev = r.stdout.strip()
+    try:
+        if sh("mkfs.ext4", "-q", dev).returncode != 0:
+            pytest.skip("mkfs.ext4 on the 4Kn loop device failed")
+        mount_or_skip([dev], mnt)
+        try:
+            yield mnt
+        finally:
+            umount(mnt)
+    finally:
+        sh("losetup", "-d", dev)
 
 
 @pytest.fixture
@@ -368,6 +394,35 @@ def test_full_file_system(handle, full_fs: Path, workdir: Path, mode: str) -> No
     assert (full_fs / "small").read_bytes() == data
     (full_fs / "small").unlink()
     assert_usable(handle, workdir)
+
+
+# ----------------------------------------------------------------------------- 4Kn device
+
+def test_4kn_device_alignment(aio_module: ModuleType, engine: str, fs_4kn: Path) -> None:
+    """On 4096-byte sectors, 512-aligned requests still work: alignment comes from the device, not 512."""
+    probe = fs_4kn / "probe"
+    fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o644)
+    try:
+        mem = mmap.mmap(-1, 4096)
+        with pytest.raises(OSError):
+            os.pwrite(fd, memoryview(mem)[:512], 512)  # the precondition: 512-byte O_DIRECT is refused here
+    finally:
+        os.close(fd)
+    h = aio_module.aio_handle(4096, 8, False, True, 2, engine=engine)
+    assert h.get_alignment() % 4096 == 0
+    path = str(fs_4kn / f"f-{engine}")
+    model = bytearray()
+    for off, size in ((512, 3584), (0, 1536), (1024, 8192), (4608, 65536), (0, 3 * 4096), (3, 10000)):
+        src = h.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+        data = os.urandom(size)
+        src.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        assert h.sync_pwrite(src, path, off) == 1
+        model.extend(bytes(max(0, off + size - len(model))))
+        model[off:off + size] = data
+        dst = torch.empty(size + 512, dtype=torch.uint8)[512:]
+        assert h.sync_pread(dst, path, off) == 1
+        assert tbytes(dst) == data
+    assert Path(path).read_bytes() == bytes(model)
 
 
 # ----------------------------------------------------------------------------- ramfs (no O_DIRECT)
