@@ -23,13 +23,15 @@ offsets = st.one_of(st.integers(0, 2 * MiB), st.sampled_from([0, 1, 512, 4096, 4
 ops = st.sampled_from(
     ["sync_pwrite", "async_pwrite", "write", "fd_pwrite", "sync_pread", "async_pread", "read"]
 )
-memory = st.sampled_from(["plain", "misaligned", "locked"])
+memory = st.sampled_from(["plain", "misaligned", "locked", "locked_misaligned"])
 
 
 def make_buffer(h, n: int, kind: str) -> torch.Tensor:
     """A uint8 buffer of n bytes: plain, misaligned by 3 bytes, or a view into a locked tensor."""
     if kind == "locked":
         return h.new_cpu_locked_tensor(n + 4096, U8)[4096 if n % 2 else 0:][:n]
+    if kind == "locked_misaligned":
+        return h.new_cpu_locked_tensor(n + 1, U8)[1:]
     if kind == "misaligned":
         return torch.empty(n + 3, dtype=torch.uint8)[3:]
     return torch.empty(n, dtype=torch.uint8)

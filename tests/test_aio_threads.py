@@ -227,6 +227,34 @@ def test_destroy_with_failed_pending_request(aio_module: ModuleType, workdir: Pa
     assert intact >= 3
 
 
+EXIT_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from op_builder import AsyncIOBuilder
+    m = AsyncIOBuilder().load()
+    d = sys.argv[1]
+    H = m.aio_handle(1 << 20, 8, False, True, 2)  # a module global, destroyed during interpreter shutdown
+    for i in range(24):
+        assert H.async_pwrite(torch.full((1 << 20,), i, dtype=torch.uint8), f"{d}/f{i}") == 0
+    L = H.new_cpu_locked_tensor(1 << 20, torch.empty(0, dtype=torch.uint8))
+    L.fill_(99)
+    assert H.async_pwrite(L, f"{d}/locked") == 0
+    raise SystemExit(3)
+""")
+
+
+def test_interpreter_exit_with_pending_requests(workdir: Path) -> None:
+    """Exiting Python with async requests in flight on a global handle finishes them, without a crash."""
+    script = workdir / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    r = subprocess.run([sys.executable, str(script), str(workdir)], check=False, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 3, r.stderr
+    for i in range(24):
+        assert (workdir / f"f{i}").read_bytes() == bytes([i]) * MiB, i
+    assert (workdir / "locked").read_bytes() == bytes([99]) * MiB
+
+
 # ----------------------------------------------------------------------------- leaks
 
 def test_no_fd_leak(aio_module: ModuleType, available_engines: list[str], workdir: Path,
