@@ -511,3 +511,22 @@ def test_validate_mismatch_raises(handle, workdir: Path, capfd: pytest.CaptureFi
         handle.wait()
     assert capfd.readouterr().out == ""
     assert_usable(handle, workdir)
+
+
+@pytest.mark.parametrize("par", [1, 3])
+def test_file_shrinking_under_read(aio_module: ModuleType, engine: str, workdir: Path, par: int) -> None:
+    """A file truncated during a read raises EIO 'short transfer' (or, if the read won, has intact data)."""
+    path = workdir / "shrink"
+    data = os.urandom(16 * MiB)
+    path.write_bytes(data)
+    h = aio_module.aio_handle(65536, 1, False, False, par, engine=engine)
+    buf = h.new_cpu_locked_tensor(len(data), torch.empty(0, dtype=torch.uint8))
+    assert h.async_pread(buf, str(path)) == 0
+    os.truncate(path, 12345)
+    try:
+        assert h.wait() == 1
+    except OSError as e:
+        assert e.errno == errno.EIO and "short transfer" in str(e) and e.filename == str(path)
+    else:
+        assert tbytes(buf) == data
+    assert_usable(h, workdir)
