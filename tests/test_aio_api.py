@@ -125,3 +125,15 @@ def test_locked_tensor_shape_and_alignment(aio_module: ModuleType) -> None:
         assert t.data_ptr() % page == 0
         assert h.is_pinned(t)
         assert h.free_cpu_locked_tensor(t) is True
+
+
+def test_env_engine_errors(aio_module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad DEEPNVME_ENGINE is reported like a bad engine= argument; an explicit engine= overrides it."""
+    monkeypatch.setenv("DEEPNVME_ENGINE", "nonesuch")
+    with pytest.raises(ValueError):
+        aio_module.aio_handle()
+    assert aio_module.aio_handle(engine="posix").get_engine() == "posix"
+    monkeypatch.setenv("DEEPNVME_ENGINE", "posix")
+    assert aio_module.aio_handle().get_engine() == "posix"
+    assert aio_module.aio_handle(engine=aio_module.available_engines()[0]).get_engine() == \
+        aio_module.available_engines()[0]
