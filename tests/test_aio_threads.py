@@ -15,7 +15,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from conftest import REPO_ROOT
+from builder_helpers import REPO_ROOT
 
 MiB = 1 << 20
 U8 = torch.empty(0, dtype=torch.uint8)
