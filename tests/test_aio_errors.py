@@ -560,3 +560,14 @@ def test_block_device_roundtrip(aio_module: ModuleType, engine: str, block_devic
     assert tbytes(dst) == data
     with pytest.raises(ValueError):
         h.sync_pread(torch.zeros(4096, dtype=torch.uint8), block_device, 16 * MiB - 100)
+
+
+def test_block_device_write_past_end(aio_module: ModuleType, engine: str, block_device: str) -> None:
+    """Writing across or beyond a block device's end raises OSError ENOSPC naming the device."""
+    h = aio_module.aio_handle(MiB, 8, False, True, 2, engine=engine)
+    src, _ = random_tensor(8192)
+    for off in (16 * MiB - 100, 16 * MiB - 4096, 16 * MiB, 20 * MiB):
+        with pytest.raises(OSError) as exc:
+            h.sync_pwrite(src, block_device, off)
+        assert exc.value.errno == errno.ENOSPC and exc.value.filename == block_device
+    assert h.wait() == 0
