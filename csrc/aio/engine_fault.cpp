@@ -57,7 +57,7 @@ std::shared_ptr<FaultRules> parse_rules(const char* text) {
     return rules;
 }
 
-class FaultEngine final : public Engine {
+class FaultEngine final : public InlineEngine {
 public:
     FaultEngine(unsigned queue_depth, std::shared_ptr<FaultRules> rules) : rules_(std::move(rules)) {
         done_.reserve(queue_depth);
@@ -68,13 +68,6 @@ public:
         if (call == rules_->eagain_submit_at) return 0;
         if (rules_->partial_submit && n > 1) n = 1;
         for (size_t i = 0; i < n; ++i) done_.push_back({ops[i].tag, run(ops[i])});
-        return n;
-    }
-
-    size_t reap(IoDone* out, size_t /*min_done*/, size_t max) override {
-        size_t n = done_.size() < max ? done_.size() : max;
-        for (size_t i = 0; i < n; ++i) out[i] = done_[i];
-        done_.erase(done_.begin(), done_.begin() + static_cast<std::ptrdiff_t>(n));
         return n;
     }
 
@@ -93,7 +86,6 @@ private:
     }
 
     std::shared_ptr<FaultRules> rules_;
-    std::vector<IoDone> done_;
 };
 
 }  // namespace

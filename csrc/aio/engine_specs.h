@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "engine.h"
 
@@ -11,6 +12,15 @@ namespace dnv {
 
 // One synchronous pread/pwrite with EINTR retry: bytes moved or -errno. Shared by posix and fault.
 int64_t transfer_once(const IoOp& op);
+
+// Base of the engines that finish each op inside submit(): completions wait in done_ until reaped.
+class InlineEngine : public Engine {
+public:
+    size_t reap(IoDone* out, size_t min_done, size_t max) override;
+
+protected:
+    std::vector<IoDone> done_;
+};
 
 std::unique_ptr<Engine> make_posix_engine(unsigned qd, const std::shared_ptr<EngineShared>& shared);
 std::string probe_posix();

@@ -13,29 +13,6 @@
 namespace dnv {
 namespace {
 
-HandleConfig make_config(int64_t block_size, int64_t queue_depth, bool single_submit, bool overlap_events,
-                         int64_t parallelism, const std::string& engine) {
-    if (block_size <= 0) throw ArgError("block_size must be positive, got " + std::to_string(block_size));
-    if (queue_depth <= 0 || queue_depth > 65536)
-        throw ArgError("queue_depth must be in 1..65536, got " + std::to_string(queue_depth));
-    if (parallelism <= 0 || parallelism > 1024)
-        throw ArgError("intra_op_parallelism must be in 1..1024, got " + std::to_string(parallelism));
-    HandleConfig c;
-    c.block_size = static_cast<size_t>(block_size);
-    c.queue_depth = static_cast<unsigned>(queue_depth);
-    c.single_submit = single_submit;
-    c.overlap_events = overlap_events;
-    c.parallelism = static_cast<unsigned>(parallelism);
-    c.engine = engine;
-    return c;
-}
-
-// Where a request goes: a path or a caller's descriptor.
-struct Target {
-    std::string path;
-    int fd = -1;
-};
-
 class AioHandle {
 public:
     AioHandle(int64_t block_size, int64_t queue_depth, bool single_submit, bool overlap_events,
@@ -118,17 +95,6 @@ private:
 
     std::unique_ptr<IoHandle> core_;
 };
-
-Target by_path(const std::string& p) { return Target{p, -1}; }
-Target by_fd(int fd) {
-    if (fd < 0) throw ArgError("fd must be a non-negative file descriptor, got " + std::to_string(fd));
-    return Target{{}, fd};
-}
-Target by_pathlike(const py::object& o) {
-    py::object s = py::module_::import("os").attr("fspath")(o);
-    if (!py::isinstance<py::str>(s)) throw ArgError("filename must be a str path");
-    return Target{s.cast<std::string>(), -1};
-}
 
 int64_t whole_file_op(const at::Tensor& buffer, const std::string& filename, int64_t block_size,
                       int64_t queue_depth, bool single_submit, bool overlap_events, bool validate, bool write) {

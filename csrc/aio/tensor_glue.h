@@ -67,6 +67,41 @@ inline BufferArg buffer_arg(const at::Tensor& t, const char* name = "buffer") {
     return b;
 }
 
+// Handle settings as both I/O bindings take them, checked once here.
+inline HandleConfig make_config(int64_t block_size, int64_t queue_depth, bool single_submit, bool overlap_events,
+                                int64_t parallelism, const std::string& engine) {
+    if (block_size <= 0) throw ArgError("block_size must be positive, got " + std::to_string(block_size));
+    if (queue_depth <= 0 || queue_depth > 65536)
+        throw ArgError("queue_depth must be in 1..65536, got " + std::to_string(queue_depth));
+    if (parallelism <= 0 || parallelism > 1024)
+        throw ArgError("intra_op_parallelism must be in 1..1024, got " + std::to_string(parallelism));
+    HandleConfig c;
+    c.block_size = static_cast<size_t>(block_size);
+    c.queue_depth = static_cast<unsigned>(queue_depth);
+    c.single_submit = single_submit;
+    c.overlap_events = overlap_events;
+    c.parallelism = static_cast<unsigned>(parallelism);
+    c.engine = engine;
+    return c;
+}
+
+// Where a request goes: a path or a caller's descriptor (never closed by us).
+struct Target {
+    std::string path;
+    int fd = -1;
+};
+
+inline Target by_path(const std::string& p) { return Target{p, -1}; }
+inline Target by_fd(int fd) {
+    if (fd < 0) throw ArgError("fd must be a non-negative file descriptor, got " + std::to_string(fd));
+    return Target{{}, fd};
+}
+inline Target by_pathlike(const py::object& o) {
+    py::object s = py::module_::import("os").attr("fspath")(o);
+    if (!py::isinstance<py::str>(s)) throw ArgError("filename must be a str path");
+    return Target{s.cast<std::string>(), -1};
+}
+
 inline bool is_pinned_tensor(const at::Tensor& t) {
     if (!t.defined() || !t.device().is_cpu()) return false;
     try {
@@ -82,7 +117,11 @@ inline bool is_pinned_tensor(const at::Tensor& t) {
 inline at::Tensor new_locked_tensor(int64_t num_elem, const at::Tensor& example) {
     if (num_elem <= 0) throw ArgError("num_elem must be positive, got " + std::to_string(num_elem));
     auto dtype = example.scalar_type();
-    size_t bytes = static_cast<size_t>(num_elem) * c10::elementSize(dtype);
+    size_t elem = c10::elementSize(dtype);
+    // Beyond this no machine has the memory, and the byte count itself would overflow.
+    if (static_cast<uint64_t>(num_elem) > (uint64_t{1} << 60) / elem)
+        throw std::bad_alloc();
+    size_t bytes = static_cast<size_t>(num_elem) * elem;
     PinnedRegistry* reg = &shared_registry();
     PinnedRegistry::Allocation a{};
     {
