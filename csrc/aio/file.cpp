@@ -1,6 +1,8 @@
 #include "file.h"
 
 #include <fcntl.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 
@@ -178,6 +180,12 @@ uint64_t TargetFile::size() const {
     int fd = direct_fd_ >= 0 ? direct_fd_ : buffered_fd_;
     struct stat st {};
     if (::fstat(fd, &st) != 0) throw_io(errno, "fstat failed", path_);
+    if (S_ISBLK(st.st_mode)) {
+        // A block device reports st_size 0; its capacity comes from the driver.
+        uint64_t bytes = 0;
+        if (::ioctl(fd, BLKGETSIZE64, &bytes) != 0) throw_io(errno, "BLKGETSIZE64 failed", path_);
+        return bytes;
+    }
     return static_cast<uint64_t>(st.st_size);
 }
 

@@ -103,7 +103,7 @@ inline Target by_pathlike(const py::object& o) {
 }
 
 inline bool is_pinned_tensor(const at::Tensor& t) {
-    if (!t.defined() || !t.device().is_cpu()) return false;
+    if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided) return false;
     try {
         if (t.is_pinned()) return true;
     } catch (const std::exception&) {
@@ -139,7 +139,7 @@ inline at::Tensor new_locked_tensor(int64_t num_elem, const at::Tensor& example)
 }
 
 inline bool free_locked_tensor(const at::Tensor& t) {
-    return t.defined() && t.device().is_cpu() && shared_registry().forget(t.data_ptr());
+    return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && shared_registry().forget(t.data_ptr());
 }
 
 // OSError(errno, message, filename) so that Python picks FileNotFoundError, PermissionError...
