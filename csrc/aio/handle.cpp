@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <set>
 
 #include "error.h"
@@ -451,37 +452,43 @@ const Request* first_failure(const std::vector<std::unique_ptr<Request>>& reqs) 
     return best;
 }
 
-std::string verify_request(Request& r) {
+std::string compare_with_file(const TargetFile& file, uint64_t offset, size_t nbytes, size_t chunk,
+                              const std::function<const char*(size_t at, size_t len)>& memory) {
     // Reopen buffered: the request's own descriptors are closed by now, and may have been O_DIRECT.
-    std::string src = r.file.user_fd() >= 0 ? "/proc/self/fd/" + std::to_string(r.file.user_fd()) : r.file.path();
+    std::string src = file.user_fd() >= 0 ? "/proc/self/fd/" + std::to_string(file.user_fd()) : file.path();
     FileDesc fd(::open(src.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd) throw_io(errno, "cannot reopen for validation", r.file.path());
-    constexpr size_t kChunk = 1u << 20;
-    std::vector<char> disk(std::min(kChunk, r.nbytes)), mem(r.copier ? disk.size() : 0);
-    for (size_t at = 0; at < r.nbytes; at += kChunk) {
-        size_t len = std::min(kChunk, r.nbytes - at);
+    if (!fd) throw_io(errno, "cannot reopen for validation", file.path());
+    std::vector<char> disk(std::min(chunk, nbytes));
+    for (size_t at = 0; at < nbytes; at += chunk) {
+        size_t len = std::min(chunk, nbytes - at);
         size_t got = 0;
         while (got < len) {
-            ssize_t n = ::pread(fd.get(), disk.data() + got, len - got, static_cast<off_t>(r.offset + at + got));
+            ssize_t n = ::pread(fd.get(), disk.data() + got, len - got, static_cast<off_t>(offset + at + got));
             if (n < 0 && errno == EINTR) continue;
-            if (n < 0) throw_io(errno, "validation read failed", r.file.path());
-            if (n == 0) return "file " + r.file.path() + " is shorter than the buffer (" +
-                               std::to_string(r.offset + at + got) + " bytes)";
+            if (n < 0) throw_io(errno, "validation read failed", file.path());
+            if (n == 0) return "file " + file.path() + " is shorter than the buffer (" +
+                               std::to_string(offset + at + got) + " bytes)";
             got += static_cast<size_t>(n);
         }
-        const char* want = r.mem + at;
-        if (r.copier) {
-            r.copier->to_host(mem.data(), at, len);
-            want = mem.data();
-        }
+        const char* want = memory(at, len);
         if (std::memcmp(disk.data(), want, len) != 0) {
             size_t i = 0;
             while (disk[i] == want[i]) ++i;
-            return "validation failed for " + r.file.path() + ": file byte " + std::to_string(r.offset + at + i) +
+            return "validation failed for " + file.path() + ": file byte " + std::to_string(offset + at + i) +
                    " differs from buffer byte " + std::to_string(at + i);
         }
     }
     return {};
+}
+
+std::string verify_request(Request& r) {
+    constexpr size_t kChunk = 1u << 20;
+    std::vector<char> host(r.copier ? std::min(kChunk, r.nbytes) : 0);
+    return compare_with_file(r.file, r.offset, r.nbytes, kChunk, [&](size_t at, size_t len) -> const char* {
+        if (!r.copier) return r.mem + at;
+        r.copier->to_host(host.data(), at, len);
+        return host.data();
+    });
 }
 
 }  // namespace dnv

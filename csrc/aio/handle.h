@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -178,6 +179,10 @@ private:
 
 // Reads the request's file range back and compares it with the memory; "" when equal, else what differs.
 std::string verify_request(Request& r);
+
+// The comparison itself: `memory(at, len)` yields the buffer's bytes [at, at+len) in host memory.
+std::string compare_with_file(const TargetFile& file, uint64_t offset, size_t nbytes, size_t chunk,
+                              const std::function<const char*(size_t at, size_t len)>& memory);
 
 // The first failed request among `reqs` (submission order), or null.
 const Request* first_failure(const std::vector<std::unique_ptr<Request>>& reqs);

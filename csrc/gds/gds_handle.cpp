@@ -303,34 +303,13 @@ void GdsHandle::drain(Completed& out) {
 }
 
 std::string verify_device(DeviceRequest& r) {
-    // Reopen buffered: the request's own descriptors are closed by now, and may have been O_DIRECT.
-    std::string src = r.file.user_fd() >= 0 ? "/proc/self/fd/" + std::to_string(r.file.user_fd()) : r.file.path();
-    FileDesc fd(::open(src.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd) throw_io(errno, "cannot reopen for validation", r.file.path());
     DeviceGuard guard(r.device);
     constexpr size_t kChunk = 4u << 20;
-    std::vector<char> disk(std::min(kChunk, r.nbytes)), mem(disk.size());
-    for (size_t at = 0; at < r.nbytes; at += kChunk) {
-        size_t len = std::min(kChunk, r.nbytes - at);
-        size_t got = 0;
-        while (got < len) {
-            ssize_t n = ::pread(fd.get(), disk.data() + got, len - got, static_cast<off_t>(r.offset + at + got));
-            if (n < 0 && errno == EINTR) continue;
-            if (n < 0) throw_io(errno, "validation read failed", r.file.path());
-            if (n == 0)
-                return "file " + r.file.path() + " is shorter than the buffer (" + std::to_string(r.offset + at + got) +
-                       " bytes)";
-            got += static_cast<size_t>(n);
-        }
-        check_cuda(cudaMemcpy(mem.data(), r.ptr + at, len, cudaMemcpyDeviceToHost), "validation cudaMemcpy");
-        if (std::memcmp(disk.data(), mem.data(), len) != 0) {
-            size_t i = 0;
-            while (disk[i] == mem[i]) ++i;
-            return "validation failed for " + r.file.path() + ": file byte " + std::to_string(r.offset + at + i) +
-                   " differs from buffer byte " + std::to_string(at + i);
-        }
-    }
-    return {};
+    std::vector<char> host(std::min(kChunk, r.nbytes));
+    return compare_with_file(r.file, r.offset, r.nbytes, kChunk, [&](size_t at, size_t len) -> const char* {
+        check_cuda(cudaMemcpy(host.data(), r.ptr + at, len, cudaMemcpyDeviceToHost), "validation cudaMemcpy");
+        return host.data();
+    });
 }
 
 }  // namespace dnv::gds
