@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # this checkout's deepnvme, not an installed one
 
-from deepnvme.pagecache import DESCRIPTIONS, drop_file_cache, read_mode  # noqa: E402
+from deepnvme.pagecache import DESCRIPTIONS, drop_file_cache, fsync_path, read_mode  # noqa: E402
 from deepnvme.sizes import parse_size  # noqa: E402
 
 GIB = 1 << 30
@@ -72,15 +72,6 @@ def timed(fn: Callable[[], object]) -> tuple[float, float]:
     c0, t0 = cpu_self(), time.perf_counter()
     fn()
     return time.perf_counter() - t0, cpu_self() - c0
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file by name, so buffered writers are charged for reaching the drive."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def make_file(path: str, size: int) -> None:

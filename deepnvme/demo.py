@@ -11,30 +11,13 @@ import sys
 import tempfile
 import time
 
-from deepnvme.pagecache import DESCRIPTIONS, drop_file_cache, read_mode
+from deepnvme.pagecache import DESCRIPTIONS, drop_file_cache, fsync_path, read_mode
+from deepnvme.pattern import fill_pattern
 from deepnvme.sizes import parse_size
 
 # The simple settings that reach the drive here: 1 MiB blocks, 32 in flight, overlapped events, 2 threads.
 SETTINGS = {"block_size": 1 << 20, "queue_depth": 32, "single_submit": False, "overlap_events": True,
             "intra_op_parallelism": 2}
-
-
-def _fsync(path: str) -> None:
-    """Push the file to the device, so a write figure counts the data reaching the drive."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fill(t) -> None:
-    """Fill a uint8 tensor with a position-dependent pattern: cheap to make, catches misplaced blocks."""
-    import torch
-
-    words = t[: t.numel() // 8 * 8].view(torch.int64)
-    torch.arange(words.numel(), dtype=torch.int64, out=words).mul_(-7046029254386353131)
-    t[words.numel() * 8:] = 0x5A
 
 
 def _human(n: int) -> str:
@@ -67,7 +50,7 @@ def run(size: int, directory: str) -> int:
         data = torch.empty(size, dtype=torch.uint8)  # plain tensors run at full speed too
         kind = f"plain (locking failed: {exc})"
     print(f"tensor: {kind}")
-    _fill(data)
+    fill_pattern(data)
     back = torch.empty(size, dtype=torch.uint8)
 
     fd, aio_path = tempfile.mkstemp(prefix="deepnvme_demo_", suffix=".bin", dir=directory)
@@ -78,7 +61,7 @@ def run(size: int, directory: str) -> int:
     try:
         start = time.perf_counter()
         handle.sync_pwrite(data, aio_path)
-        _fsync(aio_path)
+        fsync_path(aio_path)
         aio_w = time.perf_counter() - start
         drop_file_cache(aio_path)
         start = time.perf_counter()
@@ -89,7 +72,7 @@ def run(size: int, directory: str) -> int:
 
         start = time.perf_counter()
         torch.save(data, pt_path)
-        _fsync(pt_path)
+        fsync_path(pt_path)
         pt_w = time.perf_counter() - start
         drop_file_cache(pt_path)
         start = time.perf_counter()

@@ -27,7 +27,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deepnvme.pagecache import CACHED, DESCRIPTIONS, FADVISE, O_DIRECT, drop_file_cache, read_mode
+from deepnvme.pagecache import CACHED, DESCRIPTIONS, FADVISE, O_DIRECT, drop_file_cache, fsync_path, read_mode
+from deepnvme.pattern import fill_pattern
 from deepnvme.sizes import format_size, parse_size
 
 ENGINES = ("aio_handle", "aio_basic", "torch_io", "torch_fastio")
@@ -186,15 +187,6 @@ def _file_names(args: argparse.Namespace, folder: str, tid: int) -> list[str]:
     return [os.path.join(folder, f"{prefix}_{kind}_{args.io_size}.pt.{tid}_{n}") for n in range(count)]
 
 
-def _fill(t: Any) -> None:
-    """A position-dependent pattern: cheap to make and it catches misplaced blocks when validating."""
-    import torch
-
-    words = t[: t.numel() // 8 * 8].view(torch.int64)
-    torch.arange(words.numel(), dtype=torch.int64, out=words).mul_(-7046029254386353131)
-    t[words.numel() * 8:] = 0x5A
-
-
 class _Job:
     """One process's engine: builds its buffer and handle, prepares the files, runs one loop on a file."""
 
@@ -226,7 +218,7 @@ class _Job:
             self.engine_name = self.handle.get_engine() if hasattr(self.handle, "get_engine") else "gds"
         self.device = torch.device(f"cuda:{device}") if args.gpu else torch.device("cpu")
         self.buffer = self._buffer(args.io_size)
-        _fill(self.buffer)
+        fill_pattern(self.buffer)
         self.stream_buffers: list = []
         if args.engine == "torch_fastio" and not args.read:
             from deepnvme import fastio
@@ -296,7 +288,7 @@ class _Job:
                 self.loaded = torch.load(path, map_location=self.device, weights_only=True)
             else:
                 torch.save(self.buffer, path, _use_new_zipfile_serialization=not a.torch_legacy_save)
-                _fsync(path)
+                fsync_path(path)
         else:  # torch_fastio
             from deepnvme import fastio
 
@@ -323,15 +315,6 @@ class _Job:
         if self.locked:
             self.handle.free_cpu_locked_tensor(self.buffer)
             self.locked = False
-
-
-def _fsync(path: str) -> None:
-    """Charge buffered writers for reaching the drive."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _cpu() -> float:

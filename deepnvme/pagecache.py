@@ -38,6 +38,15 @@ def o_direct_works(directory: str) -> bool:
         os.unlink(path)
 
 
+def fsync_path(path: str) -> None:
+    """fsync a file by name, so a write figure counts the data reaching the drive, not the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def drop_file_cache(path: str) -> bool:
     """Flush and evict one file's cached pages; True when the kernel accepted the advice.
 
