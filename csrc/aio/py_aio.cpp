@@ -8,6 +8,7 @@
 
 #include "engine.h"
 #include "handle.h"
+#include "bind_handle.h"
 #include "tensor_glue.h"
 
 namespace dnv {
@@ -136,70 +137,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return d;
     }, "Every engine this build knows: 'ok' or why it is unavailable.");
 
-    py::class_<AioHandle>(m, "aio_handle")
-        .def(py::init<int64_t, int64_t, bool, bool, int64_t, const std::string&>(), py::arg("block_size") = 1048576,
-             py::arg("queue_depth") = 128, py::arg("single_submit") = false, py::arg("overlap_events") = false,
-             py::arg("intra_op_parallelism") = 1, py::arg("engine") = "auto")
-        .def("get_block_size", [](const AioHandle& h) { return static_cast<int64_t>(h.config().block_size); })
-        .def("get_queue_depth", [](const AioHandle& h) { return static_cast<int64_t>(h.config().queue_depth); })
-        .def("get_single_submit", [](const AioHandle& h) { return h.config().single_submit; })
-        .def("get_overlap_events", [](const AioHandle& h) { return h.config().overlap_events; })
-        .def("get_intra_op_parallelism", [](const AioHandle& h) { return static_cast<int64_t>(h.config().parallelism); })
-        .def("get_alignment",
-             [](const AioHandle& h) { return static_cast<int64_t>(h.config().parallelism * page_size()); },
-             "Sizes that are multiples of this go entirely O_DIRECT on any common device (others work too).")
-        .def("get_engine", &AioHandle::engine)
-        .def("read",
-             [](AioHandle& h, const at::Tensor& b, const std::string& f, bool v, int64_t off) {
-                 h.io(b, by_path(f), false, v, false, off);
-                 return 0;
-             },
-             py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("file_offset") = 0)
-        .def("write",
-             [](AioHandle& h, const at::Tensor& b, const std::string& f, bool v, int64_t off) {
-                 h.io(b, by_path(f), true, v, false, off);
-                 return 0;
-             },
-             py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("file_offset") = 0)
-        .def("pread",
-             [](AioHandle& h, const at::Tensor& b, const std::string& f, bool v, bool a, int64_t off) {
-                 return h.io(b, by_path(f), false, v, a, off);
-             },
-             py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
-        .def("pwrite",
-             [](AioHandle& h, const at::Tensor& b, const std::string& f, bool v, bool a, int64_t off) {
-                 return h.io(b, by_path(f), true, v, a, off);
-             },
-             py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
-        .def("pread",
-             [](AioHandle& h, const at::Tensor& b, int fd, bool v, bool a, int64_t off) {
-                 return h.io(b, by_fd(fd), false, v, a, off);
-             },
-             py::arg("buffer"), py::arg("fd"), py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
-        .def("pwrite",
-             [](AioHandle& h, const at::Tensor& b, int fd, bool v, bool a, int64_t off) {
-                 return h.io(b, by_fd(fd), true, v, a, off);
-             },
-             py::arg("buffer"), py::arg("fd"), py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
-#define DNV_IO_METHOD(NAME, WRITE, ASYNC)                                                                    \
-    .def(NAME, [](AioHandle& h, const at::Tensor& b, const std::string& f,                                 \
-                  int64_t off) { return h.io(b, by_path(f), WRITE, false, ASYNC, off); },                  \
-         py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)                               \
-    .def(NAME, [](AioHandle& h, const at::Tensor& b, int fd,                                               \
-                  int64_t off) { return h.io(b, by_fd(fd), WRITE, false, ASYNC, off); },                   \
-         py::arg("buffer"), py::arg("fd"), py::arg("file_offset") = 0)                                     \
-    .def(NAME, [](AioHandle& h, const at::Tensor& b, const py::object& f,                                  \
-                  int64_t off) { return h.io(b, by_pathlike(f), WRITE, false, ASYNC, off); },              \
-         py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
-        DNV_IO_METHOD("sync_pread", false, false)
-        DNV_IO_METHOD("sync_pwrite", true, false)
-        DNV_IO_METHOD("async_pread", false, true)
-        DNV_IO_METHOD("async_pwrite", true, true)
-#undef DNV_IO_METHOD
-        .def("wait", &AioHandle::wait, "Wait for every queued async request; returns how many completed.")
-        .def("new_cpu_locked_tensor", [](AioHandle&, int64_t n, const at::Tensor& e) { return new_locked_tensor(n, e); }, py::arg("num_elem"), py::arg("example_tensor"))
-        .def("new_cpu_locked_tensor", [](AioHandle&, int64_t n, const at::Tensor& e) { return new_locked_tensor(n, e); }, py::arg("num_elem"), py::arg("example_tenosr"))
-        .def("free_cpu_locked_tensor", [](AioHandle&, const at::Tensor& t) { return free_locked_tensor(t); },
-             py::arg("tensor"))
+    py::class_<AioHandle> handle(m, "aio_handle");
+    bind_handle_api(handle);
+    handle
         .def("is_pinned", [](AioHandle&, const at::Tensor& t) { return is_pinned_tensor(t); }, py::arg("buffer"));
 }

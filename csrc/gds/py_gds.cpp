@@ -10,6 +10,7 @@
 
 #include "device_buffers.h"
 #include "gds_handle.h"
+#include "bind_handle.h"
 #include "tensor_glue.h"
 
 namespace dnv::gds {
@@ -147,6 +148,8 @@ public:
     }
 
     const GdsHandle& core() const { return *core_; }
+    const HandleConfig& config() const { return core_->config(); }
+    const std::string& engine() const { return core_->engine_name(); }
 
 private:
     int64_t collect(const Ticket* own) {
@@ -231,71 +234,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     register_translators();
     m.doc() = "deepnvme gds: DeepSpeed-compatible gds_handle; CUDA tensors through cuFile (GPUDirect Storage)";
 
-    py::class_<PyGdsHandle>(m, "gds_handle")
-        .def(py::init<int64_t, int64_t, bool, bool, int64_t, const std::string&>(), py::arg("block_size") = 1048576,
-             py::arg("queue_depth") = 128, py::arg("single_submit") = false, py::arg("overlap_events") = false,
-             py::arg("intra_op_parallelism") = 1, py::arg("engine") = "auto")
-        .def("get_block_size", [](const PyGdsHandle& h) { return static_cast<int64_t>(h.core().config().block_size); })
-        .def("get_queue_depth", [](const PyGdsHandle& h) { return static_cast<int64_t>(h.core().config().queue_depth); })
-        .def("get_single_submit", [](const PyGdsHandle& h) { return h.core().config().single_submit; })
-        .def("get_overlap_events", [](const PyGdsHandle& h) { return h.core().config().overlap_events; })
-        .def("get_intra_op_parallelism",
-             [](const PyGdsHandle& h) { return static_cast<int64_t>(h.core().config().parallelism); })
-        .def("get_alignment",
-             [](const PyGdsHandle& h) { return static_cast<int64_t>(h.core().config().parallelism * page_size()); },
-             "Sizes that are multiples of this go entirely O_DIRECT on any common device (others work too).")
-        .def("get_engine", [](const PyGdsHandle& h) { return h.core().engine_name(); },
-             "The host engine serving CPU tensors (and CUDA tensors on file systems cuFile cannot serve).")
+    py::class_<PyGdsHandle> handle(m, "gds_handle");
+    bind_handle_api(handle);
+    handle
         .def("get_io_mode", [](const PyGdsHandle& h) { return std::string(h.core().driver().mode()); },
              "'gpudirect' when cuFile moves data by DMA between GPU and storage, 'compat' when it goes through "
              "host memory (cuFile's compatibility mode).")
         .def("is_gpudirect", [](const PyGdsHandle& h) { return h.core().driver().gpudirect; })
         .def("get_io_info", [](const PyGdsHandle& h) { return driver_info(h.core().driver(), h.core().staged_requests()); },
              "cuFile's session as it describes itself, and how many CUDA requests were staged through host memory.")
-        .def("read",
-             [](PyGdsHandle& h, const at::Tensor& b, const std::string& f, bool v, int64_t off) {
-                 h.io(b, by_path(f), false, v, false, off);
-                 return 0;
-             },
-             py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("file_offset") = 0)
-        .def("write",
-             [](PyGdsHandle& h, const at::Tensor& b, const std::string& f, bool v, int64_t off) {
-                 h.io(b, by_path(f), true, v, false, off);
-                 return 0;
-             },
-             py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("file_offset") = 0)
-        .def("pread",
-             [](PyGdsHandle& h, const at::Tensor& b, const std::string& f, bool v, bool a, int64_t off) {
-                 return h.io(b, by_path(f), false, v, a, off);
-             },
-             py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
-        .def("pwrite",
-             [](PyGdsHandle& h, const at::Tensor& b, const std::string& f, bool v, bool a, int64_t off) {
-                 return h.io(b, by_path(f), true, v, a, off);
-             },
-             py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
-#define DNV_IO_METHOD(NAME, WRITE, ASYNC)                                                                    \
-    .def(NAME, [](PyGdsHandle& h, const at::Tensor& b, const std::string& f,                               \
-                  int64_t off) { return h.io(b, by_path(f), WRITE, false, ASYNC, off); },                  \
-         py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)                               \
-    .def(NAME, [](PyGdsHandle& h, const at::Tensor& b, int fd,                                             \
-                  int64_t off) { return h.io(b, by_fd(fd), WRITE, false, ASYNC, off); },                   \
-         py::arg("buffer"), py::arg("fd"), py::arg("file_offset") = 0)                                     \
-    .def(NAME, [](PyGdsHandle& h, const at::Tensor& b, const py::object& f,                                \
-                  int64_t off) { return h.io(b, by_pathlike(f), WRITE, false, ASYNC, off); },              \
-         py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
-        DNV_IO_METHOD("sync_pread", false, false)
-        DNV_IO_METHOD("sync_pwrite", true, false)
-        DNV_IO_METHOD("async_pread", false, true)
-        DNV_IO_METHOD("async_pwrite", true, true)
-#undef DNV_IO_METHOD
-        .def("wait", &PyGdsHandle::wait, "Wait for every queued async request; returns how many completed.")
-        .def("new_cpu_locked_tensor", [](PyGdsHandle&, int64_t n, const at::Tensor& e) { return new_locked_tensor(n, e); },
-             py::arg("num_elem"), py::arg("example_tensor"))
-        .def("new_cpu_locked_tensor", [](PyGdsHandle&, int64_t n, const at::Tensor& e) { return new_locked_tensor(n, e); },
-             py::arg("num_elem"), py::arg("example_tenosr"))
-        .def("free_cpu_locked_tensor", [](PyGdsHandle&, const at::Tensor& t) { return free_locked_tensor(t); },
-             py::arg("tensor"))
         .def("is_pinned",
              [](PyGdsHandle&, const at::Tensor& t) {
                  if (t.defined() && t.is_cuda())

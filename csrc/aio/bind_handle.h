@@ -1,0 +1,74 @@
+// DeepSpeed's handle API as pybind11 methods, written once for every handle binding (aio_handle, gds_handle).
+// H provides: io(tensor, Target, write, validate, async, file_offset), wait(), config(), engine().
+#pragma once
+
+#include <string>
+
+#include "tensor_glue.h"
+
+namespace dnv {
+
+template <class H>
+void bind_handle_api(py::class_<H>& c) {
+    c.def(py::init<int64_t, int64_t, bool, bool, int64_t, const std::string&>(), py::arg("block_size") = 1048576,
+          py::arg("queue_depth") = 128, py::arg("single_submit") = false, py::arg("overlap_events") = false,
+          py::arg("intra_op_parallelism") = 1, py::arg("engine") = "auto");
+    c.def("get_block_size", [](const H& h) { return static_cast<int64_t>(h.config().block_size); });
+    c.def("get_queue_depth", [](const H& h) { return static_cast<int64_t>(h.config().queue_depth); });
+    c.def("get_single_submit", [](const H& h) { return h.config().single_submit; });
+    c.def("get_overlap_events", [](const H& h) { return h.config().overlap_events; });
+    c.def("get_intra_op_parallelism", [](const H& h) { return static_cast<int64_t>(h.config().parallelism); });
+    c.def("get_alignment", [](const H& h) { return static_cast<int64_t>(h.config().parallelism * page_size()); },
+          "Sizes that are multiples of this go entirely O_DIRECT on any common device (others work too).");
+    c.def("get_engine", [](const H& h) { return h.engine(); }, "The engine serving host memory.");
+
+    // DeepSpeed's read/write return 0 on success rather than a count.
+    for (bool write : {false, true}) {
+        c.def(write ? "write" : "read",
+              [write](H& h, const at::Tensor& b, const std::string& f, bool v, int64_t off) {
+                  h.io(b, by_path(f), write, v, false, off);
+                  return 0;
+              },
+              py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("file_offset") = 0);
+        c.def(write ? "pwrite" : "pread",
+              [write](H& h, const at::Tensor& b, const std::string& f, bool v, bool a, int64_t off) {
+                  return h.io(b, by_path(f), write, v, a, off);
+              },
+              py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0);
+        c.def(write ? "pwrite" : "pread",
+              [write](H& h, const at::Tensor& b, int fd, bool v, bool a, int64_t off) {
+                  return h.io(b, by_fd(fd), write, v, a, off);
+              },
+              py::arg("buffer"), py::arg("fd"), py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0);
+    }
+    // sync_/async_ pread/pwrite, each by file name, by descriptor (never closed) and by os.PathLike.
+    for (bool write : {false, true}) {
+        for (bool async : {false, true}) {
+            std::string name = std::string(async ? "async_" : "sync_") + (write ? "pwrite" : "pread");
+            c.def(name.c_str(),
+                  [write, async](H& h, const at::Tensor& b, const std::string& f, int64_t off) {
+                      return h.io(b, by_path(f), write, false, async, off);
+                  },
+                  py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0);
+            c.def(name.c_str(),
+                  [write, async](H& h, const at::Tensor& b, int fd, int64_t off) {
+                      return h.io(b, by_fd(fd), write, false, async, off);
+                  },
+                  py::arg("buffer"), py::arg("fd"), py::arg("file_offset") = 0);
+            c.def(name.c_str(),
+                  [write, async](H& h, const at::Tensor& b, const py::object& f, int64_t off) {
+                      return h.io(b, by_pathlike(f), write, false, async, off);
+                  },
+                  py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0);
+        }
+    }
+    c.def("wait", &H::wait, "Wait for every queued async request; returns how many completed.");
+    // DeepSpeed's binding spells the keyword example_tenosr; accept both spellings.
+    for (const char* kw : {"example_tensor", "example_tenosr"})
+        c.def("new_cpu_locked_tensor", [](H&, int64_t n, const at::Tensor& e) { return new_locked_tensor(n, e); },
+              py::arg("num_elem"), py::arg(kw));
+    c.def("free_cpu_locked_tensor", [](H&, const at::Tensor& t) { return free_locked_tensor(t); },
+          py::arg("tensor"));
+}
+
+}  // namespace dnv
