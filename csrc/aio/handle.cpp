@@ -252,7 +252,16 @@ void Worker::reap() {
         return;
     }
     inflight_ -= static_cast<unsigned>(n);
-    for (size_t i = 0; i < n; ++i) complete(done_[i].tag, done_[i].res);
+    for (size_t i = 0; i < n; ++i) {
+        bool staged = slots_[static_cast<unsigned>(done_[i].tag)].staging >= 0;
+        complete(done_[i].tag, done_[i].res);
+        // A staging copy takes as long as several submissions: refill the queue after each one, so the
+        // device is not left idle while the rest of the batch is copied.
+        if (staged && h_.config().overlap_events) {
+            fill();
+            submit_ready();
+        }
+    }
 }
 
 void Worker::complete(uint64_t tag64, int64_t res) {
