@@ -16,14 +16,8 @@
 namespace dnv {
 namespace {
 
-constexpr size_t kStagingBudget = 32u << 20;  // per worker: enough buffers in flight to hide the copies
-constexpr size_t kMaxStagingBuffer = 8u << 20;
-constexpr size_t kStagingGranule = 64u << 10;  // a multiple of every direct-I/O alignment we expect
-
-size_t staging_buffer_bytes(size_t block_size) {
-    size_t b = std::min(block_size, kMaxStagingBuffer);
-    return (b + kStagingGranule - 1) / kStagingGranule * kStagingGranule;
-}
+// Share of the process-wide staging arena one worker may hold: enough in flight to hide the copies.
+constexpr unsigned kStagingPerWorker = 32;
 
 std::string where(const Request& r, size_t rel, size_t len) {
     return std::string(r.write ? "write" : "read") + " of " + std::to_string(len) + " bytes at file offset " +
@@ -86,9 +80,6 @@ void Request::fail(int err, const std::string& what) {
 Worker::Worker(IoHandle& handle, std::unique_ptr<Engine> engine)
     : h_(handle),
       engine_(std::move(engine)),
-      staging_(staging_buffer_bytes(handle.config().block_size),
-               std::clamp<size_t>(kStagingBudget / staging_buffer_bytes(handle.config().block_size), 2,
-                                  std::max<size_t>(2, handle.config().queue_depth))),
       slots_(handle.config().queue_depth),
       done_(handle.config().queue_depth) {
     free_slots_.reserve(slots_.size());
@@ -132,8 +123,9 @@ void Worker::run() {
         submit_ready();
         if (inflight_ > 0) {
             reap();
-        } else if (!ready_.empty()) {
-            // The engine refused everything with nothing in flight (EAGAIN): give the kernel a moment.
+        } else if (!ready_.empty() || !active_.empty()) {
+            // Nothing in flight yet work waits: the engine refused it (EAGAIN), or other workers hold every
+            // staging buffer. Give them a moment instead of spinning.
             std::this_thread::sleep_for(std::chrono::microseconds(50));
         }
     }
@@ -168,27 +160,35 @@ void Worker::fill() {
         }
         int st = -1;
         if (r.staged) {
-            bool fresh = !staging_.allocated();
+            if (!fixed_tried_) {
+                fixed_tried_ = true;
+                try {
+                    auto bufs = staging_.buffers();
+                    fixed_buffers_ =
+                        engine_->register_buffers(bufs.data(), bufs.size(), StagingArena::kBufferBytes);
+                } catch (const std::bad_alloc&) {
+                    // acquire() below reports it against the request
+                }
+            }
+            if (staging_held_ >= kStagingPerWorker) break;  // reap first
             try {
                 st = staging_.acquire();
             } catch (const std::bad_alloc&) {
                 r.fail(ENOMEM, "cannot allocate staging buffers");
                 continue;
             }
-            if (fresh) {
-                auto bufs = staging_.buffers();
-                fixed_buffers_ = engine_->register_buffers(bufs.data(), bufs.size(), staging_.buffer_bytes());
-            }
-            if (st < 0) break;  // all staging buffers busy: reap first
-            if (len > staging_.buffer_bytes()) {
+            if (st < 0) break;  // other workers hold the rest: reap first, or retry shortly
+            ++staging_held_;
+            if (len > StagingArena::kBufferBytes) {
                 size_t unit = r.direct ? r.file.alignment().off : 1;
-                if (unit > staging_.buffer_bytes()) {
+                if (unit > StagingArena::kBufferBytes) {
                     // No device we know needs this; refuse cleanly rather than overrun a staging buffer.
                     r.fail(EINVAL, "device alignment " + std::to_string(unit) + " exceeds the staging buffer size");
                     staging_.release(st);
+                    --staging_held_;
                     continue;
                 }
-                len = std::max(unit, staging_.buffer_bytes() / unit * unit);
+                len = std::max(unit, StagingArena::kBufferBytes / unit * unit);
             }
         }
         unsigned tag = free_slots_.back();
@@ -209,6 +209,9 @@ void Worker::fill() {
             }
         }
         ready_.push_back(op_for(tag));
+        // A staging copy takes as long as several submissions: hand each copied block to the kernel at
+        // once, so the device works while the next one is copied.
+        if (st >= 0 && r.write && h_.config().overlap_events) submit_ready();
     }
 }
 
@@ -311,7 +314,10 @@ void Worker::complete(uint64_t tag64, int64_t res) {
 Slice* Worker::release_slot(unsigned tag) {
     Slot& sl = slots_[tag];
     Slice* s = sl.slice;
-    if (sl.staging >= 0) staging_.release(sl.staging);
+    if (sl.staging >= 0) {
+        staging_.release(sl.staging);
+        --staging_held_;
+    }
     s->outstanding--;
     sl = Slot{};
     free_slots_.push_back(tag);

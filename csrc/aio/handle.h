@@ -112,7 +112,9 @@ private:
 
     IoHandle& h_;
     std::unique_ptr<Engine> engine_;
-    StagingPool staging_;
+    StagingArena& staging_ = StagingArena::shared();
+    unsigned staging_held_ = 0;      // buffers this worker holds; capped so one worker cannot take them all
+    bool fixed_tried_ = false;       // registration with the engine attempted
     bool fixed_buffers_ = false;
     std::vector<Slot> slots_;
     std::vector<unsigned> free_slots_;

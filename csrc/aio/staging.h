@@ -1,34 +1,40 @@
-// A worker's reusable pool of page-aligned, locked bounce buffers, for memory that cannot go to O_DIRECT
-// as it is (unaligned host memory, device memory). Allocated once on first use, never per request.
+// The process-wide pool of page-aligned, locked bounce buffers, for memory that cannot go to O_DIRECT as it
+// is (unaligned host memory, device memory). Allocated once on first use and shared by every handle's
+// workers: never a buffer per request, and never a pool per handle (measured here: a second pool's buffers
+// made staged transfers about 40% slower than the first pool's; bench/plain_vs_locked.py --other-stager).
 #pragma once
 
 #include <cstddef>
-#include <memory>
+#include <mutex>
 #include <vector>
 
 namespace dnv {
 
-class StagingPool {
+class StagingArena {
 public:
-    StagingPool(size_t buffer_bytes, size_t count) : buffer_bytes_(buffer_bytes), count_(count) {}
-    ~StagingPool();
-    StagingPool(const StagingPool&) = delete;
-    StagingPool& operator=(const StagingPool&) = delete;
+    static constexpr size_t kBufferBytes = 1u << 20;
+    static constexpr size_t kBuffers = 64;
 
-    // Index of a free buffer, or -1 when all are in use. Allocates the pool on first call (may throw).
+    // The one arena of the process. It lives until exit: workers of handles being destroyed at exit may
+    // still hold buffers, so it is never torn down.
+    static StagingArena& shared();
+
+    // Index of a free buffer, or -1 when all are in use. Allocates the arena on first call (may throw).
     int acquire();
-    void release(int index) { free_.push_back(index); }
-    char* data(int index) const { return base_ + static_cast<size_t>(index) * buffer_bytes_; }
-    size_t buffer_bytes() const noexcept { return buffer_bytes_; }
-    size_t count() const noexcept { return count_; }
-    bool allocated() const noexcept { return base_ != nullptr; }
-    std::vector<void*> buffers() const;
+    void release(int index);
+    char* data(int index) const { return base_ + static_cast<size_t>(index) * kBufferBytes; }
+    // Every buffer, for registration with an io_uring ring (index i is buffer i). Allocates if needed.
+    std::vector<void*> buffers();
+
+    StagingArena() = default;
+    StagingArena(const StagingArena&) = delete;
+    StagingArena& operator=(const StagingArena&) = delete;
 
 private:
-    size_t buffer_bytes_, count_;
+    void allocate_locked();  // with mu_ held
+
+    std::mutex mu_;
     char* base_ = nullptr;
-    size_t bytes_ = 0;
-    bool locked_ = false;
     std::vector<int> free_;
 };
 
