@@ -73,6 +73,16 @@ def deepnvme_version() -> str:
     return "0+unknown"
 
 
+def _file_identity(path: Path) -> list[int] | None:
+    """Size and modification time of a built library: a file replaced since the stamp was written (another
+    build, a copy) no longer matches, so the fast path never imports a library it did not build."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
+
+
 def extensions_root() -> Path:
     """Root of JIT builds: ``$TORCH_EXTENSIONS_DIR``, else torch's per-user cache folder, named as torch
     names it (``~/.cache/torch_extensions/py311_cpu``), so both tools share one cache layout."""
@@ -237,18 +247,23 @@ class OpBuilder(ABC):
         OpBuilder._loaded_ops[self.name] = module
         return module
 
+    def jit_build_dir(self) -> Path:
+        """This op's JIT build folder. Prefixed so it never is DeepSpeed's: both name the op ``async_io``,
+        and a shared folder would make each tool rebuild over the other's library."""
+        return extensions_root() / f"deepnvme_{self.name}"
+
     def jit_load(self, verbose: bool = False) -> ModuleType:
         """Import the cached JIT build when its stamp matches; build it with torch/ninja otherwise."""
         self.jit_mode = True
         try:
             import torch  # noqa: F401 - the extension links against libtorch: load it first
 
-            build_dir = extensions_root() / self.name
+            build_dir = self.jit_build_dir()
             stamp = self._read_stamp(build_dir)
             if stamp and stamp.get("fingerprint") == self.probe_fingerprint():
                 self._probe_memo = self._restore_memo(stamp.get("probes", {}))
                 library = build_dir / str(stamp.get("library", ""))
-                if stamp.get("key") == self.jit_key() and library.is_file():
+                if stamp.get("key") == self.jit_key() and _file_identity(library) == stamp.get("library_id"):
                     try:
                         module = _import_extension(str(stamp["module"]), library)
                     except ImportError:
@@ -404,6 +419,14 @@ class OpBuilder(ABC):
         incs = [str(self.src_path(p)) for p in self.include_paths()]
         cflags, ldflags = self.cxx_args(), self.extra_ldflags()
         build_dir.mkdir(parents=True, exist_ok=True)
+        # A library replaced since our stamp was written is newer than every object, so ninja would keep it:
+        # note it now and remove it under the lock, to force the relink.
+        foreign: tuple[Path, list[int] | None] | None = None
+        old = self._read_stamp(build_dir)
+        if old and old.get("library"):
+            lib = build_dir / str(old["library"])
+            if lib.is_file() and _file_identity(lib) != old.get("library_id"):
+                foreign = (lib, _file_identity(lib))
         # A stale stamp must not send another process to the fast path while this one relinks.
         (build_dir / STAMP_FILE).unlink(missing_ok=True)
         from torch.utils import cpp_extension
@@ -414,6 +437,8 @@ class OpBuilder(ABC):
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
+            if foreign and _file_identity(foreign[0]) == foreign[1]:
+                foreign[0].unlink(missing_ok=True)
             module = cpp_extension.load(
                 name=self.name, sources=srcs, extra_cflags=cflags, extra_ldflags=ldflags,
                 extra_cuda_cflags=self.nvcc_args() if self.with_cuda() else None, extra_include_paths=incs,
@@ -435,7 +460,8 @@ class OpBuilder(ABC):
     def _write_stamp(self, build_dir: Path, key: str, module: ModuleType, flags: dict[str, Any]) -> None:
         library = Path(getattr(module, "__file__", "") or "")
         data = {"key": key, "fingerprint": self.probe_fingerprint(), "probes": self._saved_memo(),
-                "module": module.__name__, "library": library.name, "flags": flags}
+                "module": module.__name__, "library": library.name, "library_id": _file_identity(library),
+                "flags": flags}
         # Atomic replace: a concurrent reader sees the old stamp or the new one, never half of one.
         fd, tmp = tempfile.mkstemp(prefix=".stamp.", dir=build_dir)
         try:

@@ -47,6 +47,30 @@ def test_build_then_warm_load_then_rebuild_on_change(tmp_path):
     assert any("ninja" in c for c in changed["calls"])
 
 
+def test_another_tools_build_of_the_same_op_name_is_never_loaded_or_clobbered(tmp_path):
+    """DeepSpeed JIT-builds its own ``async_io`` into torch's folder. Ours lives beside it, and a library
+    replaced behind our stamp (here: the same op built with another value) is rebuilt, not imported."""
+    write_plugin(tmp_path, name="tiny_shared")
+    ext, code = tmp_path / "ext", LOAD_TINY.format(name="tiny_shared")
+    foreign = ext / "tiny_shared"  # where DeepSpeed (torch's default layout) builds an op of this name
+    foreign.mkdir(parents=True)
+    (foreign / "tiny_shared.so").write_bytes(b"not ours")
+    first = run_python(code, paths=[tmp_path], env=_env(ext))
+    so = Path(first["result"]["file"])
+    assert first["result"]["value"] == 1 and so.parent == ext / "deepnvme_tiny_shared"
+    assert (foreign / "tiny_shared.so").read_bytes() == b"not ours"
+
+    other = tmp_path / "other"
+    write_plugin(other, name="tiny_shared", value=2)
+    built = run_python(code, paths=[other], env=_env(tmp_path / "ext2"))
+    assert built["result"]["value"] == 2
+    so.write_bytes(Path(built["result"]["file"]).read_bytes())  # a different library behind our stamp
+
+    again = run_python(code, paths=[tmp_path], env=_env(ext))
+    assert again["result"]["value"] == 1
+    assert any("ninja" in c for c in again["calls"])
+
+
 def test_two_processes_loading_at_once_build_once(tmp_path):
     write_plugin(tmp_path, name="tiny_race")
     ext = tmp_path / "ext"
@@ -60,7 +84,7 @@ def test_two_processes_loading_at_once_build_once(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
         assert '"value": 1' in out
-    log = (ext / "tiny_race" / ".ninja_log").read_text()
+    log = (ext / "deepnvme_tiny_race" / ".ninja_log").read_text()
     # Each compile step ran once: one process built, the other waited on torch's lock and reused it.
     outputs = [line.split("\t")[3] for line in log.splitlines() if not line.startswith("#")]
     assert outputs.count("tiny.o") == 1 and outputs.count("tiny_race.so") == 1
@@ -70,8 +94,8 @@ def test_stale_lock_of_a_killed_build_does_not_hang(tmp_path):
     """A lock file left by a killed build (torch would wait on it forever) is cleared and built past."""
     write_plugin(tmp_path, name="tiny_stale")
     ext = tmp_path / "ext"
-    (ext / "tiny_stale").mkdir(parents=True)
-    (ext / "tiny_stale" / "lock").write_text("")
+    (ext / "deepnvme_tiny_stale").mkdir(parents=True)
+    (ext / "deepnvme_tiny_stale" / "lock").write_text("")
     out = run_python(LOAD_TINY.format(name="tiny_stale"), paths=[tmp_path], env=_env(ext))
     assert out["result"]["value"] == 1
 
@@ -123,7 +147,7 @@ def aio_ext_dir(request) -> Path:
 
 @pytest.mark.slow
 def test_async_io_jit_build_and_fast_warm_load(aio_ext_dir):
-    ninja_file = (aio_ext_dir / "async_io" / "build.ninja").read_text()
+    ninja_file = (aio_ext_dir / "deepnvme_async_io" / "build.ninja").read_text()
     assert "-O3" in ninja_file and "-O0" not in ninja_file
     out = run_python("""
         import time
