@@ -113,7 +113,8 @@ private:
     IoHandle& h_;
     std::unique_ptr<Engine> engine_;
     StagingArena& staging_ = StagingArena::shared();
-    unsigned staging_held_ = 0;      // buffers this worker holds; capped so one worker cannot take them all
+    unsigned staging_held_ = 0;      // staging buffers this worker holds
+    size_t staging_bytes_held_ = 0;  // staged bytes in flight; capped (see handle.cpp) to keep the copies cache-warm
     bool fixed_tried_ = false;       // registration with the engine attempted
     bool fixed_buffers_ = false;
     std::vector<Slot> slots_;
