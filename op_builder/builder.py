@@ -247,10 +247,16 @@ class OpBuilder(ABC):
         OpBuilder._loaded_ops[self.name] = module
         return module
 
+    def jit_module_name(self) -> str:
+        """Name of the JIT-built extension module, also its build folder under :func:`extensions_root`.
+        Prefixed so it never is DeepSpeed's: both call the op ``async_io``; in a shared folder each tool
+        rebuilt over the other's library, and in one process the second module of that name to load came
+        back as the first one."""
+        return f"deepnvme_{self.name}"
+
     def jit_build_dir(self) -> Path:
-        """This op's JIT build folder. Prefixed so it never is DeepSpeed's: both name the op ``async_io``,
-        and a shared folder would make each tool rebuild over the other's library."""
-        return extensions_root() / f"deepnvme_{self.name}"
+        """This op's JIT build folder."""
+        return extensions_root() / self.jit_module_name()
 
     def jit_load(self, verbose: bool = False) -> ModuleType:
         """Import the cached JIT build when its stamp matches; build it with torch/ninja otherwise."""
@@ -340,7 +346,7 @@ class OpBuilder(ABC):
 
         add("stamp", _STAMP_VERSION)
         add("deepnvme", deepnvme_version())
-        add("op", (self.name, type(self).__module__, type(self).__qualname__))
+        add("op", (self.name, self.jit_module_name(), type(self).__module__, type(self).__qualname__))
         add("torch", (torch.__version__, torch.version.cuda, getattr(torch.version, "hip", None)))
         add("python", (sys.implementation.cache_tag, sysconfig.get_config_var("SOABI")))
         add("compiler", _compiler_identity())
@@ -440,7 +446,7 @@ class OpBuilder(ABC):
             if foreign and _file_identity(foreign[0]) == foreign[1]:
                 foreign[0].unlink(missing_ok=True)
             module = cpp_extension.load(
-                name=self.name, sources=srcs, extra_cflags=cflags, extra_ldflags=ldflags,
+                name=self.jit_module_name(), sources=srcs, extra_cflags=cflags, extra_ldflags=ldflags,
                 extra_cuda_cflags=self.nvcc_args() if self.with_cuda() else None, extra_include_paths=incs,
                 build_directory=str(build_dir), verbose=verbose, with_cuda=True if self.with_cuda() else None)
         except Exception as exc:  # torch raises RuntimeError (build) or ImportError (load) with the log

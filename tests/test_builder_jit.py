@@ -29,7 +29,7 @@ def test_build_then_warm_load_then_rebuild_on_change(tmp_path):
     write_plugin(tmp_path, name="tiny_cache")
     env, code = _env(tmp_path / "ext"), LOAD_TINY.format(name="tiny_cache")
     cold = run_python(code, paths=[tmp_path], env=env)
-    assert cold["result"]["value"] == 1 and cold["result"]["name"] == "tiny_cache"
+    assert cold["result"]["value"] == 1 and cold["result"]["name"] == "deepnvme_tiny_cache"
     assert any("ninja" in c for c in cold["calls"])
     so = Path(cold["result"]["file"])
     assert (so.parent / "deepnvme_stamp.json").is_file()
@@ -58,6 +58,7 @@ def test_another_tools_build_of_the_same_op_name_is_never_loaded_or_clobbered(tm
     first = run_python(code, paths=[tmp_path], env=_env(ext))
     so = Path(first["result"]["file"])
     assert first["result"]["value"] == 1 and so.parent == ext / "deepnvme_tiny_shared"
+    assert first["result"]["name"] == "deepnvme_tiny_shared"
     assert (foreign / "tiny_shared.so").read_bytes() == b"not ours"
 
     other = tmp_path / "other"
@@ -69,6 +70,41 @@ def test_another_tools_build_of_the_same_op_name_is_never_loaded_or_clobbered(tm
     again = run_python(code, paths=[tmp_path], env=_env(ext))
     assert again["result"]["value"] == 1
     assert any("ninja" in c for c in again["calls"])
+
+
+PYBIND_TINY = """
+#include <pybind11/pybind11.h>
+#include "tiny.h"
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("value", [] { return TINY_VALUE; }); }
+"""
+
+
+def test_a_foreign_module_named_like_the_op_loaded_first_is_not_returned(tmp_path):
+    """DeepSpeed's JIT op is a pybind11 module named like the op (``async_io``). Once such a module is loaded,
+    pybind11 hands it back for any later module of the same name; ours must load as itself all the same."""
+    write_plugin(tmp_path, name="tiny_both")
+    (tmp_path / "tinyplug" / "csrc" / "tiny.cpp").write_text(PYBIND_TINY)
+    other = tmp_path / "other"
+    write_plugin(other, pkg="otherplug", name="tiny_both", value=7)
+    (other / "otherplug" / "csrc" / "tiny.cpp").write_text(PYBIND_TINY)
+    (tmp_path / "foreign_build").mkdir()
+    # Built in an earlier process, so the load below takes the warm path (a cold build in-process would get a
+    # versioned name from torch and dodge the clash).
+    assert run_python(LOAD_TINY.format(name="tiny_both"), paths=[tmp_path], env=_env(tmp_path / "ext"))[
+        "result"]["value"] == 1
+    out = run_python("""
+        import torch.utils.cpp_extension as ce
+        foreign = ce.load(name="tiny_both", sources=[OTHER + "/otherplug/csrc/tiny.cpp"],
+                          extra_include_paths=[OTHER + "/otherplug/csrc"], build_directory=BUILD)
+        before = len(_calls)
+        import op_builder, tinyplug
+        op_builder.register(tinyplug.TinyBuilder)
+        mod = op_builder.ALL_OPS["tiny_both"].load()
+        result = {"foreign": foreign.value(), "ours": mod.value(), "same": mod is foreign,
+                  "warm": _calls[before:] == []}
+    """.replace("OTHER", repr(str(other))).replace("BUILD", repr(str(tmp_path / "foreign_build"))),
+        paths=[tmp_path], env=_env(tmp_path / "ext"))
+    assert out["result"] == {"foreign": 7, "ours": 1, "same": False, "warm": True}
 
 
 def test_two_processes_loading_at_once_build_once(tmp_path):
@@ -87,7 +123,7 @@ def test_two_processes_loading_at_once_build_once(tmp_path):
     log = (ext / "deepnvme_tiny_race" / ".ninja_log").read_text()
     # Each compile step ran once: one process built, the other waited on torch's lock and reused it.
     outputs = [line.split("\t")[3] for line in log.splitlines() if not line.startswith("#")]
-    assert outputs.count("tiny.o") == 1 and outputs.count("tiny_race.so") == 1
+    assert outputs.count("tiny.o") == 1 and outputs.count("deepnvme_tiny_race.so") == 1
 
 
 def test_stale_lock_of_a_killed_build_does_not_hang(tmp_path):
@@ -140,7 +176,7 @@ def aio_ext_dir(request) -> Path:
     module = request.getfixturevalue("aio_module")
     from op_builder.builder import extensions_root
 
-    if module.__name__ != "async_io":
+    if module.__name__ != "deepnvme_async_io":
         pytest.skip(f"async_io came from a prebuilt module ({module.__name__}), not a JIT build")
     return extensions_root()
 
@@ -160,6 +196,6 @@ def test_async_io_jit_build_and_fast_warm_load(aio_ext_dir):
         result = {"beyond_torch": t2 - t1, "name": m.__name__}
     """)
     assert out["calls"] == [] and out["cpp_extension"] is False
-    assert out["result"]["name"] == "async_io"
+    assert out["result"]["name"] == "deepnvme_async_io"
     # The target is 0.3 s; allow slack for a loaded CI machine (bench/build_bench.py measures it properly).
     assert out["result"]["beyond_torch"] < 1.0
