@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 from .builder import TorchCPUOpBuilder
 
-__all__ = ["PinMemoryBuilder"]
+__all__ = ["PinMemoryBuilder"]  # noqa: F822 - served by __getattr__ below
 
 
-class PinMemoryBuilder(TorchCPUOpBuilder):
+class _PinMemoryBuilder(TorchCPUOpBuilder):
     """Builds ``pin_handle`` from the same locked-tensor registry the I/O handles use."""
 
     NAME = "pin_memory"
@@ -19,3 +21,22 @@ class PinMemoryBuilder(TorchCPUOpBuilder):
 
     def include_paths(self) -> list[str]:
         return ["csrc/aio"]
+
+
+_PinMemoryBuilder.__name__ = _PinMemoryBuilder.__qualname__ = "PinMemoryBuilder"
+
+
+def __getattr__(name: str) -> type:
+    """``PinMemoryBuilder`` for every importer but DeepSpeed.
+
+    DeepSpeed's CPU builders try ``from op_builder.pin_memory import PinMemoryBuilder`` (meant for its own
+    source tree) before their own module. With deepnvme installed that finds this one, and DeepSpeed's
+    async_io library then fails to load for want of its own pin_memory's C++ symbols. Refusing the name to
+    code inside ``deepspeed`` sends it to its fallback, its own builder.
+    """
+    if name == "PinMemoryBuilder":
+        importer = str(sys._getframe(1).f_globals.get("__name__", ""))
+        if importer == "deepspeed" or importer.startswith("deepspeed."):
+            raise AttributeError(f"{__name__}.PinMemoryBuilder is deepnvme's, not DeepSpeed's")
+        return _PinMemoryBuilder
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -190,3 +190,26 @@ def test_prebuilt_with_other_torch_warns_and_falls_back(monkeypatch):
         warnings.simplefilter("always")
         assert _FakeOp()._load_prebuilt() is None
     assert any("built for torch 0.0.1" in str(w.message) for w in caught)
+
+
+def test_deepspeed_is_refused_our_pin_memory_builder_and_falls_back_to_its_own(tmp_path):
+    """DeepSpeed's CPU builders try the top-level ``op_builder.pin_memory`` before their own; with deepnvme
+    installed that is ours, and DeepSpeed's async_io library then fails to load for want of its own
+    pin_memory's symbols. Code inside ``deepspeed`` is refused the name, even once our module is imported;
+    everyone else gets the builder."""
+    ops = tmp_path / "deepspeed" / "ops"
+    ops.mkdir(parents=True)
+    (tmp_path / "deepspeed" / "__init__.py").write_text("")
+    (ops / "__init__.py").write_text("")
+    (ops / "cpu_pin.py").write_text("try:\n    from op_builder.pin_memory import PinMemoryBuilder\n"
+                                    "except ImportError:\n    PinMemoryBuilder = 'its own builder'\n")
+    out = run_python("""
+        from op_builder.pin_memory import PinMemoryBuilder
+        import op_builder.pin_memory as module
+        import deepspeed.ops.cpu_pin as ds
+        result = {"deepspeed": ds.PinMemoryBuilder, "ours": PinMemoryBuilder().NAME,
+                  "class": PinMemoryBuilder.__name__, "getattr": getattr(module, "PinMemoryBuilder").NAME,
+                  "package": __import__("op_builder").PinMemoryBuilder is PinMemoryBuilder}
+    """, paths=[tmp_path])
+    assert out["result"] == {"deepspeed": "its own builder", "ours": "pin_memory",
+                             "class": "PinMemoryBuilder", "getattr": "pin_memory", "package": True}
