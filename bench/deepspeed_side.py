@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""DeepSpeed's aio_handle cases for bench/aio_bench.py, run in a process of their own.
+
+DeepSpeed allocates and locks a bounce buffer the size of every unaligned request; in the bench's process
+that churn (and its idle handle threads) slowed deepnvme's own plain-tensor rows by about a quarter. Like
+fio, DeepSpeed therefore runs beside the bench rather than inside it. Protocol on stdin/stdout, one line
+each: the child prints ``READY <json cases>`` or ``UNAVAILABLE <reason>``, then answers every case index it
+reads with ``<seconds> <cpu seconds>`` (or ``ERROR <text>``), until stdin closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+class DeepSpeedSide:
+    """Parent end: starts the child with the same interpreter and runs its cases on request."""
+
+    def __init__(self, seq: str, size: int, small_one: str, small_paths: list[str]) -> None:
+        self.error: str | None = None
+        self.cases: list[tuple[str, str, int]] = []  # (name, op, bytes)
+        listing = Path(small_paths[0]).parent / "deepspeed_small_paths.json" if small_paths else None
+        if listing:
+            listing.write_text(json.dumps(small_paths))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--seq", seq, "--size", str(size),
+             "--small-one", small_one, "--small-paths", str(listing or "")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+        first = self.proc.stdout.readline().strip() if self.proc.stdout else ""
+        if first.startswith("READY "):
+            self.cases = [tuple(c) for c in json.loads(first[len("READY "):])]
+        else:
+            self.error = first[len("UNAVAILABLE "):] if first.startswith("UNAVAILABLE ") else (
+                f"its process exited with {self.proc.wait()}")
+            self.close()
+
+    def runner(self, index: int) -> Callable[[], tuple[float, float]]:
+        """A Case.run for case `index`: the child times it, in its own process."""
+        def run() -> tuple[float, float]:
+            assert self.proc.stdin and self.proc.stdout
+            self.proc.stdin.write(f"{index}\n")
+            answer = self.proc.stdout.readline().strip()
+            if not answer or answer.startswith("ERROR"):
+                raise RuntimeError(f"DeepSpeed case {self.cases[index]} failed: {answer or 'no answer'}")
+            secs, cpu = answer.split()
+            return float(secs), float(cpu)
+
+        return run
+
+    def close(self) -> None:
+        """Close stdin (the child exits) and reap it."""
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Child end: build DeepSpeed's cases, report them, run each index read from stdin."""
+    # The protocol gets the real stdout; anything DeepSpeed prints goes to stderr instead.
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    sys.path.insert(0, str(HERE))
+    from aio_bench import SMALL_COUNT, SMALL_SIZE, aio_seq, aio_small, handle_settings
+
+    try:
+        import torch
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        aio = AsyncIOBuilder().load()
+    except Exception as exc:  # noqa: BLE001 - any failure to import or build means nothing to compare
+        print(f"UNAVAILABLE its async_io is unavailable: {type(exc).__name__}: {exc}".replace("\n", " "),
+              file=proto)
+        return 0
+
+    def handle(depth: int, threads: int):
+        kw = handle_settings("", depth, threads)
+        kw.pop("engine")
+        return aio.aio_handle(**kw)
+
+    size = args.size
+    # DeepSpeed treats a tensor as locked only when it allocated it itself.
+    locked = aio.aio_handle().new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+    locked.fill_(7)
+    plain = torch.empty(size, dtype=torch.uint8)
+    plain.fill_(7)
+    runs: list[tuple[str, str, int, Callable[[], tuple[float, float]]]] = []
+    seq_cfgs = ((32, 2, "locked", locked), (128, 2, "locked", locked), (32, 2, "plain", plain))
+    for depth, threads, kind, t in seq_cfgs:
+        h = handle(depth, threads)
+        for op in ("write", "read"):
+            runs.append((f"aio_handle QD{depth} P{threads} {kind}", op, size, aio_seq(h, t, args.seq, op)))
+    small = aio.aio_handle().new_cpu_locked_tensor(SMALL_COUNT * SMALL_SIZE,
+                                                   torch.empty(0, dtype=torch.uint8))
+    views = list(small.view(SMALL_COUNT, SMALL_SIZE).unbind(0))
+    paths = json.loads(Path(args.small_paths).read_text()) if args.small_paths else []
+    for depth, threads in ((32, 1), (128, 2)):
+        h = handle(depth, threads)
+        offsets = [i * SMALL_SIZE for i in range(SMALL_COUNT)]
+        runs.append((f"one file, aio_handle QD{depth} P{threads}", "small", SMALL_COUNT * SMALL_SIZE,
+                     aio_small(h, views, [args.small_one] * SMALL_COUNT, offsets, count_check=False)))
+        if paths:
+            runs.append((f"{SMALL_COUNT} files, aio_handle QD{depth} P{threads}", "small",
+                         SMALL_COUNT * SMALL_SIZE, aio_small(h, views, paths, [0] * SMALL_COUNT,
+                                                             count_check=False)))
+    print("READY " + json.dumps([[name, op, nbytes] for name, op, nbytes, _ in runs]), file=proto)
+    for line in sys.stdin:
+        try:
+            secs, cpu = runs[int(line)][3]()
+            print(f"{secs} {cpu}", file=proto)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the case
+            print(f"ERROR {type(exc).__name__}: {exc}".replace("\n", " "), file=proto)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run as the child of aio_bench.py."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--small-one", required=True)
+    p.add_argument("--small-paths", default="")
+    return serve(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
