@@ -134,6 +134,41 @@ def fio_randread(path: str, engine: str, seconds: float) -> Callable[[], tuple[f
     return run
 
 
+# ---------------------------------------------------------------------------------------- ordering
+ENGINE_WORDS = ("io_uring", "libaio", "posix", "aio_handle")
+
+
+def _peer_key(c: Case) -> tuple[str, str]:
+    words = [w for w in c.name.replace(",", "").split()
+             if w not in ENGINE_WORDS and w not in ("locked", "plain")]
+    return c.op, " ".join(words)
+
+
+def _engine(c: Case) -> str:
+    return next((w for w in c.name.replace(",", "").split() if w in ENGINE_WORDS), "")
+
+
+def interleave_peers(cases: list[Case]) -> list[Case]:
+    """Run the cases that are compared with each other back to back: deepnvme's plain tensor right after its
+    locked one (same engine and settings), DeepSpeed right after deepnvme with the same settings. This disk's
+    speed drifts in phases lasting several cases (a host-side limit), and a ratio is only fair within one."""
+    followers = [c for c in cases
+                 if c.group == "DeepSpeed" or (c.group == "deepnvme" and c.name.endswith(" plain"))]
+    taken = {id(c) for c in followers}
+    out: list[Case] = []
+    for c in cases:
+        if id(c) in taken:
+            continue
+        out.append(c)
+        if c.group != "deepnvme":
+            continue
+        for f in [f for f in followers if _peer_key(f) == _peer_key(c)
+                  and (f.group == "DeepSpeed" or _engine(f) == _engine(c))]:
+            out.append(f)
+            followers.remove(f)
+    return out + followers
+
+
 # ---------------------------------------------------------------------------------------- deepnvme
 def handle_settings(engine: str, depth: int, threads: int) -> dict:
     """aio_handle keywords for one sequential configuration (1 MiB blocks, overlapped events)."""
@@ -477,6 +512,8 @@ def bench(args: argparse.Namespace, size: int, work: str) -> int:
         notes.append("DeepSpeed rows: measured in a child process of their own, same files and settings")
         for i, (name, op, nbytes) in enumerate(side.cases):
             cases.append(Case("DeepSpeed", name, op, side.runner(i), nbytes))
+
+    cases = interleave_peers(cases)
 
     # Correctness once, before timing: a deepnvme round trip of the sequential file.
     check = cases[0].run  # first deepnvme write
