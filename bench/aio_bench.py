@@ -381,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "_bench_out" / "aio_bench"), help="prefix for .json and .md")
     p.add_argument("--fio_seconds", type=float, default=3.0, help="duration of each fio randread run")
     p.add_argument("--quick", action="store_true", help="fewer configurations (smoke test of the script)")
+    p.add_argument("--rest", type=float, default=1.0, help="idle seconds before each case (default 1)")
     args = p.parse_args(argv)
     size = parse_size(args.size)
     if args.repeats < 1:
@@ -531,6 +532,10 @@ def bench(args: argparse.Namespace, size: int, work: str) -> int:
         order = cases if r % 2 == 0 else list(reversed(cases))
         for i, c in enumerate(order):
             log(f"repeat {r + 1}/{args.repeats} [{i + 1}/{len(order)}] {c.group} {c.name} {c.op}")
+            # Rest first: this virtual disk runs at ~3.1 GB/s until a long stretch of transfers drains a
+            # host-side allowance, then holds a plateau (~2.06 GB/s write, ~1.64 read) until it idles;
+            # without a rest, whoever runs late in a stretch measures the plateau, not the software.
+            time.sleep(args.rest)
             secs, cpu = c.run()
             c.samples.append({"seconds": secs, "cpu": cpu, "repeat": r})
     elapsed = time.time() - started
@@ -539,6 +544,7 @@ def bench(args: argparse.Namespace, size: int, work: str) -> int:
             f"{platform.release()}", "dir": args.dir, "fs": fs_type(args.dir), "size_gib": size / GIB,
             "repeats": args.repeats, "read_mode": DESCRIPTIONS[read_mode(args.dir)], "notes": notes,
             "seconds": elapsed, "torch": torch.__version__}
+    notes.append(f"{args.rest:g} s of rest before each case (--rest)")
     notes.append(f"measuring took {elapsed:.0f} s ({time.time() - args.t_start:.0f} s with set-up); "
                  f"deepnvme engines available: {', '.join(engines)}")
     notes.append("fio rows: bandwidth as fio reports it (its start-up excluded); fio CPU includes its "
