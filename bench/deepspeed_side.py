@@ -5,7 +5,8 @@ DeepSpeed allocates and locks a bounce buffer the size of every unaligned reques
 that churn (and its idle handle threads) slowed deepnvme's own plain-tensor rows by about a quarter. Like
 fio, DeepSpeed therefore runs beside the bench rather than inside it. Protocol on stdin/stdout, one line
 each: the child prints ``READY <json cases>`` or ``UNAVAILABLE <reason>``, then answers every case index it
-reads with ``<seconds> <cpu seconds>`` (or ``ERROR <text>``), until stdin closes.
+reads with ``<seconds> <cpu seconds>`` (or ``ERROR <text>``), until stdin closes. The child's stderr is the
+bench's, so a slow DeepSpeed build or a crash shows in the log.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class DeepSpeedSide:
 
     def __init__(self, seq: str, size: int, small_one: str, small_paths: list[str]) -> None:
         self.error: str | None = None
+        self.failure: str | None = None
         self.cases: list[tuple[str, str, int]] = []  # (name, op, bytes)
         listing = Path(small_paths[0]).parent / "deepspeed_small_paths.json" if small_paths else None
         if listing:
@@ -33,7 +35,7 @@ class DeepSpeedSide:
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--seq", seq, "--size", str(size),
              "--small-one", small_one, "--small-paths", str(listing or "")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)  # stderr: the bench's
         first = self.proc.stdout.readline().strip() if self.proc.stdout else ""
         if first.startswith("READY "):
             self.cases = [tuple(c) for c in json.loads(first[len("READY "):])]
@@ -42,14 +44,20 @@ class DeepSpeedSide:
                 f"its process exited with {self.proc.wait()}")
             self.close()
 
-    def runner(self, index: int) -> Callable[[], tuple[float, float]]:
-        """A Case.run for case `index`: the child times it, in its own process."""
-        def run() -> tuple[float, float]:
-            assert self.proc.stdin and self.proc.stdout
-            self.proc.stdin.write(f"{index}\n")
-            answer = self.proc.stdout.readline().strip()
+    def runner(self, index: int) -> Callable[[], tuple[float, float] | None]:
+        """A Case.run for case `index`: the child times it, in its own process. None when the case failed
+        or the child is gone (the first failure is kept in `failure`); the bench goes on without it."""
+        def run() -> tuple[float, float] | None:
+            if self.failure or not (self.proc.stdin and self.proc.stdout):
+                return None
+            try:
+                self.proc.stdin.write(f"{index}\n")
+                answer = self.proc.stdout.readline().strip()
+            except OSError as exc:  # BrokenPipeError: the child died
+                answer = f"ERROR its process is gone ({exc})"
             if not answer or answer.startswith("ERROR"):
-                raise RuntimeError(f"DeepSpeed case {self.cases[index]} failed: {answer or 'no answer'}")
+                self.failure = f"case {self.cases[index][:2]} failed: {answer or 'its process is gone'}"
+                return None
             secs, cpu = answer.split()
             return float(secs), float(cpu)
 
@@ -58,7 +66,10 @@ class DeepSpeedSide:
     def close(self) -> None:
         """Close stdin (the child exits) and reap it."""
         if self.proc.stdin:
-            self.proc.stdin.close()
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass  # already gone
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

@@ -457,10 +457,12 @@ class OpBuilder(ABC):
             raise RuntimeError(
                 f"Building op '{self.name}' failed.\nreason (compiler's last lines):\n{_compiler_tail(log)}\n"
                 f"fix: {_fix_for(log)}\nbuild folder: {build_dir}") from exc
+        else:
+            # Under the lock: another process must not relink between our link and the identity we record.
+            self._write_stamp(build_dir, key, module, {"sources": srcs, "cxx": cflags, "ld": ldflags,
+                                                        "include": incs})
         finally:
             os.close(lock_fd)  # releases the flock
-        self._write_stamp(build_dir, key, module, {"sources": srcs, "cxx": cflags, "ld": ldflags,
-                                                    "include": incs})
         return module
 
     def _write_stamp(self, build_dir: Path, key: str, module: ModuleType, flags: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ from .builder import TorchCPUOpBuilder
 __all__ = ["PinMemoryBuilder"]  # noqa: F822 - served by __getattr__ below
 
 
-class _PinMemoryBuilder(TorchCPUOpBuilder):
+class PinMemoryBuilder(TorchCPUOpBuilder):
     """Builds ``pin_handle`` from the same locked-tensor registry the I/O handles use."""
 
     NAME = "pin_memory"
@@ -23,7 +23,9 @@ class _PinMemoryBuilder(TorchCPUOpBuilder):
         return ["csrc/aio"]
 
 
-_PinMemoryBuilder.__name__ = _PinMemoryBuilder.__qualname__ = "PinMemoryBuilder"
+# Kept out of the module's namespace so that __getattr__ below decides who gets it.
+_PinMemoryBuilder = PinMemoryBuilder
+del PinMemoryBuilder
 
 
 def __getattr__(name: str) -> type:
@@ -40,3 +42,8 @@ def __getattr__(name: str) -> type:
             raise AttributeError(f"{__name__}.PinMemoryBuilder is deepnvme's, not DeepSpeed's")
         return _PinMemoryBuilder
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names, with the builder that __getattr__ serves."""
+    return sorted({*globals(), "PinMemoryBuilder"})
