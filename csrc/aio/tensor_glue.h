@@ -142,6 +142,18 @@ inline bool free_locked_tensor(const at::Tensor& t) {
     return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && shared_registry().forget(t.data_ptr());
 }
 
+// Runs fn with the GIL released, except while the interpreter shuts down (there is no GIL state to give up
+// then). For handle destructors, which wait for requests still in flight.
+template <class F>
+void without_gil_unless_finalizing(F&& fn) {
+    if (Py_IsInitialized() && !_Py_IsFinalizing()) {
+        py::gil_scoped_release nogil;
+        fn();
+    } else {
+        fn();
+    }
+}
+
 // OSError(errno, message, filename) so that Python picks FileNotFoundError, PermissionError...
 inline void register_translators() {
     static bool done = false;

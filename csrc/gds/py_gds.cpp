@@ -40,14 +40,10 @@ public:
     ~PyGdsHandle() {
         // Requests still in flight finish first; their tensors are released with the GIL held.
         Completed rest;
-        if (Py_IsInitialized() && !_Py_IsFinalizing()) {
-            py::gil_scoped_release nogil;
+        without_gil_unless_finalizing([&] {
             core_->drain(rest);
             core_.reset();
-        } else {
-            core_->drain(rest);
-            core_.reset();
-        }
+        });
     }
 
     int64_t io(const at::Tensor& buffer, const Target& target, bool write, bool validate, bool async,
