@@ -304,12 +304,10 @@ class Search:
                 for value in self.space.get(dim, []):
                     if value == current[dim]:
                         continue
-                    trial = {**current, dim: value}
-                    s = self.score(trial)
-                    if s is None:
+                    better = self._step(current, dim, value)
+                    if better is None:
                         return
-                    if s > self.score(current) * GAIN:
-                        current = trial
+                    current = better
             if self.score(current) < before * GAIN:
                 break  # early stopping: a whole pass gained less than 3%
         for dim in ("block_size", "queue_depth"):
@@ -317,12 +315,19 @@ class Search:
                 continue
             for value in (current[dim] // 2, current[dim] * 2):
                 if value in self.fine[dim] and value != current[dim]:
-                    trial = {**current, dim: value}
-                    s = self.score(trial)
-                    if s is None:
+                    better = self._step(current, dim, value)
+                    if better is None:
                         return
-                    if s > self.score(current) * GAIN:
-                        current = trial
+                    current = better
+
+    def _step(self, current: dict, dim: str, value: object) -> dict | None:
+        """`current` with `dim` set to `value` if that scores clearly better, else `current`; None once the
+        budget is spent."""
+        trial = {**current, dim: value}
+        s = self.score(trial)
+        if s is None:
+            return None
+        return trial if s > self.score(current) * GAIN else current
 
     def _confirm(self, top: int = 4, rounds: int = 3) -> None:
         """Measure the leaders again, round by round, while the budget lasts: noise must not decide."""
