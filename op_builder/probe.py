@@ -310,14 +310,20 @@ def _lib_detail(cap: Capability, packages: Sequence[str]) -> str:
     return "; ".join(parts)
 
 
+def _system_library(name: str, functions: Sequence[str], lib: str, packages: Sequence[str]) -> Capability:
+    """A C library (``lib<lib>``, header ``<name>.h``) with every function listed; the fix names the Debian
+    package (``packages[0]``) and its Fedora twin."""
+    cap = has_function(functions, (lib,), (f"{name}.h",), name=name)
+    if not cap.ok:
+        return Capability(name, False, "", cap.reason,
+                          f"apt-get install {packages[0]} (dnf install {name}-devel; or set CFLAGS/LDFLAGS "
+                          "to its location)")
+    return Capability(name, True, _lib_detail(cap, packages))
+
+
 @functools.cache
 def _libaio(_env: tuple) -> Capability:
-    cap = has_function(LIBAIO_FUNCTIONS, ("aio",), ("libaio.h",), name="libaio")
-    if not cap.ok:
-        return Capability("libaio", False, "", cap.reason,
-                          "apt-get install libaio-dev (dnf install libaio-devel; or set CFLAGS/LDFLAGS "
-                          "to its location)")
-    return Capability("libaio", True, _lib_detail(cap, ("libaio-dev", "libaio1t64", "libaio1")))
+    return _system_library("libaio", LIBAIO_FUNCTIONS, "aio", ("libaio-dev", "libaio1t64", "libaio1"))
 
 
 def libaio() -> Capability:
@@ -327,12 +333,7 @@ def libaio() -> Capability:
 
 @functools.cache
 def _liburing(_env: tuple) -> Capability:
-    cap = has_function(LIBURING_FUNCTIONS, ("uring",), ("liburing.h",), name="liburing")
-    if not cap.ok:
-        return Capability("liburing", False, "", cap.reason,
-                          "apt-get install liburing-dev (dnf install liburing-devel; or set CFLAGS/LDFLAGS "
-                          "to its location)")
-    return Capability("liburing", True, _lib_detail(cap, ("liburing-dev", "liburing2")))
+    return _system_library("liburing", LIBURING_FUNCTIONS, "uring", ("liburing-dev", "liburing2"))
 
 
 def liburing() -> Capability:
