@@ -36,18 +36,7 @@ public:
                int64_t file_offset) {
         if (file_offset < 0) throw ArgError("file_offset must be >= 0, got " + std::to_string(file_offset));
         if (target.fd < -1) throw ArgError("fd must be a non-negative file descriptor");
-        BufferArg b = buffer_arg(buffer);
-        IoHandle::Params p;
-        p.write = write;
-        p.mem = b.mem;
-        p.copier = std::move(b.copier);
-        p.nbytes = b.nbytes;
-        p.offset = static_cast<uint64_t>(file_offset);
-        p.path = target.path;
-        p.fd = target.fd;
-        p.is_async = async;
-        p.validate = validate;
-        p.keepalive = std::move(b.keepalive);
+        IoHandle::Params p = host_params(buffer, target, write, validate, async, file_offset);
         std::string warning;
         uint64_t id;
         {

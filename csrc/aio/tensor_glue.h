@@ -142,6 +142,24 @@ inline bool free_locked_tensor(const at::Tensor& t) {
     return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && shared_registry().forget(t.data_ptr());
 }
 
+// The host-side request for `buffer` (a CPU tensor, or a device tensor through its copier) at `target`.
+inline IoHandle::Params host_params(const at::Tensor& buffer, const Target& target, bool write, bool validate,
+                                    bool async, int64_t file_offset) {
+    BufferArg b = buffer_arg(buffer);
+    IoHandle::Params p;
+    p.write = write;
+    p.mem = b.mem;
+    p.copier = std::move(b.copier);
+    p.nbytes = b.nbytes;
+    p.offset = static_cast<uint64_t>(file_offset);
+    p.path = target.path;
+    p.fd = target.fd;
+    p.is_async = async;
+    p.validate = validate;
+    p.keepalive = std::move(b.keepalive);
+    return p;
+}
+
 // Runs fn with the GIL released, except while the interpreter shuts down (there is no GIL state to give up
 // then). For handle destructors, which wait for requests still in flight.
 template <class F>

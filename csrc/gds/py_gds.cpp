@@ -76,18 +76,7 @@ public:
             }
             t = core_->submit_device(std::move(p), warning);
         } else {
-            BufferArg b = buffer_arg(buffer);
-            IoHandle::Params p;
-            p.write = write;
-            p.mem = b.mem;
-            p.copier = std::move(b.copier);
-            p.nbytes = b.nbytes;
-            p.offset = static_cast<uint64_t>(file_offset);
-            p.path = target.path;
-            p.fd = target.fd;
-            p.is_async = async;
-            p.validate = validate;
-            p.keepalive = std::move(b.keepalive);
+            IoHandle::Params p = host_params(buffer, target, write, validate, async, file_offset);
             py::gil_scoped_release nogil;  // open() can block on a slow file system
             t = core_->submit_host(std::move(p), warning);
         }
