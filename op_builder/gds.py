@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import probe
-from .async_io import AsyncIOBuilder
+from .async_io import engine_defines, engine_ldflags, engine_probe_inputs, engine_sources
 from .builder import CUDAOpBuilder, csrc_root
 
 __all__ = ["GDSBuilder"]
@@ -22,18 +22,12 @@ class GDSBuilder(CUDAOpBuilder):
     BUILD_VAR = "DS_BUILD_GDS"
     BUILTIN_SOURCES = True
 
-    def _aio(self) -> AsyncIOBuilder:
-        aio = AsyncIOBuilder()
-        aio._probe_memo = self._probe_memo  # one set of probe outcomes for the stamp
-        aio.jit_mode = self.jit_mode
-        return aio
-
     def _cufile(self) -> probe.CufileLocation:
         return probe.find_cufile()
 
     def sources(self) -> list[str]:
         gds = sorted(f"csrc/gds/{p.name}" for p in (csrc_root() / "gds").glob("*.cpp"))
-        return gds + [s for s in self._aio().sources() if s != "csrc/aio/py_aio.cpp"]
+        return gds + engine_sources(binding=False)
 
     def include_paths(self) -> list[str]:
         loc = self._cufile()
@@ -42,19 +36,18 @@ class GDSBuilder(CUDAOpBuilder):
         return list(dict.fromkeys(dirs))  # CUDA's include dir may also hold cufile.h
 
     def cxx_args(self) -> list[str]:
-        aio_defines = [a for a in self._aio().cxx_args() if a.startswith("-D")]
-        return [*super().cxx_args(), *aio_defines]
+        return [*super().cxx_args(), *engine_defines(self)]
 
     def extra_ldflags(self) -> list[str]:
         loc = self._cufile()
         cufile = [f"-L{loc.library_dir}", f"-Wl,-rpath,{loc.library_dir}"] if loc.library_dir else []
-        return [*self._aio().extra_ldflags(), *cufile, loc.link_arg, *self.cuda_ldflags()]
+        return [*engine_ldflags(self), *cufile, loc.link_arg, *self.cuda_ldflags()]
 
     def requirements(self) -> list[probe.Capability]:
         return [*super().requirements(), probe.cufile()]
 
     def probe_inputs(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-        headers, libs, _ = self._aio().probe_inputs()
+        headers, libs = engine_probe_inputs()
         loc = self._cufile()
         paths = [os.path.join(d, "cufile.h") for d in filter(None, [loc.include_dir])]
         return (*headers, "cufile.h"), (*libs, "cufile"), tuple(paths + [loc.library_dir or ""])

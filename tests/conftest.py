@@ -13,8 +13,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-# Every real engine the library knows, in its order of preference.
-ENGINES = ("io_uring", "libaio", "posix")
+from op_builder.engines import names as _engine_names  # noqa: E402 - after the sys.path line above
+
+# Every real engine the library knows, in its order of preference (from the engine catalogue).
+ENGINES = _engine_names()
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,8 @@
 // libaio engine: Linux native AIO (io_submit/io_getevents). Real asynchrony with O_DIRECT files.
 // Uses io_getevents rather than io_pgetevents so that libaio older than 0.3.111 works too.
+#if DEEPNVME_WITH_LIBAIO
 #include <libaio.h>
+#endif
 
 #include <cerrno>
 #include <vector>
@@ -10,6 +12,8 @@
 #include "error.h"
 
 namespace dnv {
+
+#if DEEPNVME_WITH_LIBAIO
 namespace {
 
 class LibaioEngine final : public Engine {
@@ -89,5 +93,15 @@ std::string probe_libaio() {
         return e.what();
     }
 }
+
+#else  // built without libaio: the engine stays in the table and says why it cannot run
+
+std::unique_ptr<Engine> make_libaio_engine(unsigned, const std::shared_ptr<EngineShared>&) {
+    throw UnsupportedError("engine 'libaio' is unavailable: " + probe_libaio());
+}
+
+std::string probe_libaio() { return not_built_reason("libaio", "libaio-dev"); }
+
+#endif  // DEEPNVME_WITH_LIBAIO
 
 }  // namespace dnv

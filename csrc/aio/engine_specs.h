@@ -1,4 +1,4 @@
-// Entry points of the individual engine files, gathered by engines.cpp into one table.
+// Entry points of the individual engine files, declared from engine_list.h and gathered by engines.cpp.
 // Only engines.cpp and the engine files include this; the handle sees engine.h alone.
 #pragma once
 
@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "engine.h"
+#include "engine_list.h"
 
 namespace dnv {
 
@@ -22,22 +23,19 @@ protected:
     std::vector<IoDone> done_;
 };
 
-std::unique_ptr<Engine> make_posix_engine(unsigned qd, const std::shared_ptr<EngineShared>& shared);
-std::string probe_posix();
+// Every engine's entry points, declared from the one list. An engine whose library was missing at build time
+// still defines both: make_* throws UnsupportedError and probe_* says why, so the table never changes shape.
+#define DNV_DECLARE_ENGINE(id, name, automatic, shared)                                                     \
+    std::unique_ptr<Engine> make_##id##_engine(unsigned qd, const std::shared_ptr<EngineShared>& shared_state); \
+    std::string probe_##id();
+DNV_ENGINE_LIST(DNV_DECLARE_ENGINE)
+#undef DNV_DECLARE_ENGINE
 
-std::unique_ptr<Engine> make_fault_engine(unsigned qd, const std::shared_ptr<EngineShared>& shared);
+// Per-handle state of the fault engine (its rule counters).
 std::shared_ptr<EngineShared> make_fault_shared();
-std::string probe_fault();
 
-#if DEEPNVME_WITH_LIBAIO
-std::unique_ptr<Engine> make_libaio_engine(unsigned qd, const std::shared_ptr<EngineShared>& shared);
-std::string probe_libaio();
-#endif
-
-#if DEEPNVME_WITH_URING
-std::unique_ptr<Engine> make_uring_engine(unsigned qd, const std::shared_ptr<EngineShared>& shared);
-std::string probe_uring();
-#endif
+// Why an engine that needs a library is a stub in this build.
+std::string not_built_reason(const char* library, const char* package);
 
 // A real one-block read through a fresh engine; "" when it worked, else why not. Used by the probes.
 std::string round_trip(std::unique_ptr<Engine> engine);

@@ -1,6 +1,8 @@
 // io_uring engine (liburing). Fastest path; supports registered (fixed) buffers for the staging pool.
 // Containers often forbid io_uring (seccomp), so availability is decided by a real round trip.
+#if DEEPNVME_WITH_URING
 #include <liburing.h>
+#endif
 
 #include <cerrno>
 #include <sys/uio.h>
@@ -11,6 +13,8 @@
 #include "error.h"
 
 namespace dnv {
+
+#if DEEPNVME_WITH_URING
 namespace {
 
 class UringEngine final : public Engine {
@@ -87,5 +91,15 @@ std::string probe_uring() {
         return e.what();
     }
 }
+
+#else  // built without liburing: the engine stays in the table and says why it cannot run
+
+std::unique_ptr<Engine> make_uring_engine(unsigned, const std::shared_ptr<EngineShared>&) {
+    throw UnsupportedError("engine 'io_uring' is unavailable: " + probe_uring());
+}
+
+std::string probe_uring() { return not_built_reason("liburing", "liburing-dev"); }
+
+#endif  // DEEPNVME_WITH_URING
 
 }  // namespace dnv

@@ -1,4 +1,5 @@
-// The engine table: names, constructors and availability probes, in order of preference.
+// The engine table, built from engine_list.h: names, constructors and availability probes, in order of
+// preference. Nothing here names an engine.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 #include "engine_specs.h"
 #include "error.h"
 #include "file.h"
+#include "tunables.h"
 
 namespace dnv {
 namespace {
@@ -18,25 +20,13 @@ struct EngineSpec {
     const char* name;
     std::unique_ptr<Engine> (*make)(unsigned, const std::shared_ptr<EngineShared>&);
     std::string (*probe)();
-    bool automatic;  // may "auto" pick it?
+    bool automatic;  // may "auto" pick it? (its probe is then cached for the process)
+    std::shared_ptr<EngineShared> (*make_shared)();
 };
 
-const EngineSpec kEngines[] = {
-#if DEEPNVME_WITH_URING
-    {"io_uring", make_uring_engine, probe_uring, true},
-#endif
-#if DEEPNVME_WITH_LIBAIO
-    {"libaio", make_libaio_engine, probe_libaio, true},
-#endif
-    {"posix", make_posix_engine, probe_posix, true},
-    {"fault", make_fault_engine, probe_fault, false},
-};
-
-const char* not_built_reason(const std::string& name) {
-    if (name == "io_uring") return "not built in: liburing (liburing-dev) was not found when async_io was compiled";
-    if (name == "libaio") return "not built in: libaio (libaio-dev) was not found when async_io was compiled";
-    return nullptr;
-}
+#define DNV_ENGINE_SPEC(id, name, automatic, shared) {name, make_##id##_engine, probe_##id, automatic, shared},
+const EngineSpec kEngines[] = {DNV_ENGINE_LIST(DNV_ENGINE_SPEC)};
+#undef DNV_ENGINE_SPEC
 
 const EngineSpec* find(const std::string& name) {
     for (const auto& spec : kEngines)
@@ -44,7 +34,14 @@ const EngineSpec* find(const std::string& name) {
     return nullptr;
 }
 
-// Probe results are fixed for the life of the process; computed once, on first use.
+std::string automatic_names() {
+    std::string out = "auto";
+    for (const auto& spec : kEngines)
+        if (spec.automatic) out += std::string(", ") + spec.name;
+    return out;
+}
+
+// The real engines' probes are fixed for the life of the process: computed once, on first use.
 struct ProbeCache {
     std::once_flag once;
     std::vector<std::pair<std::string, std::string>> status;
@@ -53,10 +50,10 @@ struct ProbeCache {
 ProbeCache& probe_cache() {
     static ProbeCache cache;
     std::call_once(cache.once, [] {
-        for (const char* name : {"io_uring", "libaio", "posix"}) {
-            const EngineSpec* spec = find(name);
-            std::string why = spec ? spec->probe() : std::string(not_built_reason(name));
-            cache.status.emplace_back(name, why.empty() ? "ok" : why);
+        for (const auto& spec : kEngines) {
+            if (!spec.automatic) continue;
+            std::string why = spec.probe();
+            cache.status.emplace_back(spec.name, why.empty() ? "ok" : why);
         }
     });
     return cache;
@@ -81,8 +78,17 @@ std::string round_trip(std::unique_ptr<Engine> engine) {
 
 std::vector<std::pair<std::string, std::string>> engine_status() {
     auto status = probe_cache().status;
-    status.emplace_back("fault", probe_fault().empty() ? "ok" : probe_fault());
+    // Test-only engines depend on the environment of the moment ($DEEPNVME_FAULT), so they are asked anew.
+    for (const auto& spec : kEngines) {
+        if (spec.automatic) continue;
+        std::string why = spec.probe();
+        status.emplace_back(spec.name, why.empty() ? "ok" : why);
+    }
     return status;
+}
+
+std::string not_built_reason(const char* library, const char* package) {
+    return std::string("not built in: ") + library + " (" + package + ") was not found when async_io was compiled";
 }
 
 std::vector<std::string> available_engines() {
@@ -93,23 +99,24 @@ std::vector<std::string> available_engines() {
 }
 
 std::string resolve_engine(const std::string& requested) {
+    // Every handle starts here: a malformed $DEEPNVME_* tunable fails now, in the caller's thread, rather
+    // than later in a worker.
+    (void)tunables();
     std::string name = requested;
     if (name.empty() || name == "auto") {
         const char* env = std::getenv("DEEPNVME_ENGINE");
         name = (env != nullptr && *env != '\0') ? env : "auto";
     }
     if (name == "auto") return available_engines().front();  // posix always passes
-    const EngineSpec* spec = find(name);
-    if (spec == nullptr && not_built_reason(name) == nullptr)
-        throw ArgError("unknown engine '" + name + "' (choose auto, io_uring, libaio, posix)");
+    if (find(name) == nullptr) throw ArgError("unknown engine '" + name + "' (choose " + automatic_names() + ")");
     for (const auto& [known, why] : engine_status())
         if (known == name && why != "ok") throw UnsupportedError("engine '" + name + "' is unavailable: " + why);
     return name;
 }
 
 std::shared_ptr<EngineShared> make_engine_shared(const std::string& name) {
-    if (name == "fault") return make_fault_shared();
-    return nullptr;
+    const EngineSpec* spec = find(name);
+    return spec != nullptr && spec->make_shared != nullptr ? spec->make_shared() : nullptr;
 }
 
 std::unique_ptr<Engine> make_engine(const std::string& name, unsigned queue_depth,

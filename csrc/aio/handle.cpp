@@ -12,18 +12,10 @@
 #include <set>
 
 #include "error.h"
+#include "tunables.h"
 
 namespace dnv {
 namespace {
-
-// Staged bytes one worker keeps in flight. More does not go faster: beyond what hides the device's latency,
-// extra buffers only spread the copies over memory that has left the cache. Measured here (1 GiB plain
-// tensor, QD32, P2, medians of runs interleaved with locked ones, io_uring and libaio): 32 MiB per worker
-// gave plain/locked 0.82-0.92x write and 0.96-1.09x read, 8 MiB gave 0.88-1.04x and 1.23-1.37x; 4 MiB was
-// slower again. Small blocks count by their length, so 64 KiB requests still fill the queue.
-constexpr size_t kStagingBytesPerWorker = size_t(8) << 20;
-// And at most half the arena's buffers, so small staged blocks of one worker cannot starve the others.
-constexpr unsigned kStagingBuffersPerWorker = StagingArena::kBuffers / 2;
 
 std::string where(const Request& r, size_t rel, size_t len) {
     return std::string(r.write ? "write" : "read") + " of " + std::to_string(len) + " bytes at file offset " +
@@ -171,22 +163,26 @@ void Worker::fill() {
                 try {
                     auto bufs = staging_.buffers();
                     fixed_buffers_ =
-                        engine_->register_buffers(bufs.data(), bufs.size(), StagingArena::kBufferBytes);
+                        engine_->register_buffers(bufs.data(), bufs.size(), staging_.buffer_bytes());
                 } catch (const std::bad_alloc&) {
                     // acquire() below reports it against the request
                 }
             }
-            if (len > StagingArena::kBufferBytes) {
+            const size_t staging_bytes = staging_.buffer_bytes();
+            if (len > staging_bytes) {
                 size_t unit = r.direct ? r.file.alignment().off : 1;
-                if (unit > StagingArena::kBufferBytes) {
+                if (unit > staging_bytes) {
                     // No device we know needs this; refuse cleanly rather than overrun a staging buffer.
                     r.fail(EINVAL, "device alignment " + std::to_string(unit) + " exceeds the staging buffer size");
                     continue;
                 }
-                len = std::max(unit, StagingArena::kBufferBytes / unit * unit);
+                len = std::max(unit, staging_bytes / unit * unit);
             }
+            // A worker's staged bytes in flight are capped by the worker_staging_bytes tunable (small blocks
+            // count by their length), and its buffers by half the pool, so it cannot starve the others.
             if (staging_held_ > 0 &&
-                (staging_held_ >= kStagingBuffersPerWorker || staging_bytes_held_ + len > kStagingBytesPerWorker))
+                (staging_held_ >= staging_.count() / 2 ||
+                 staging_bytes_held_ + len > tunables().worker_staging_bytes))
                 break;  // reap first
             try {
                 st = staging_.acquire();
@@ -404,7 +400,7 @@ uint64_t IoHandle::submit(Params p, std::string& warning) {
     }
     r->direct = r->file.direct_fd() >= 0;
     RequestPlan plan = plan_request(reinterpret_cast<uintptr_t>(r->mem), r->nbytes, r->offset, r->direct,
-                                    !r->copier, r->file.alignment(), cfg_.parallelism);
+                                    !r->copier, r->file.alignment(), cfg_.parallelism, tunables().min_slice_bytes);
     r->staged = plan.staged;
     r->body_fd = r->direct ? r->file.direct_fd() : r->file.buffered_fd();
     if (plan.has_edges) r->file.buffered_fd();  // open it now so a failure raises before any I/O

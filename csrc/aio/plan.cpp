@@ -3,14 +3,13 @@
 namespace dnv {
 namespace {
 
-constexpr size_t kMinSlice = 256 * 1024;  // below this another thread costs more than it brings
-
 size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 size_t align_down(size_t v, size_t a) { return v / a * a; }
 
-void split_body(RequestPlan& plan, size_t begin, size_t end, size_t granule, unsigned parallelism) {
+void split_body(RequestPlan& plan, size_t begin, size_t end, size_t granule, unsigned parallelism,
+                size_t min_slice) {
     size_t len = end - begin;
-    size_t want = len / (kMinSlice > granule ? kMinSlice : granule);
+    size_t want = len / (min_slice > granule ? min_slice : granule);
     unsigned k = want == 0 ? 1u : (want < parallelism ? static_cast<unsigned>(want) : parallelism);
     size_t per = align_up((len + k - 1) / k, granule);
     for (size_t at = begin; at < end; at += per) {
@@ -24,13 +23,13 @@ void split_body(RequestPlan& plan, size_t begin, size_t end, size_t granule, uns
 }  // namespace
 
 RequestPlan plan_request(uintptr_t mem, size_t nbytes, uint64_t file_offset, bool direct, bool host_memory,
-                         const Alignment& align, unsigned parallelism) {
+                         const Alignment& align, unsigned parallelism, size_t min_slice) {
     RequestPlan plan;
     if (nbytes == 0) return plan;
     size_t page = page_size();
     size_t granule = align.off > page ? align.off : page;
     if (!direct) {
-        split_body(plan, 0, nbytes, granule, parallelism);
+        split_body(plan, 0, nbytes, granule, parallelism, min_slice);
         return plan;
     }
     // Body: the largest stretch whose file offsets start and end on the device's alignment.
@@ -44,7 +43,7 @@ RequestPlan plan_request(uintptr_t mem, size_t nbytes, uint64_t file_offset, boo
         return plan;
     }
     plan.staged = !host_memory || (mem + body_begin) % (align.mem ? align.mem : 1) != 0;
-    split_body(plan, body_begin, body_end, granule, parallelism);
+    split_body(plan, body_begin, body_end, granule, parallelism, min_slice);
     plan.slices.front().head_end = body_begin;
     plan.slices.back().tail_begin = body_end;
     plan.slices.back().tail_end = nbytes;

@@ -25,8 +25,9 @@ struct RequestPlan {
 
 // direct: an O_DIRECT descriptor is available. host_memory: false for device memory (always staged).
 // Slices are cut at multiples of the page size (and of the device alignment) so that two threads never
-// share a page and buffered edges never share one with another thread's direct I/O.
+// share a page and buffered edges never share one with another thread's direct I/O. A slice is at least
+// min_slice bytes (the tunable of that name): below it another thread costs more than it brings.
 RequestPlan plan_request(uintptr_t mem, size_t nbytes, uint64_t file_offset, bool direct, bool host_memory,
-                         const Alignment& align, unsigned parallelism);
+                         const Alignment& align, unsigned parallelism, size_t min_slice);
 
 }  // namespace dnv

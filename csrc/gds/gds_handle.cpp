@@ -10,6 +10,7 @@
 
 #include "device_buffers.h"
 #include "error.h"
+#include "tunables.h"
 
 namespace dnv::gds {
 namespace {
@@ -17,11 +18,8 @@ namespace {
 // Split points between threads fall on file offsets that are multiples of this, so that two threads never
 // write parts of one disk block: with O_DIRECT that would be a read-modify-write race inside cuFile.
 constexpr uint64_t kSplitAlign = 4096;
-// Smaller pieces cost more in thread hand-offs than a second thread gains.
-constexpr size_t kMinChunk = 64u << 10;
-// One cuFile call moves at most this; the loop resumes. The kernel moves under 2 GiB per POSIX call in
-// compatibility mode anyway, and cuFile's return is an ssize_t.
-constexpr size_t kMaxCall = 1u << 30;
+// The smallest piece given to another thread and the most one cuFile call moves are the tunables
+// gds_min_chunk_bytes and gds_max_call_bytes (see op_builder/tunables.py).
 
 std::string where(const DeviceRequest& r, uint64_t rel, size_t len) {
     return std::string(r.write ? "cuFileWrite" : "cuFileRead") + " of " + std::to_string(len) +
@@ -130,7 +128,7 @@ void GdsHandle::run_chunk(const Chunk& c) {
         if (!r.failed()) set_device(r.device);
         size_t pos = c.begin;
         while (pos < c.end && !r.failed()) {
-            size_t len = std::min(c.end - pos, kMaxCall);
+            size_t len = std::min(c.end - pos, tunables().gds_max_call_bytes);
             auto foff = static_cast<off_t>(r.offset + pos);
             auto boff = static_cast<off_t>(r.buf_off + pos);
             errno = 0;
@@ -238,7 +236,7 @@ Ticket GdsHandle::submit_device(DeviceParams p, std::string& warning) {
             throw IoError(EIO, why, r->file.path());
         }
         // Cut at aligned file offsets; fewer pieces than threads when the request is small.
-        size_t pieces = std::clamp<size_t>(p.nbytes / kMinChunk, 1, workers_.size());
+        size_t pieces = std::clamp<size_t>(p.nbytes / tunables().gds_min_chunk_bytes, 1, workers_.size());
         size_t per = (p.nbytes + pieces - 1) / pieces;
         size_t begin = 0;
         while (begin < p.nbytes) {

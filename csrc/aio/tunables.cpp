@@ -1,0 +1,58 @@
+#include "tunables.h"
+
+#include <cctype>
+#include <cstdlib>
+#include <string>
+
+#include "error.h"
+
+#if !defined(DEEPNVME_DEFAULT_STAGING_BUFFER_BYTES)
+#error "the tunables' defaults come from op_builder/tunables.py: build through the op builder"
+#endif
+
+namespace dnv {
+namespace {
+
+// Same rule as op_builder/tunables.py parse(): digits, optional K/M/G (1024-based), surrounding spaces.
+size_t read_env(const char* env, size_t fallback, size_t multiple, size_t minimum) {
+    const char* raw = std::getenv(env);
+    std::string text = raw != nullptr ? raw : "";
+    size_t a = text.find_first_not_of(" \t");
+    if (a == std::string::npos) return fallback;
+    size_t b = text.find_last_not_of(" \t");
+    std::string t = text.substr(a, b - a + 1);
+    size_t digits = 0;
+    while (digits < t.size() && std::isdigit(static_cast<unsigned char>(t[digits]))) ++digits;
+    std::string rest = t.substr(digits);
+    size_t sp = rest.find_first_not_of(" \t");
+    rest = sp == std::string::npos ? "" : rest.substr(sp);
+    size_t unit = 1;
+    if (rest == "K" || rest == "k") unit = size_t(1) << 10;
+    else if (rest == "M" || rest == "m") unit = size_t(1) << 20;
+    else if (rest == "G" || rest == "g") unit = size_t(1) << 30;
+    else if (!rest.empty()) digits = 0;
+    if (digits == 0 || digits > 15)
+        throw ArgError(std::string(env) + "='" + text + "' is not a positive integer (optionally with K, M or G)");
+    size_t v = std::stoull(t.substr(0, digits)) * unit;
+    if (v < minimum) throw ArgError(std::string(env) + "='" + text + "' must be at least " + std::to_string(minimum));
+    if (v % multiple != 0)
+        throw ArgError(std::string(env) + "='" + text + "' must be a multiple of " + std::to_string(multiple));
+    return v;
+}
+
+Tunables read_all() {
+    Tunables t{};
+#define DNV_TUNABLE_READ(field, env, def, multiple, minimum) t.field = read_env(env, def, multiple, minimum);
+    DNV_TUNABLE_LIST(DNV_TUNABLE_READ)
+#undef DNV_TUNABLE_READ
+    return t;
+}
+
+}  // namespace
+
+const Tunables& tunables() {
+    static const Tunables values = read_all();  // a throw leaves it unset: the next call reads again
+    return values;
+}
+
+}  // namespace dnv
