@@ -535,9 +535,9 @@ def bench(args: argparse.Namespace, size: int, work: str) -> int:
         order = cases if r % 2 == 0 else list(reversed(cases))
         for i, c in enumerate(order):
             log(f"repeat {r + 1}/{args.repeats} [{i + 1}/{len(order)}] {c.group} {c.name} {c.op}")
-            # Rest first: this virtual disk runs at ~3.1 GB/s until a long stretch of transfers drains a
-            # host-side allowance, then holds a plateau (~2.06 GB/s write, ~1.64 read) until it idles;
-            # without a rest, whoever runs late in a stretch measures the plateau, not the software.
+            # Rest first: a virtual disk may run fast until a long stretch of transfers drains a host-side
+            # allowance, then hold a lower plateau until it idles; without a rest, whoever runs late in a
+            # stretch measures the plateau, not the software.
             time.sleep(args.rest)
             result = c.run()
             if result is None:  # a DeepSpeed case that failed: its note says why

@@ -1,7 +1,7 @@
 """Plain (unlocked) against locked tensors through aio_handle, with or without another handle staging first.
 
-The aio bench measures plain tensors at about 0.6x locked ones, while a process with a single handle measures
-0.95-1.1x. This script reproduces both in one run so the cause can be chased: `--other-stager` makes a
+The aio bench has measured plain tensors well behind locked ones, while a process with a single handle keeps
+them close. This script reproduces both in one run so the cause can be chased: `--other-stager` makes a
 throw-away handle read into an unaligned tensor (allocating its staging pool) before the measured handles.
 """
 
