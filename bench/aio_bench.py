@@ -35,8 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # this checkout's deepnvme, not an installed one
 
-from deepnvme.pagecache import DESCRIPTIONS, drop_file_cache, fsync_path, read_mode  # noqa: E402
-from deepnvme.sizes import parse_size  # noqa: E402
+from deepnvme.files import fsync_path  # noqa: E402
+from deepnvme.tools.pagecache import DESCRIPTIONS, drop_file_cache, read_mode  # noqa: E402
+from deepnvme.tools.sizes import parse_size  # noqa: E402
 
 GIB = 1 << 30
 SMALL_COUNT = 1000

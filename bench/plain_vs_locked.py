@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from deepnvme.pagecache import drop_file_cache  # noqa: E402
+from deepnvme.tools.pagecache import drop_file_cache  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

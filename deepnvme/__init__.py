@@ -1,4 +1,14 @@
-"""deepnvme: tensor<->file I/O ops for PyTorch; re-exports the op builders without importing torch."""
+"""deepnvme: tensor<->file I/O ops for PyTorch; re-exports the op builders without importing torch.
+
+Where things are:
+- the library: this package's top level — the op builders (re-exported from ``op_builder``),
+  :mod:`.defaults` (performance tunables), :mod:`.fastio` (torch.save/load through a handle),
+  :mod:`.files` (fsync by name, mount of a path); checkpoint and moe join here as sub-packages.
+- the tools: :mod:`deepnvme.tools` — ds_report, ds_io, ds_nvme_tune, the demo and their helpers. The
+  library never imports from there.
+- ``deepnvme.report``, ``ds_io``, ``tune``, ``demo``, ``pagecache``, ``sizes`` and ``pattern`` at the top are
+  aliases of their ``deepnvme.tools`` modules, kept so that old imports and ``python -m`` commands work.
+"""
 
 from __future__ import annotations
 

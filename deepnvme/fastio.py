@@ -11,6 +11,8 @@ import io
 import os
 from typing import Any
 
+from deepnvme.files import fsync_path
+
 
 class HandleWriter(io.RawIOBase):
     """Write-only stream whose bytes reach `path` through `handle` in `chunk`-byte locked buffers."""
@@ -142,11 +144,7 @@ def save(obj: Any, path: str, handle: Any, chunk: int = 64 << 20, legacy: bool =
     with HandleWriter(handle, path, chunk, buffers) as writer:
         torch.save(obj, writer, _use_new_zipfile_serialization=not legacy)
     if fsync:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path)
 
 
 def load(path: str, handle: Any, **kwargs: Any) -> Any:

@@ -1,14 +1,7 @@
-"""A position-dependent fill for test buffers: cheap to make, and it exposes misplaced or shifted blocks."""
+"""Moved to :mod:`deepnvme.tools.pattern` (a tools helper); this name keeps old imports working."""
 
-from __future__ import annotations
+import sys
 
-from typing import Any
+from deepnvme.tools import pattern as _moved
 
-
-def fill_pattern(t: Any) -> None:
-    """Fill a contiguous uint8 tensor so that every 8-byte word holds a distinct value."""
-    import torch
-
-    words = t[: t.numel() // 8 * 8].view(torch.int64)
-    torch.arange(words.numel(), dtype=torch.int64, out=words).mul_(-7046029254386353131)
-    t[words.numel() * 8:] = 0x5A
+sys.modules[__name__] = _moved  # one module object under both names (attributes, monkeypatching)

@@ -142,3 +142,15 @@ def test_multi_process_real_processes(folder: str) -> None:
     rec = json.loads(proc.stdout)
     assert rec["processes"] == 2 and rec["requests"] == 2
     assert "[1]: process 1 <----> " in proc.stderr
+
+
+def test_io_engine_is_an_argument_not_the_environment(folder: str, capsys: pytest.CaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """--io_engine reaches aio_basic's calls as an argument: the run reports that engine and leaves
+    DEEPNVME_ENGINE untouched for whatever runs next in the process."""
+    monkeypatch.delenv("DEEPNVME_ENGINE", raising=False)
+    rc, out, err = run_main(["--folder", folder, "--io_size", SIZE, "--engine", "aio_basic", "--io_engine",
+                             "posix", "--json", "--loops", "1", "--validate"], capsys)
+    assert rc == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["io_engine"] == "posix"
+    assert "DEEPNVME_ENGINE" not in os.environ

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from deepnvme import report
+from deepnvme import files
+from deepnvme.tools.report import checks, collect, model, render
 
 ROOT = Path(__file__).resolve().parents[1]
 SEP = "-" * 50
@@ -472,7 +473,7 @@ def test_no_colour_when_piped(text_run: subprocess.CompletedProcess[str]) -> Non
 def test_colour_on_terminal_unless_no_color(tmp_path: Path) -> None:
     """A terminal gets coloured markers; NO_COLOR turns them off there too."""
     coloured = run_on_pty("--hide_operator_status", "--dir", str(tmp_path))
-    assert f"{report.GREEN}[OKAY]{report.END}" in coloured
+    assert f"{render.GREEN}[OKAY]{render.END}" in coloured
     plain = run_on_pty("--hide_operator_status", "--dir", str(tmp_path), extra_env={"NO_COLOR": "1"})
     assert ANSI not in plain and "[OKAY]" in plain
 
@@ -506,10 +507,10 @@ def ramfs_dir(tmp_path: Path) -> Iterator[Path]:
 
 def test_o_direct_on_disk(tmp_path: Path) -> None:
     """On a disk filesystem the aligned write-and-read-back works, and the test file is gone afterwards."""
-    _, fstype = report._mount_of(str(tmp_path))
+    _, fstype = files.mount_of(str(tmp_path))
     if fstype not in ("ext4", "xfs", "btrfs", "f2fs"):
         pytest.skip(f"{tmp_path} is on {fstype or 'an unknown filesystem'}, not a local disk filesystem")
-    found = report.check_o_direct(str(tmp_path))
+    found = checks.check_o_direct(str(tmp_path))
     assert found.ok, found
     assert fstype in found.detail and not found.reason
     assert list(tmp_path.iterdir()) == []
@@ -517,7 +518,7 @@ def test_o_direct_on_disk(tmp_path: Path) -> None:
 
 def test_o_direct_refused_on_ramfs(ramfs_dir: Path) -> None:
     """ramfs refuses O_DIRECT: reported with EINVAL, the buffered fallback and the fix; no file left."""
-    found = report.check_o_direct(str(ramfs_dir))
+    found = checks.check_o_direct(str(ramfs_dir))
     assert not found.ok
     assert "ramfs" in found.detail
     assert "EINVAL" in found.reason and "buffered" in found.reason
@@ -536,7 +537,7 @@ def test_o_direct_refused_on_ramfs(ramfs_dir: Path) -> None:
 
 def test_o_direct_on_missing_dir(tmp_path: Path) -> None:
     """A directory that does not exist is reported as untestable, not as a crash."""
-    found = report.check_o_direct(str(tmp_path / "nope"))
+    found = checks.check_o_direct(str(tmp_path / "nope"))
     assert not found.ok and "could not test" in found.detail and "--dir" in found.fix
 
 
@@ -546,25 +547,25 @@ def test_o_direct_on_missing_dir(tmp_path: Path) -> None:
 
 def test_memlock_unlimited(monkeypatch: pytest.MonkeyPatch) -> None:
     """An unlimited limit is fine and says so."""
-    inf = report.resource.RLIM_INFINITY
-    monkeypatch.setattr(report.resource, "getrlimit", lambda _: (inf, inf))
-    found = report.check_memlock()
+    inf = checks.resource.RLIM_INFINITY
+    monkeypatch.setattr(checks.resource, "getrlimit", lambda _: (inf, inf))
+    found = checks.check_memlock()
     assert found.ok and found.detail == "unlimited"
 
 
 def test_memlock_low_but_cap_ipc_lock(monkeypatch: pytest.MonkeyPatch) -> None:
     """A low limit does not bind a process holding CAP_IPC_LOCK."""
-    monkeypatch.setattr(report.resource, "getrlimit", lambda _: (8 << 20, 8 << 20))
-    monkeypatch.setattr(report, "_has_cap_ipc_lock", lambda: True)
-    found = report.check_memlock()
+    monkeypatch.setattr(checks.resource, "getrlimit", lambda _: (8 << 20, 8 << 20))
+    monkeypatch.setattr(checks, "_has_cap_ipc_lock", lambda: True)
+    found = checks.check_memlock()
     assert found.ok and "CAP_IPC_LOCK" in found.detail and "8 MiB" in found.detail
 
 
 def test_memlock_low(monkeypatch: pytest.MonkeyPatch) -> None:
     """A low limit without CAP_IPC_LOCK is a shortfall with its reason and fix."""
-    monkeypatch.setattr(report.resource, "getrlimit", lambda _: (64 << 10, 8 << 20))
-    monkeypatch.setattr(report, "_has_cap_ipc_lock", lambda: False)
-    found = report.check_memlock()
+    monkeypatch.setattr(checks.resource, "getrlimit", lambda _: (64 << 10, 8 << 20))
+    monkeypatch.setattr(checks, "_has_cap_ipc_lock", lambda: False)
+    found = checks.check_memlock()
     assert not found.ok
     assert "soft 64 KiB, hard 8 MiB" == found.detail
     assert "ulimit -l" in found.fix and "64 KiB" in found.reason
@@ -573,14 +574,14 @@ def test_memlock_low(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cap_ipc_lock_read_from_proc() -> None:
     """The capability bit is read from this process's own status (root here normally holds it)."""
     caps = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("CapEff:"))
-    assert report._has_cap_ipc_lock() == bool(int(caps.split()[1], 16) & (1 << 14))
+    assert checks._has_cap_ipc_lock() == bool(int(caps.split()[1], 16) & (1 << 14))
 
 
-def _probes(**ok: bool) -> dict[str, report.Finding]:
+def _probes(**ok: bool) -> dict[str, model.Finding]:
     """Synthetic probe findings: every probe fine unless named False."""
     keys = ("compiler", "ninja", "libaio", "liburing", "io_uring_runtime", "cuda", "cufile")
     return {
-        k: report.Finding(
+        k: model.Finding(
             k,
             k,
             ok.get(k, True),
@@ -594,33 +595,33 @@ def _probes(**ok: bool) -> dict[str, report.Finding]:
 
 def test_engines_all_present() -> None:
     """With liburing, a working io_uring and libaio, all three engines run and auto picks io_uring."""
-    found, engines = report.engines_finding(True, _probes(), "")
+    found, engines = collect.engines_finding(True, _probes(), "")
     assert engines == ["io_uring", "libaio", "posix"]
     assert found.ok and not found.reason and "auto picks io_uring" in found.detail
 
 
 def test_engines_posix_only_still_usable() -> None:
     """Without libaio and liburing, async_io still works through posix threads, and the report says so."""
-    found, engines = report.engines_finding(True, _probes(libaio=False, liburing=False), "")
+    found, engines = collect.engines_finding(True, _probes(libaio=False, liburing=False), "")
     assert engines == ["posix"]
     assert found.ok and "posix thread engine" in found.reason
     assert "get libaio" in found.fix and "get liburing" in found.fix
-    assert report._marker(found, report.Painter(False)) == "[WARNING]"
+    assert render._marker(found, render.Painter(False)) == "[WARNING]"
 
 
 def test_engines_io_uring_blocked_at_runtime() -> None:
     """liburing present but io_uring refused at run time (common in containers): libaio and posix remain."""
-    found, engines = report.engines_finding(True, _probes(io_uring_runtime=False), "")
+    found, engines = collect.engines_finding(True, _probes(io_uring_runtime=False), "")
     assert engines == ["libaio", "posix"]
     assert "io_uring_runtime is missing" in found.reason and found.fix == "get io_uring_runtime"
 
 
 def test_engines_none_when_async_io_unusable() -> None:
     """When async_io can be neither loaded nor built, no engine runs and the line fails in red."""
-    found, engines = report.engines_finding(False, _probes(compiler=False), "no compiler")
+    found, engines = collect.engines_finding(False, _probes(compiler=False), "no compiler")
     assert engines == [] and not found.ok
     assert found.reason == "no compiler" and found.fix == "get compiler"
-    assert report._marker(found, report.Painter(False)) == "[FAIL]"
+    assert render._marker(found, render.Painter(False)) == "[FAIL]"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -629,11 +630,11 @@ def test_engines_none_when_async_io_unusable() -> None:
 
 def test_dots_and_sizes() -> None:
     """DeepSpeed's padding for ordinary names, at least one dot for long ones; 1024-based sizes."""
-    assert report._dots("async_io", 23) == "." * 15
-    assert report._dots("a_very_long_plugin_op_name", 23) == "."
-    assert report._human_bytes(64 * 1024 * 1024) == "64.00 MB"
-    assert report._human_bytes(512) == "512.00 B"
-    assert report._iec(8 << 20) == "8 MiB" and report._iec(1000) == "1000 B"
+    assert render._dots("async_io", 23) == "." * 15
+    assert render._dots("a_very_long_plugin_op_name", 23) == "."
+    assert checks.human_bytes(64 * 1024 * 1024) == "64.00 MB"
+    assert checks.human_bytes(512) == "512.00 B"
+    assert checks.iec(8 << 20) == "8 MiB" and checks.iec(1000) == "1000 B"
 
 
 def test_readme_quotes_the_ci_test_command() -> None:

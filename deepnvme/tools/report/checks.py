@@ -1,0 +1,178 @@
+"""ds_report's own checks, in pure Python: O_DIRECT in a directory, the locked-memory limit, /dev/shm."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import resource
+import uuid
+from pathlib import Path
+
+from deepnvme.files import mount_of
+
+from .model import Finding
+
+__all__ = ["MEMLOCK_WANTED", "O_DIRECT_BLOCK", "SHM_WANTED", "check_memlock", "check_o_direct", "human_bytes",
+           "iec", "shm_size"]
+
+# One aligned block: 4 KiB suits both 512-byte and 4 KiB logical sectors, and an mmap buffer is page aligned.
+O_DIRECT_BLOCK = 4096
+# Below this, one large pinned tensor or the staging pool cannot be locked; 1 GiB is a modest shard.
+MEMLOCK_WANTED = 1 << 30
+# DeepSpeed warns below this /dev/shm size because Docker's 64 MB default starves dataloaders and NCCL.
+SHM_WANTED = 512 << 20
+CAP_IPC_LOCK_BIT = 14
+
+
+def human_bytes(n: float) -> str:
+    """Format a byte count the way DeepSpeed's report does: 1024 base, two decimals, B..TB."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024:
+            return f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TB"
+
+
+def iec(n: int) -> str:
+    """Format a limit compactly (8 MiB, 1 GiB) for capability details."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or n % 1024:
+            return f"{n} {unit}"
+        n //= 1024
+    return f"{n} TiB"
+
+
+def check_o_direct(directory: str) -> Finding:
+    """Create a file with O_DIRECT in directory, write and read back one aligned block, and remove it."""
+    key, label = "o_direct", "O_DIRECT"
+    _, fstype = mount_of(directory)
+    where = f"{directory} ({fstype})" if fstype else directory
+    fallback = (
+        "deepnvme falls back to buffered I/O there: it works, but every byte goes through the page "
+        "cache, which costs RAM and throughput"
+    )
+    fix = "point --dir, and the paths you read and write, at a local disk filesystem such as ext4 or xfs"
+    if not hasattr(os, "O_DIRECT"):
+        return Finding(key, label, False, "O_DIRECT is not defined on this platform", fallback, fix)
+    path = os.path.join(directory, f".deepnvme-odirect-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            # Some filesystems (ramfs) create the file before refusing the flag; the name is ours (O_EXCL).
+            _unlink_quietly(path)
+            return Finding(
+                key,
+                label,
+                False,
+                f"refused on {where}",
+                f"the filesystem rejects O_DIRECT (open gave EINVAL); {fallback}",
+                fix,
+            )
+        return Finding(
+            key,
+            label,
+            False,
+            f"could not test {directory}: {exc.strerror}",
+            "a test file could not be created there",
+            "pass --dir with a writable directory",
+        )
+    try:
+        out = mmap.mmap(-1, O_DIRECT_BLOCK)
+        back = mmap.mmap(-1, O_DIRECT_BLOCK)
+        pattern = os.urandom(64) * (O_DIRECT_BLOCK // 64)
+        out.write(pattern)
+        try:
+            written = os.pwrite(fd, out, 0)
+            read = os.preadv(fd, [back], 0)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return Finding(
+                    key,
+                    label,
+                    False,
+                    f"open accepted O_DIRECT on {where} but a "
+                    f"{O_DIRECT_BLOCK}-byte aligned transfer gave EINVAL",
+                    f"the device needs a larger alignment than {O_DIRECT_BLOCK} bytes; {fallback}",
+                    fix,
+                )
+            return Finding(
+                key,
+                label,
+                False,
+                f"I/O on {where} failed: {exc.strerror}",
+                "the aligned test write or read failed",
+                "check the device and free space",
+            )
+        if written != O_DIRECT_BLOCK or read != O_DIRECT_BLOCK or back[:] != pattern:
+            return Finding(
+                key,
+                label,
+                False,
+                f"short or corrupt aligned transfer on {where}",
+                f"wrote {written} and read {read} of {O_DIRECT_BLOCK} bytes",
+                "check the device",
+            )
+        return Finding(
+            key, label, True, f"supported on {where}: {O_DIRECT_BLOCK}-byte aligned write and read back"
+        )
+    finally:
+        os.close(fd)
+        _unlink_quietly(path)
+
+
+def _unlink_quietly(path: str) -> None:
+    """Remove the O_DIRECT test file; a file already gone is fine."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _has_cap_ipc_lock() -> bool:
+    """Whether this process may lock memory beyond RLIMIT_MEMLOCK (CAP_IPC_LOCK in its effective set)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK_BIT & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def check_memlock() -> Finding:
+    """Report the locked-memory limit that bounds pinned tensors and the staging pool."""
+    key, label = "memlock", "locked memory (RLIMIT_MEMLOCK)"
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+
+    def show(v: int) -> str:
+        return "unlimited" if v == resource.RLIM_INFINITY else iec(v)
+
+    limits = f"soft {show(soft)}, hard {show(hard)}"
+    if soft == resource.RLIM_INFINITY:
+        return Finding(key, label, True, "unlimited")
+    if _has_cap_ipc_lock():
+        return Finding(key, label, True, f"{limits}; not enforced: this process has CAP_IPC_LOCK")
+    if soft >= MEMLOCK_WANTED:
+        return Finding(key, label, True, limits)
+    return Finding(
+        key,
+        label,
+        False,
+        limits,
+        f"pinned (page-locked) tensors and staging buffers can lock at most {show(soft)} in total; "
+        "larger requests fail to lock",
+        "raise it: `ulimit -l unlimited` (as root, or up to the hard limit), '* - memlock unlimited' "
+        "in /etc/security/limits.conf, or `docker run --ulimit memlock=-1`",
+    )
+
+
+def shm_size() -> tuple[str, int | None]:
+    """Size of /dev/shm, human readable and in bytes; ('UNKNOWN', None) when it cannot be read."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return "UNKNOWN", None
+    size = st.f_frsize * st.f_blocks
+    return human_bytes(size), size

@@ -1,0 +1,7 @@
+"""``python -m deepnvme.tools.tune``."""
+
+import sys
+
+from deepnvme.tools.tune import main
+
+sys.exit(main())
