@@ -30,12 +30,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # this checkout's deepnvme, not an installed one
 
-from deepnvme.files import fsync_path  # noqa: E402
+from deepnvme.files import fsync_path, mount_of  # noqa: E402
 from deepnvme.tools.pagecache import DESCRIPTIONS, drop_file_cache, read_mode  # noqa: E402
 from deepnvme.tools.sizes import parse_size  # noqa: E402
 
@@ -399,18 +400,25 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def bench(args: argparse.Namespace, size: int, work: str) -> int:
-    """Everything after argument parsing; `work` is removed by the caller."""
+@dataclass
+class Inputs:
+    """The files and buffers every case shares."""
+
+    seq: str  # the sequential file (fio's random reads run over it too)
+    small_one: str  # SMALL_COUNT * SMALL_SIZE bytes in one file
+    small_paths: list[str]  # SMALL_COUNT files of SMALL_SIZE bytes
+    owner: Any  # the handle that locked the tensors (recognised by every handle: shared registry)
+    locked: Any
+    plain: Any
+    small_buf: Any  # locked, SMALL_COUNT * SMALL_SIZE bytes
+    engines: list[str]  # kernel-queue engines available here
+
+
+def make_inputs(aio: Any, size: int, work: str) -> Inputs:
+    """Write the test files and allocate the locked and plain tensors."""
     import torch
 
-    from deepnvme import AsyncIOBuilder
-
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - progress goes to stderr
-    aio = AsyncIOBuilder().load()
-    engines = [e for e in ("io_uring", "libaio") if e in aio.available_engines()]
-    notes: list[str] = []
     seq = os.path.join(work, "seq.bin")
-    log(f"setup: {size / GIB:g} GiB file, {SMALL_COUNT} small files in {work}")
     make_file(seq, size)
     small_one = os.path.join(work, "small_one.bin")
     make_file(small_one, SMALL_COUNT * SMALL_SIZE)
@@ -424,141 +432,129 @@ def bench(args: argparse.Namespace, size: int, work: str) -> int:
             f.write(blob)
         small_paths.append(path)
     os.sync()
-    rand_file = seq  # fio's random reads run over the same sequential file
-
-    cases: list[Case] = []
-    handles: list = []
-    # Locked tensors come from one handle and are recognised by every handle (shared registry).
     owner = aio.aio_handle()
-    locked = owner.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+    u8 = torch.empty(0, dtype=torch.uint8)
+    locked = owner.new_cpu_locked_tensor(size, u8)
     plain = torch.empty(size, dtype=torch.uint8)
     plain.copy_(locked)
-    notes.append(f"plain tensor address mod 4096 = {plain.data_ptr() % 4096} (torch.empty as allocated)")
+    small_buf = owner.new_cpu_locked_tensor(SMALL_COUNT * SMALL_SIZE, u8)
+    engines = [e for e in ("io_uring", "libaio") if e in aio.available_engines()]
+    return Inputs(seq, small_one, small_paths, owner, locked, plain, small_buf, engines)
 
+
+def sequential_cases(aio: Any, inp: Inputs, size: int, quick: bool) -> list[Case]:
+    """deepnvme writes and reads of the whole file, locked and plain tensors, over engines and settings."""
     seq_cfgs = [("io_uring", 32, 1), ("io_uring", 128, 1), ("io_uring", 32, 2), ("io_uring", 128, 2),
                 ("libaio", 32, 1), ("libaio", 32, 2), ("libaio", 128, 2)]
     plain_cfgs = [("io_uring", 32, 2), ("libaio", 32, 2)]
-    if args.quick:
+    if quick:
         seq_cfgs, plain_cfgs = [("io_uring", 32, 2)], [("io_uring", 32, 2)]
+    cases = []
     for tensor_kind, cfgs in (("locked", seq_cfgs), ("plain", plain_cfgs)):
         for engine, depth, threads in cfgs:
-            if engine not in engines:
+            if engine not in inp.engines:
                 continue
             h = aio.aio_handle(**handle_settings(engine, depth, threads))
-            handles.append(h)
-            t = locked if tensor_kind == "locked" else plain
+            t = inp.locked if tensor_kind == "locked" else inp.plain
             name = f"{engine} QD{depth} P{threads} {tensor_kind}"
-            for op in ("write", "read"):
-                cases.append(Case("deepnvme", name, op, aio_seq(h, t, seq, op), size))
+            cases += [Case("deepnvme", name, op, aio_seq(h, t, inp.seq, op), size)
+                      for op in ("write", "read")]
+    return cases
 
-    if shutil.which("fio"):
-        fio_engines = [("libaio", False), ("io_uring", False), ("io_uring", True)]
-        depths, jobs_list = ([32, 128], [1, 2]) if not args.quick else ([32], [1])
-        for engine, fixed in fio_engines:
-            for depth in depths:
-                for jobs in jobs_list:
-                    name = f"{engine}{' fixedbufs' if fixed else ''} QD{depth} jobs{jobs}"
-                    for op in ("write", "read"):
-                        cases.append(Case("fio", name, op,
-                                          fio_seq(seq, size, op, engine, depth, jobs, fixed), size))
-    else:
-        notes.append("fio is not on PATH: no fio rows")
 
-    # Many small requests: 1000 views of one locked buffer, so no per-request allocation is measured.
-    small_buf = owner.new_cpu_locked_tensor(SMALL_COUNT * SMALL_SIZE, torch.empty(0, dtype=torch.uint8))
-    views = list(small_buf.view(SMALL_COUNT, SMALL_SIZE).unbind(0))
+def fio_cases(inp: Inputs, size: int, args: argparse.Namespace) -> list[Case]:
+    """fio's sequential runs over engines, depths and jobs, and its 64 KiB random reads."""
+    cases = []
+    depths, jobs_list = ([32, 128], [1, 2]) if not args.quick else ([32], [1])
+    for engine, fixed in [("libaio", False), ("io_uring", False), ("io_uring", True)]:
+        for depth in depths:
+            for jobs in jobs_list:
+                name = f"{engine}{' fixedbufs' if fixed else ''} QD{depth} jobs{jobs}"
+                cases += [Case("fio", name, op, fio_seq(inp.seq, size, op, engine, depth, jobs, fixed), size)
+                          for op in ("write", "read")]
+    for engine in ("libaio", "io_uring") if not args.quick else ("io_uring",):
+        cases.append(Case("fio", f"randread 64k {engine} QD32 direct", "small",
+                          fio_randread(inp.seq, engine, args.fio_seconds), SMALL_COUNT * SMALL_SIZE))
+    return cases
+
+
+def small_cases(aio: Any, inp: Inputs, quick: bool) -> list[Case]:
+    """Many small requests: views of one locked buffer (no per-request allocation is measured), into one
+    file at offsets and into as many files."""
+    views = list(inp.small_buf.view(SMALL_COUNT, SMALL_SIZE).unbind(0))
     small_cfgs = [("io_uring", 32, 1), ("io_uring", 128, 1), ("io_uring", 128, 2), ("libaio", 32, 1),
                   ("libaio", 128, 2)]
-    if args.quick:
+    if quick:
         small_cfgs = [("io_uring", 128, 1)]
+    cases, total = [], SMALL_COUNT * SMALL_SIZE
     for engine, depth, threads in small_cfgs:
-        if engine not in engines:
+        if engine not in inp.engines:
             continue
         h = aio.aio_handle(block_size=1 << 20, queue_depth=depth, single_submit=False, overlap_events=True,
                            intra_op_parallelism=threads, engine=engine)
-        handles.append(h)
+        offsets = [i * SMALL_SIZE for i in range(SMALL_COUNT)]
         cases.append(Case("deepnvme", f"one file, {engine} QD{depth} P{threads}", "small",
-                          aio_small(h, views, [small_one] * SMALL_COUNT,
-                                    [i * SMALL_SIZE for i in range(SMALL_COUNT)]),
-                          SMALL_COUNT * SMALL_SIZE))
+                          aio_small(h, views, [inp.small_one] * SMALL_COUNT, offsets), total))
         cases.append(Case("deepnvme", f"{SMALL_COUNT} files, {engine} QD{depth} P{threads}", "small",
-                          aio_small(h, views, small_paths, [0] * SMALL_COUNT), SMALL_COUNT * SMALL_SIZE))
-    if shutil.which("fio"):
-        for engine in ("libaio", "io_uring") if not args.quick else ("io_uring",):
-            cases.append(Case("fio", f"randread 64k {engine} QD32 direct", "small",
-                              fio_randread(rand_file, engine, args.fio_seconds), SMALL_COUNT * SMALL_SIZE))
+                          aio_small(h, views, inp.small_paths, [0] * SMALL_COUNT), total))
+    return cases
 
-    # Baselines on their own files (torch.save writes a zip archive, not raw bytes).
+
+def baseline_cases(aio: Any, inp: Inputs, size: int, work: str) -> list[Case]:
+    """What a user would otherwise pick (torch.save/load, numpy), on their own files, and deepnvme+fsync."""
     pt, npf = os.path.join(work, "base.pt"), os.path.join(work, "base.npy")
-    arr = plain.numpy()
-    cases += [Case("baseline", "torch.save+fsync / torch.load", "write",
-                   leave_no_cache(pt, torch_save(plain, pt)), size),
-              Case("baseline", "torch.save+fsync / torch.load", "read",
-                   leave_no_cache(pt, torch_load(pt)), size),
-              Case("baseline", "numpy tofile+fsync / fromfile", "write",
-                   leave_no_cache(npf, np_tofile(arr, npf)), size),
-              Case("baseline", "numpy tofile+fsync / fromfile", "read",
-                   leave_no_cache(npf, np_fromfile(npf)), size)]
-    h = aio.aio_handle(**handle_settings(engines[0] if engines else "posix", 32, 2))
-    handles.append(h)
+    arr = inp.plain.numpy()
+    h = aio.aio_handle(**handle_settings(inp.engines[0] if inp.engines else "posix", 32, 2))
 
     def aio_write_fsync() -> tuple[float, float]:
-        return timed(lambda: (h.sync_pwrite(locked, seq), fsync_path(seq)))
+        return timed(lambda: (h.sync_pwrite(inp.locked, inp.seq), fsync_path(inp.seq)))
 
-    cases.append(Case("baseline", "deepnvme write+fsync (QD32 P2 locked)", "write", aio_write_fsync, size))
+    return [Case("baseline", "torch.save+fsync / torch.load", "write",
+                 leave_no_cache(pt, torch_save(inp.plain, pt)), size),
+            Case("baseline", "torch.save+fsync / torch.load", "read",
+                 leave_no_cache(pt, torch_load(pt)), size),
+            Case("baseline", "numpy tofile+fsync / fromfile", "write",
+                 leave_no_cache(npf, np_tofile(arr, npf)), size),
+            Case("baseline", "numpy tofile+fsync / fromfile", "read",
+                 leave_no_cache(npf, np_fromfile(npf)), size),
+            Case("baseline", "deepnvme write+fsync (QD32 P2 locked)", "write", aio_write_fsync, size)]
 
-    # DeepSpeed in a process of its own, like fio (see bench/deepspeed_side.py for why).
-    from deepspeed_side import DeepSpeedSide
 
-    side = DeepSpeedSide(seq, size, small_one, small_paths)
-    if side.error:
-        notes.append(f"DeepSpeed: not measured ({side.error})")
-    else:
-        notes.append("DeepSpeed rows: measured in a child process of their own, same files and settings")
-        for i, (name, op, nbytes) in enumerate(side.cases):
-            cases.append(Case("DeepSpeed", name, op, side.runner(i), nbytes))
+def round_trip_ok(aio: Any, inp: Inputs, cases: list[Case], size: int) -> bool:
+    """Correctness once, before timing: the first deepnvme write, read back and compared."""
+    import torch
 
-    cases = interleave_peers(cases)
-
-    # Correctness once, before timing: a deepnvme round trip of the sequential file.
-    check = cases[0].run  # first deepnvme write
-    check()
+    cases[0].run()
     back = torch.empty(size, dtype=torch.uint8)
-    aio.aio_handle(**handle_settings(engines[0] if engines else "posix", 32, 2)).sync_pread(back, seq)
-    if not torch.equal(back, locked):
-        print("deepnvme round trip mismatch: results would be meaningless", file=sys.stderr)
-        return 1
-    del back
+    reader = aio.aio_handle(**handle_settings(inp.engines[0] if inp.engines else "posix", 32, 2))
+    reader.sync_pread(back, inp.seq)
+    return bool(torch.equal(back, inp.locked))
 
+
+def measure(cases: list[Case], repeats: int, rest: float, log: Callable[[str], None]) -> float:
+    """Run every case `repeats` times, interleaved; returns the seconds it took."""
     started = time.time()
-    for r in range(args.repeats):
+    for r in range(repeats):
         # Alternate the order each repeat so slow drift of a shared machine does not favour one side.
         order = cases if r % 2 == 0 else list(reversed(cases))
         for i, c in enumerate(order):
-            log(f"repeat {r + 1}/{args.repeats} [{i + 1}/{len(order)}] {c.group} {c.name} {c.op}")
+            log(f"repeat {r + 1}/{repeats} [{i + 1}/{len(order)}] {c.group} {c.name} {c.op}")
             # Rest first: a virtual disk may run fast until a long stretch of transfers drains a host-side
             # allowance, then hold a lower plateau until it idles; without a rest, whoever runs late in a
             # stretch measures the plateau, not the software.
-            time.sleep(args.rest)
+            time.sleep(rest)
             result = c.run()
             if result is None:  # a DeepSpeed case that failed: its note says why
                 continue
             secs, cpu = result
             c.samples.append({"seconds": secs, "cpu": cpu, "repeat": r})
-    elapsed = time.time() - started
+    return time.time() - started
 
-    meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.node()}, {os.cpu_count()} CPUs, "
-            f"{platform.release()}", "dir": args.dir, "fs": fs_type(args.dir), "size_gib": size / GIB,
-            "repeats": args.repeats, "read_mode": DESCRIPTIONS[read_mode(args.dir)], "notes": notes,
-            "seconds": elapsed, "torch": torch.__version__}
-    notes.append(f"{args.rest:g} s of rest before each case (--rest)")
-    notes.append(f"measuring took {elapsed:.0f} s ({time.time() - args.t_start:.0f} s with set-up); "
-                 f"deepnvme engines available: {', '.join(engines)}")
-    notes.append("fio rows: bandwidth as fio reports it (its start-up excluded); fio CPU includes its "
-                 "start-up. deepnvme rows: one sync_pwrite/sync_pread of the whole tensor, no fsync.")
+
+def write_outputs(cases: list[Case], meta: dict, out: Path) -> None:
+    """Print the Markdown table and write it, with every sample as JSON, beside --out."""
     report = render(cases, meta)
     print(report)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(report)
     out.with_suffix(".json").write_text(json.dumps(
@@ -566,25 +562,59 @@ def bench(args: argparse.Namespace, size: int, work: str) -> int:
                                   "samples": c.samples, "summary": summary(c) if c.samples else None}
                                  for c in cases]}, indent=1))
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}", file=sys.stderr)
+
+
+def bench(args: argparse.Namespace, size: int, work: str) -> int:
+    """Everything after argument parsing; `work` is removed by the caller."""
+    import torch
+
+    from deepnvme import AsyncIOBuilder
+
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - progress goes to stderr
+    aio = AsyncIOBuilder().load()
+    log(f"setup: {size / GIB:g} GiB file, {SMALL_COUNT} small files in {work}")
+    inp = make_inputs(aio, size, work)
+    notes = [f"plain tensor address mod 4096 = {inp.plain.data_ptr() % 4096} (torch.empty as allocated)"]
+    cases = sequential_cases(aio, inp, size, args.quick)
+    if shutil.which("fio"):
+        cases += fio_cases(inp, size, args)
+    else:
+        notes.append("fio is not on PATH: no fio rows")
+    cases += small_cases(aio, inp, args.quick) + baseline_cases(aio, inp, size, work)
+
+    # DeepSpeed in a process of its own, like fio (see bench/deepspeed_side.py for why).
+    from deepspeed_side import DeepSpeedSide
+
+    side = DeepSpeedSide(inp.seq, size, inp.small_one, inp.small_paths)
+    if side.error:
+        notes.append(f"DeepSpeed: not measured ({side.error})")
+    else:
+        notes.append("DeepSpeed rows: measured in a child process of their own, same files and settings")
+        cases += [Case("DeepSpeed", name, op, side.runner(i), nbytes)
+                  for i, (name, op, nbytes) in enumerate(side.cases)]
+    cases = interleave_peers(cases)
+    if not round_trip_ok(aio, inp, cases, size):
+        print("deepnvme round trip mismatch: results would be meaningless", file=sys.stderr)
+        return 1
+
+    elapsed = measure(cases, args.repeats, args.rest, log)
+    meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.node()}, {os.cpu_count()} CPUs, "
+            f"{platform.release()}", "dir": args.dir, "fs": mount_of(args.dir)[1] or "?",
+            "size_gib": size / GIB,
+            "repeats": args.repeats, "read_mode": DESCRIPTIONS[read_mode(args.dir)], "notes": notes,
+            "seconds": elapsed, "torch": torch.__version__}
+    notes.append(f"{args.rest:g} s of rest before each case (--rest)")
+    notes.append(f"measuring took {elapsed:.0f} s ({time.time() - args.t_start:.0f} s with set-up); "
+                 f"deepnvme engines available: {', '.join(inp.engines)}")
+    notes.append("fio rows: bandwidth as fio reports it (its start-up excluded); fio CPU includes its "
+                 "start-up. deepnvme rows: one sync_pwrite/sync_pread of the whole tensor, no fsync.")
+    write_outputs(cases, meta, Path(args.out))
     side.close()
     if side.failure:
         notes.append(f"DeepSpeed: stopped measuring after a failure ({side.failure})")
-    owner.free_cpu_locked_tensor(small_buf)
-    owner.free_cpu_locked_tensor(locked)
+    inp.owner.free_cpu_locked_tensor(inp.small_buf)
+    inp.owner.free_cpu_locked_tensor(inp.locked)
     return 0
-
-
-def fs_type(directory: str) -> str:
-    """The file system type of the mount holding `directory`, from /proc/mounts."""
-    best_mnt, fstype = "", "?"
-    real = os.path.realpath(directory)
-    with open("/proc/mounts", encoding="utf-8") as mounts:
-        for line in mounts:
-            parts = line.split()
-            if len(parts) >= 3 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")):
-                if len(parts[1]) > len(best_mnt):
-                    best_mnt, fstype = parts[1], parts[2]
-    return fstype
 
 
 if __name__ == "__main__":
