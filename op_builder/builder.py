@@ -238,6 +238,14 @@ class OpBuilder(ABC):
         """sha256 over every input of the build (see :func:`jit_cache.jit_key`)."""
         return jit_cache.jit_key(self)
 
+    def probe_outcomes(self) -> dict[str, Any]:
+        """The probe outcomes this builder's flags relied on (what a JIT stamp records)."""
+        return dict(self._probe_memo)
+
+    def restore_probe_outcomes(self, outcomes: dict[str, Any]) -> None:
+        """Take probe outcomes recorded earlier (a stamp's) instead of running the probes again."""
+        self._probe_memo = dict(outcomes)
+
     # ---- internals ---------------------------------------------------------------------------------
     def _memo(self, name: str, fn: Callable[[], T]) -> T:
         if name not in self._probe_memo:

@@ -169,18 +169,18 @@ def load_warm(builder: OpBuilder, build_dir: Path) -> ModuleType | None:
     leaves them empty when the stamp is for another machine state.
     """
     stamp = read_stamp(build_dir)
-    builder._probe_memo = {}
+    builder.restore_probe_outcomes({})
     if not stamp or stamp.get("fingerprint") != builder.probe_fingerprint():
         return None
-    builder._probe_memo = restored_probes(stamp.get("probes", {}))
+    builder.restore_probe_outcomes(restored_probes(stamp.get("probes", {})))
     library = build_dir / str(stamp.get("library", ""))
     if stamp.get("key") != builder.jit_key() or _file_identity(library) != stamp.get("library_id"):
-        builder._probe_memo = {}
+        builder.restore_probe_outcomes({})
         return None
     try:
         return _import_extension(str(stamp["module"]), library)
     except ImportError:
-        builder._probe_memo = {}
+        builder.restore_probe_outcomes({})
         return None  # e.g. a library it links moved away: the caller rebuilds
 
 
@@ -272,7 +272,7 @@ def build(builder: OpBuilder, build_dir: Path, verbose: bool) -> ModuleType:
         library = Path(getattr(module, "__file__", "") or "")
         _write_stamp(build_dir, {
             "key": key, "fingerprint": builder.probe_fingerprint(),
-            "probes": saved_probes(builder._probe_memo),
+            "probes": saved_probes(builder.probe_outcomes()),
             "module": module.__name__, "library": os.path.relpath(library, build_dir),
             "library_id": _file_identity(library),
             "flags": {"sources": srcs, "cxx": cflags, "ld": ldflags, "include": incs}})
