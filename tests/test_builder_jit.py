@@ -127,13 +127,29 @@ def test_two_processes_loading_at_once_build_once(tmp_path):
 
 
 def test_stale_lock_of_a_killed_build_does_not_hang(tmp_path):
-    """A lock file left by a killed build (torch would wait on it forever) is cleared and built past."""
+    """A lock file left by a killed build (torch would wait on it forever) is built past, not deleted: the
+    build moves to a retry folder, and a fresh process loads it warm from there."""
     write_plugin(tmp_path, name="tiny_stale")
     ext = tmp_path / "ext"
     (ext / "deepnvme_tiny_stale").mkdir(parents=True)
     (ext / "deepnvme_tiny_stale" / "lock").write_text("")
     out = run_python(LOAD_TINY.format(name="tiny_stale"), paths=[tmp_path], env=_env(ext))
     assert out["result"]["value"] == 1
+    assert (ext / "deepnvme_tiny_stale" / "lock").exists()  # torch's file is never ours to remove
+    assert Path(out["result"]["file"]).parent == ext / "deepnvme_tiny_stale" / "retry-1"
+    warm = run_python(LOAD_TINY.format(name="tiny_stale"), paths=[tmp_path], env=_env(ext))
+    assert warm["result"]["value"] == 1 and warm["calls"] == []
+
+
+def test_build_root_without_torch_extensions_dir_is_under_torchs_public_default(monkeypatch):
+    """No TORCH_EXTENSIONS_DIR: our own folder under torch's public get_default_build_root()."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    from op_builder.jit_cache import extensions_root
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    root = extensions_root()
+    assert root.parent == Path(get_default_build_root()) and root.name.startswith("deepnvme-")
 
 
 def test_a_failed_build_names_op_reason_and_fix(tmp_path, monkeypatch):
