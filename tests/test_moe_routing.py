@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -401,3 +402,29 @@ print(raised)
     first, why, raised = proc.stdout.splitlines()[:3]
     assert first == "False [[0, 1], [0, -1], [1, -1]] [3, 3] 16.0"
     assert "moe" in why and "unavailable" in raised
+
+
+def test_setup_honours_ds_build_moe(tmp_path: Path) -> None:
+    """setup.py's prebuild selects the op under DS_BUILD_MOE=1 and fails, saying why, when it cannot build it.
+
+    ``setup.py --name`` runs the op selection without compiling anything, in a copy of the tree."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
+        if (REPO_ROOT / name).exists():
+            shutil.copy2(REPO_ROOT / name, tree / name)
+    for name in ("op_builder", "deepnvme", "csrc"):
+        shutil.copytree(REPO_ROOT / name, tree / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DS_BUILD_")}
+
+    def setup(**env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "setup.py", "--name"], cwd=tree, capture_output=True,
+                              text=True, env={**clean, **env}, timeout=300)
+
+    ok = setup(DS_BUILD_MOE="1")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "prebuilding moe as deepnvme.ops.moe_op" in ok.stdout + ok.stderr
+    assert "prebuilding async_io" not in ok.stdout + ok.stderr
+    broken = setup(DS_BUILD_MOE="1", CC=str(tmp_path / "no-cc"), CXX=str(tmp_path / "no-cxx"))
+    assert broken.returncode != 0
+    assert "DS_BUILD_MOE=1 asks for op 'moe' cannot be built here" in broken.stdout + broken.stderr
