@@ -28,82 +28,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from deepnvme.moe.routing import assign_slots
+
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 JITTER_EPSILON = 1e-2  # DeepSpeed's multiplicative jitter range: input * U(1-eps, 1+eps)
-
-# Routing primitives (slot assignment, index dispatch/combine) come from deepnvme.moe.routing when it exists;
-# until then the private pure-torch versions below, which follow the same contract, stand in.
-try:  # pragma: no cover - depends on which branch is merged
-    from deepnvme.moe.routing import assign_slots, combine, dispatch
-except ImportError:  # pragma: no cover
-    assign_slots = None  # type: ignore[assignment]
-
-
-def _positions(flat_expert: Tensor, num_buckets: int) -> Tensor:
-    """Rank of every entry among the entries with the same expert id, in flat order."""
-    order = torch.argsort(flat_expert, stable=True)
-    counts = torch.bincount(flat_expert, minlength=num_buckets)
-    starts = torch.cumsum(counts, 0) - counts
-    sorted_expert = flat_expert[order]
-    pos = torch.empty_like(flat_expert)
-    pos[order] = torch.arange(flat_expert.numel(), device=flat_expert.device) - starts[sorted_expert]
-    return pos
-
-
-def _assign_slots(
-    expert_idx: Tensor, num_experts: int, capacity: int | None, priority: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """Slot of each route in its expert's buffer (-1 = dropped) and routed tokens per expert before dropping.
-
-    Order is choice-major (all first choices in token order, then all second choices, ...). With ``priority``
-    the kept set per expert is its ``capacity`` highest-priority routes; kept routes still get slots in
-    choice-major order.
-    """
-    s, k = expert_idx.shape
-    flat = expert_idx.t().reshape(-1)
-    counts = torch.bincount(flat, minlength=num_experts)
-    if capacity is None or priority is None:
-        pos = _positions(flat, num_experts)
-        if capacity is not None:
-            pos = torch.where(pos < capacity, pos, torch.full_like(pos, -1))
-    else:
-        prio = priority.t().reshape(-1)
-        by_priority = torch.argsort(prio, descending=True, stable=True)
-        order = by_priority[torch.argsort(flat[by_priority], stable=True)]
-        starts = torch.cumsum(counts, 0) - counts
-        rank = torch.empty_like(flat)
-        rank[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
-        keep = rank < capacity
-        pos = _positions(flat.masked_fill(~keep, num_experts), num_experts + 1)
-        pos = torch.where(keep, pos, torch.full_like(pos, -1))
-    return pos.view(k, s).t(), counts
-
-
-def _dispatch(x: Tensor, expert_idx: Tensor, slot: Tensor, num_experts: int, capacity: int) -> Tensor:
-    """Gather tokens into an ``[E, C, M]`` buffer; empty slots read a zero row."""
-    s, m = x.shape
-    kept = slot >= 0
-    dest = (expert_idx * capacity + slot)[kept]
-    token = torch.arange(s, device=x.device).unsqueeze(1).expand_as(slot)[kept]
-    source = torch.full((num_experts * capacity,), s, dtype=torch.long, device=x.device)
-    source[dest] = token
-    padded = torch.cat([x, x.new_zeros(1, m)])
-    return padded.index_select(0, source).view(num_experts, capacity, m)
-
-
-def _combine(y: Tensor, expert_idx: Tensor, slot: Tensor, weight: Tensor) -> Tensor:
-    """Sum over kept routes of ``weight[s, j] * y[e, slot]``, accumulated in fp32, returned in y's dtype."""
-    e, c, m = y.shape
-    s, k = slot.shape
-    flat_slot = torch.where(slot >= 0, expert_idx * c + slot, torch.full_like(slot, e * c))
-    padded = torch.cat([y.reshape(e * c, m), y.new_zeros(1, m)])
-    picked = padded.index_select(0, flat_slot.reshape(-1)).view(s, k, m)
-    return (picked.float() * weight.float().unsqueeze(-1)).sum(1).to(y.dtype)
-
-
-if assign_slots is None:  # pragma: no cover
-    assign_slots, dispatch, combine = _assign_slots, _dispatch, _combine
-
 
 @dataclass
 class Routes:
@@ -209,14 +137,7 @@ def top1gating(
         priority = survivors.sum(dim=1, keepdim=True).float()
 
     expert_idx = chosen.unsqueeze(1)
-    limit = cap if drop_tokens else None
-    if used is None:
-        slot, _ = assign_slots(expert_idx, e, limit, priority)
-    else:
-        rows = used.nonzero().squeeze(1)
-        sub_slot, _ = assign_slots(expert_idx[rows], e, limit, None if priority is None else priority[rows])
-        slot = torch.full_like(expert_idx, -1)
-        slot[rows] = sub_slot
+    slot, _ = assign_slots(expert_idx, e, cap if drop_tokens else None, priority, active=used)
     weight = gates.gather(1, expert_idx) * (slot >= 0)
     return Routes(expert_idx, slot, weight, cap, e, l_aux, exp_counts)
 

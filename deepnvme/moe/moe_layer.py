@@ -7,7 +7,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from deepnvme.moe.comm import all_to_all
-from deepnvme.moe.gating import TopKGate, combine, dispatch
+from deepnvme.moe.gating import TopKGate
+from deepnvme.moe.routing import combine, dispatch
 
 
 class MOELayer(nn.Module):
