@@ -80,7 +80,8 @@ def _scenario(rank: int, world: int, sc: dict[str, Any]) -> dict[str, Any]:
 
     def diff(a: nn.Module, b: nn.Module, grad: bool) -> float:
         pa, pb = list(a.parameters()), list(b.parameters())
-        return max(((p.grad if grad else p) - (q.grad if grad else q)).abs().max().item() for p, q in zip(pa, pb))
+        pick = (lambda t: t.grad) if grad else (lambda t: t)
+        return max((pick(p) - pick(q)).abs().max().item() for p, q in zip(pa, pb))
 
     compare = sc.get("compare", True)
     dense_mine = [p for p in moe.parameters() if not is_moe_param(p)]

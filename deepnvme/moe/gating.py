@@ -38,12 +38,9 @@ class Routes:
     """Where every token goes: the gate's answer for one batch.
 
     ``expert_idx`` [S, k] int64 global expert ids; ``slot`` [S, k] int64 position in the expert's buffer, -1
-    when
-    the route was dropped; ``weight`` [S, k] fp32 combine weights (0 for dropped routes, differentiable
-    w.r.t. the
-    gate); ``capacity`` C as a Python int; ``l_aux`` scalar fp32 aux loss; ``exp_counts`` [E] int64 routed
-    tokens
-    per expert on this rank before dropping (detached).
+    when the route was dropped; ``weight`` [S, k] fp32 combine weights (0 for dropped routes, differentiable
+    w.r.t. the gate); ``capacity`` C as a Python int; ``l_aux`` scalar fp32 aux loss; ``exp_counts`` [E] int64
+    routed tokens per expert on this rank before dropping (detached).
     """
 
     expert_idx: Tensor
@@ -56,8 +53,7 @@ class Routes:
 
 
 def capacity(num_tokens: int, num_experts: int, factor: float, min_capacity: int) -> int:
-    """DeepSpeed's C = max(ceil(S / E * factor), min_capacity), computed in the same (default-dtype)
-    arithmetic."""
+    """DeepSpeed's C = max(ceil(S / E * factor), min_capacity), in its (default-dtype) arithmetic."""
     raw = torch.ceil((num_tokens / num_experts) * torch.tensor(factor))
     return max(int(raw), int(min_capacity))
 
@@ -80,8 +76,7 @@ def _gumbel(shape: torch.Size, device: torch.device) -> Tensor:
 
 
 def _normalised(weight: Tensor) -> Tensor:
-    """Renormalise surviving route weights per token to sum to 1 (0 if none survive), as DeepSpeed's
-    top-2/k."""
+    """Scale each token's surviving route weights to sum to 1 (0 if none survive), as DeepSpeed's top-2/k."""
     denom = torch.clamp(weight.sum(dim=1, keepdim=True), min=torch.finfo(weight.dtype).eps)
     return weight / denom
 
@@ -99,14 +94,10 @@ def top1gating(
     """Top-1 (Switch) gating.
 
     The choice is argmax of the softmax (or of logits + Gumbel noise with ``RSample``); the combine weight is
-    the
-    raw probability of the chosen expert. ``used_token`` (any dtype; nonzero = used) removes tokens from
-    routing.
-    When an expert is over capacity, the survivors are chosen as DeepSpeed does: a uniformly random subset
-    with
-    ``use_rts`` (callers pass it only in training), otherwise ``torch.topk`` over the 0/1 assignment mask,
-    whose
-    choice among tied tokens is torch's (kept for bit-for-bit parity with DeepSpeed).
+    the raw probability of the chosen expert. ``used_token`` (any dtype; nonzero = used) removes tokens from
+    routing. When an expert is over capacity, the survivors are chosen as DeepSpeed does: a uniformly random
+    subset with ``use_rts`` (callers pass it only in training), otherwise ``torch.topk`` over the 0/1
+    assignment mask, whose choice among tied tokens is torch's (kept for bit-for-bit parity with DeepSpeed).
     """
     s, e = logits.shape
     gates = F.softmax(logits, dim=1)
@@ -153,12 +144,9 @@ def top2gating(
     """Top-2 (GShard) gating.
 
     First expert = argmax of the softmax; second = argmax over the other experts' logits, with Gumbel noise
-    added
-    first when ``top2_2nd_expert_sampling`` (callers pass it only in training). Every first choice outranks
-    every
-    second choice for a slot (then token order); C uses ``2 * capacity_factor``. Weights of the surviving
-    routes
-    are renormalised to sum to 1. The aux loss uses first choices only, as DeepSpeed's.
+    added first when ``top2_2nd_expert_sampling`` (callers pass it only in training). Every first choice
+    outranks every second choice for a slot (then token order); C uses ``2 * capacity_factor``. Weights of the
+    surviving routes are renormalised to sum to 1. The aux loss uses first choices only, as DeepSpeed's.
     """
     s, e = logits.shape
     gates = F.softmax(logits, dim=1)
@@ -190,10 +178,8 @@ def topkgating(
     """Top-k gating for k >= 3 (DeepSpeed's ``topkgating`` with its ``'probs'`` drop policy).
 
     Over capacity, an expert keeps the routes with the highest gate probability (choice rank gives no
-    priority);
-    C uses ``k * capacity_factor``; aux loss ``E * sum(me * ce) / k`` with ``ce`` over all k choices;
-    surviving
-    weights are renormalised to sum to 1.
+    priority); C uses ``k * capacity_factor``; aux loss ``E * sum(me * ce) / k`` with ``ce`` over all k
+    choices; surviving weights are renormalised to sum to 1.
     """
     s, e = logits.shape
     gates = F.softmax(logits, dim=1)
@@ -223,7 +209,8 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 
 def _check_factor(name: str, value: Any) -> float:
     """Return ``value`` as float if it is a finite positive number; otherwise raise ValueError naming
-    ``name``."""
+    ``name``.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if not (value > 0 and value != float("inf")):
@@ -255,12 +242,9 @@ class TopKGate(nn.Module):
     """The gate: ``wg = Linear(model_dim, num_experts, bias=False)`` plus the routing maths above.
 
     Same constructor as DeepSpeed's ``TopKGate`` (note its ``min_capacity`` default is 8, the ``MoE`` default
-    4).
-    Gating runs in fp32 whatever the input dtype. ``noisy_gate_policy``: ``'Jitter'`` multiplies the gate
-    input by
-    U(1-0.01, 1+0.01) in training (any k); ``'RSample'`` adds Gumbel noise to the top-1 choice in training
-    (it has
-    no effect for k > 1, as in DeepSpeed).
+    4). Gating runs in fp32 whatever the input dtype. ``noisy_gate_policy``: ``'Jitter'`` multiplies the gate
+    input by U(1-0.01, 1+0.01) in training (any k); ``'RSample'`` adds Gumbel noise to the top-1 choice in
+    training (it has no effect for k > 1, as in DeepSpeed).
     """
 
     def __init__(

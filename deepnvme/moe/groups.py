@@ -10,9 +10,8 @@ Rank layout (DeepSpeed's legacy layout, no tensor or pipeline parallelism), worl
 Within an EP group, rank r (its index in the group) holds global experts ``r*E_local … (r+1)*E_local-1``.
 Groups are cached per name ``ep_size_{ep}`` (DeepSpeed's name, also the ``group_name`` tag of expert
 parameters and the optimiser group name), so every MoE layer with the same ep shares them.
-``torch.distributed.new_group``
-is collective: every rank must create the groups in the same order, which happens naturally when every rank
-builds the same model.
+``torch.distributed.new_group`` is collective: every rank must create the groups in the same order, which
+happens naturally when every rank builds the same model.
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ def expert_group_name(ep_size: int) -> str:
 
 @dataclass(frozen=True)
 class ExpertGroups:
-    """The groups this rank belongs to for one ep size; ``None`` stands for 'just this rank' (no
-    communication)."""
+    """This rank's groups for one ep size; ``None`` means 'just this rank' (no communication)."""
 
     ep_size: int
     ep_group: Any

@@ -33,20 +33,19 @@ class MoE(nn.Module):
 
     ``forward(hidden_states, used_token=None) -> (output, l_aux, exp_counts)``: ``output`` has the input's
     shape; ``l_aux`` is the fp32 load-balancing loss (1.0 at perfect balance) that the caller scales (e.g. by
-    0.01)
-    and
-    adds to its loss; ``exp_counts`` [E] holds the tokens routed to each expert on this rank before dropping.
+    0.01) and adds to its loss; ``exp_counts`` [E] holds the tokens routed to each expert on this rank before
+    dropping.
 
     Args (as DeepSpeed's): ``hidden_size`` model width M; ``expert`` any module mapping ``[..., M] -> [...,
     M]`` (deep-copied ``num_experts / ep_size`` times); ``num_experts`` E; ``ep_size`` expert-parallel degree;
     ``k`` experts per token (1, 2 or more); ``capacity_factor`` / ``eval_capacity_factor`` slots per expert
     relative to an even split, in train / eval mode; ``min_capacity`` floor for the capacity; ``use_residual``
     PR-MoE: ``y = moe(x)·c0 + mlp(x)·c1`` with ``c = softmax(coefficient(x))`` and ``mlp`` the given
-    ``expert`` itself; ``noisy_gate_policy`` None | 'None' | 'Jitter' | 'RSample'; ``drop_tokens`` False
-    means no capacity limit; ``use_rts`` random token selection when top-1 drops; ``use_tutel`` accepted and
-    ignored (index dispatch is built in); ``enable_expert_tensor_parallelism`` accepted, no effect (there is
-    no tensor parallelism here, as
-    in DeepSpeed without an mpu); ``top2_2nd_expert_sampling`` Gumbel-sample the second expert (k=2).
+    ``expert`` itself; ``noisy_gate_policy`` None | 'None' | 'Jitter' | 'RSample'; ``drop_tokens`` False means
+    no capacity limit; ``use_rts`` random token selection when top-1 drops; ``use_tutel`` accepted and ignored
+    (index dispatch is built in); ``enable_expert_tensor_parallelism`` accepted, no effect (there is no tensor
+    parallelism here, as in DeepSpeed without an mpu); ``top2_2nd_expert_sampling`` Gumbel-sample the second
+    expert (k=2).
 
     Keyword-only additions: ``distinct_experts`` (default True) re-initialises every expert copy from its own
     seed (``reset_parameters()`` of its submodules), derived from one draw of the global RNG plus the global
@@ -59,13 +58,12 @@ class MoE(nn.Module):
     * ``num_experts`` as a list: DeepSpeed raises TypeError although its tutorial passes a list. A one-element
       list means that count; a longer list is a per-layer list and raises ValueError naming ``num_experts``.
     * ``drop_tokens=False`` never hangs across ranks: the capacity is agreed (MAX) over the expert-parallel
-    group.
+      group.
     * Experts start different (``distinct_experts``), and routing is deterministic in eval mode.
     * Bad arguments raise ValueError naming the argument instead of asserting.
 
     Expert parallelism: with ``ep_size > 1`` torch.distributed must be initialised before the layer is built;
-    the
-    layer creates the ``ep_size_{ep}`` groups itself. After backward, call
+    the layer creates the ``ep_size_{ep}`` groups itself. After backward, call
     :func:`deepnvme.moe.allreduce_moe_gradients` (what DeepSpeed's engine does) instead of DDP.
     """
 

@@ -51,8 +51,9 @@ class MOELayer(nn.Module):
         self.gate._set_ep_group(ep_group)
 
     def forward(self, *input: Tensor, **kwargs: Any) -> Tensor:
-        """``input[0]``: tokens ``[..., M]``; ``input[1]`` (optional): used_token mask. Returns
-        ``input[0]``'s shape."""
+        """``input[0]``: tokens ``[..., M]``; ``input[1]`` (optional): used_token mask. Returns ``input[0]``'s
+        shape.
+        """
         x = input[0]
         used_token = input[1] if len(input) > 1 else None
         if self.ep_size > 1 and self.ep_group is None:
