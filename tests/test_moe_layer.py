@@ -162,14 +162,17 @@ def test_few_tokens_below_min_capacity() -> None:
     assert out.shape == (2, M) and int(counts.sum()) == 2
 
 
-def test_used_token_masks_tokens_out() -> None:
-    moe = make(k=1)
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_used_token_masks_tokens_out(k: int) -> None:
+    moe = make(k=k)  # DeepSpeed honours used_token for k=1 only
     x = torch.randn(16, M)
     used = torch.ones(16)
     used[::2] = 0
     out, _, counts = moe(x, used)
-    assert int(counts.sum()) == 8
+    assert int(counts.sum()) == 8 * k
     assert torch.count_nonzero(out[::2]) == 0 and torch.count_nonzero(out[1::2]) > 0
+    routes = moe.deepspeed_moe.gate.route(x, used)
+    assert bool((routes.slot[::2] == -1).all()) and bool((routes.slot[1::2] >= 0).all())
 
 
 def test_eval_routing_is_deterministic_and_training_is_random() -> None:

@@ -75,6 +75,11 @@ def _gumbel(shape: torch.Size, device: torch.device) -> Tensor:
     return -torch.log(-torch.log(u))
 
 
+def _used(used_token: Tensor | None) -> Tensor | None:
+    """The ``used_token`` mask as a flat bool tensor (nonzero = used), or None."""
+    return None if used_token is None else used_token.reshape(-1) != 0
+
+
 def _normalised(weight: Tensor) -> Tensor:
     """Scale each token's surviving route weights to sum to 1 (0 if none survive), as DeepSpeed's top-2/k."""
     denom = torch.clamp(weight.sum(dim=1, keepdim=True), min=torch.finfo(weight.dtype).eps)
@@ -106,9 +111,8 @@ def top1gating(
     else:
         chosen = torch.argmax(gates, dim=1)
     mask = F.one_hot(chosen, num_classes=e)
-    used = None
-    if used_token is not None:
-        used = used_token.reshape(-1) != 0
+    used = _used(used_token)
+    if used is not None:
         mask = mask * used.unsqueeze(1)
     exp_counts = mask.sum(dim=0).detach()
     l_aux = torch.sum(gates.mean(dim=0) * mask.float().mean(dim=0)) * e
@@ -140,6 +144,7 @@ def top2gating(
     drop_tokens: bool = True,
     ep_group: Any = None,
     top2_2nd_expert_sampling: bool = True,
+    used_token: Tensor | None = None,
 ) -> Routes:
     """Top-2 (GShard) gating.
 
@@ -147,6 +152,7 @@ def top2gating(
     added first when ``top2_2nd_expert_sampling`` (callers pass it only in training). Every first choice
     outranks every second choice for a slot (then token order); C uses ``2 * capacity_factor``. Weights of the
     surviving routes are renormalised to sum to 1. The aux loss uses first choices only, as DeepSpeed's.
+    ``used_token`` removes tokens from routing as in top-1 (DeepSpeed ignores it for k > 1).
     """
     s, e = logits.shape
     gates = F.softmax(logits, dim=1)
@@ -155,14 +161,19 @@ def top2gating(
     second_logits = logits + _gumbel(logits.shape, logits.device) if top2_2nd_expert_sampling else logits
     second = torch.argmax(second_logits.masked_fill(first_mask.bool(), float("-inf")), dim=1)
     expert_idx = torch.stack([first, second], dim=1)
-    exp_counts = torch.bincount(expert_idx.reshape(-1), minlength=e).detach()
+    used = _used(used_token)
+    if used is None:
+        exp_counts = torch.bincount(expert_idx.reshape(-1), minlength=e).detach()
+    else:
+        first_mask = first_mask * used.unsqueeze(1)
+        exp_counts = torch.bincount(expert_idx[used].reshape(-1), minlength=e).detach()
     l_aux = torch.mean(gates.mean(dim=0) * first_mask.float().mean(dim=0)) * e * e
 
     if drop_tokens:
         cap = agree_on_capacity(capacity(s, e, capacity_factor * 2, min_capacity), ep_group, logits.device)
     else:
         cap = agree_on_capacity(int(exp_counts.max()) if s else 0, ep_group, logits.device)
-    slot, _ = assign_slots(expert_idx, e, cap if drop_tokens else None)
+    slot, _ = assign_slots(expert_idx, e, cap if drop_tokens else None, active=used)
     weight = _normalised(gates.gather(1, expert_idx) * (slot >= 0))
     return Routes(expert_idx, slot, weight, cap, e, l_aux, exp_counts)
 
@@ -174,26 +185,30 @@ def topkgating(
     min_capacity: int,
     drop_tokens: bool = True,
     ep_group: Any = None,
+    used_token: Tensor | None = None,
 ) -> Routes:
     """Top-k gating for k >= 3 (DeepSpeed's ``topkgating`` with its ``'probs'`` drop policy).
 
     Over capacity, an expert keeps the routes with the highest gate probability (choice rank gives no
     priority); C uses ``k * capacity_factor``; aux loss ``E * sum(me * ce) / k`` with ``ce`` over all k
-    choices; surviving weights are renormalised to sum to 1.
+    choices; surviving weights are renormalised to sum to 1. ``used_token`` as in top-2.
     """
     s, e = logits.shape
     gates = F.softmax(logits, dim=1)
     top_gate, expert_idx = torch.topk(gates, k=k, dim=1)
     mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, expert_idx, True)
+    used = _used(used_token)
+    if used is not None:
+        mask &= used.unsqueeze(1)
     exp_counts = mask.sum(dim=0).detach()
     l_aux = torch.mean(gates.mean(dim=0) * mask.float().mean(dim=0)) * e * e / k
 
     if drop_tokens:
         cap = agree_on_capacity(capacity(s, e, capacity_factor * k, min_capacity), ep_group, logits.device)
-        slot, _ = assign_slots(expert_idx, e, cap, top_gate.detach())
+        slot, _ = assign_slots(expert_idx, e, cap, top_gate.detach(), active=used)
     else:
         cap = agree_on_capacity(int(exp_counts.max()) if s else 0, ep_group, logits.device)
-        slot, _ = assign_slots(expert_idx, e, None)
+        slot, _ = assign_slots(expert_idx, e, None, active=used)
     weight = _normalised(top_gate * (slot >= 0))
     return Routes(expert_idx, slot, weight, cap, e, l_aux, exp_counts)
 
@@ -316,8 +331,11 @@ class TopKGate(nn.Module):
                 self.drop_tokens,
                 self.ep_group,
                 self.top2_2nd_expert_sampling and self.training,
+                used_token,
             )
-        return topkgating(logits, self.k, factor, self.min_capacity, self.drop_tokens, self.ep_group)
+        return topkgating(
+            logits, self.k, factor, self.min_capacity, self.drop_tokens, self.ep_group, used_token
+        )
 
     def forward(
         self,

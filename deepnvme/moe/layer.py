@@ -60,6 +60,7 @@ class MoE(nn.Module):
     * ``drop_tokens=False`` never hangs across ranks: the capacity is agreed (MAX) over the expert-parallel
       group.
     * Experts start different (``distinct_experts``), and routing is deterministic in eval mode.
+    * ``used_token`` is honoured for every k (DeepSpeed honours it for k=1 only).
     * Bad arguments raise ValueError naming the argument instead of asserting.
 
     Expert parallelism: with ``ep_size > 1`` torch.distributed must be initialised before the layer is built;
