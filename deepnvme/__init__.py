@@ -7,12 +7,14 @@ from typing import Any
 from deepnvme._version import __version__
 
 # Resolved from op_builder on first access, so `import deepnvme` stays free of torch, probes and compilers.
-_FROM_OP_BUILDER = ("AsyncIOBuilder", "GDSBuilder", "PinMemoryBuilder", "OpBuilder", "ALL_OPS", "register")
+_FROM_OP_BUILDER = ("AsyncIOBuilder", "GDSBuilder", "MoEBuilder", "PinMemoryBuilder", "OpBuilder", "ALL_OPS",
+                    "register")
 
 __all__ = [
     "ALL_OPS",
     "AsyncIOBuilder",
     "GDSBuilder",
+    "MoEBuilder",
     "OpBuilder",
     "PinMemoryBuilder",
     "__version__",

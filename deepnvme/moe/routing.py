@@ -254,12 +254,17 @@ def _check_routes(expert_idx: torch.Tensor, slot: torch.Tensor, num_experts: int
 
 
 def _flat_routes(expert_idx: torch.Tensor, slot: torch.Tensor,
-                 capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Kept routes as (token, choice, flat row e*C + slot), choice-major so k > 1 sums run in choice order."""
+                 capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept routes as (token, flat row e*C + slot), choice-major so k > 1 sums run in choice order.
+
+    Raises ValueError when two routes claim one row, as the compiled op does (its scatters would race).
+    """
     kept = (slot >= 0).t()
     choice, token = kept.nonzero(as_tuple=True)
     rows = expert_idx.t()[choice, token].long() * capacity + slot.t()[choice, token].long()
-    return token, choice, rows
+    if rows.numel() and torch.unique(rows).numel() != rows.numel():
+        raise ValueError("slot: two routes share one expert row (slots must come from assign_slots)")
+    return token, rows
 
 
 def dispatch(x: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor, num_experts: int, capacity: int,
@@ -276,7 +281,7 @@ def dispatch(x: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor, num_
     module = _resolve_impl(impl, x, expert_idx)
     if module is not None:
         return _DispatchOp.apply(module, x, expert_idx.contiguous(), slot.contiguous(), num_experts, capacity)
-    token, _, rows = _flat_routes(expert_idx, slot, capacity)
+    token, rows = _flat_routes(expert_idx, slot, capacity)
     out = x.new_zeros(num_experts * capacity, x.shape[1])
     out = out.index_copy(0, rows, x.index_select(0, token))
     return out.view(num_experts, capacity, x.shape[1])
@@ -300,12 +305,12 @@ def combine(y: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor, weigh
     module = _resolve_impl(impl, y, weight, expert_idx)
     if module is not None:
         return _CombineOp.apply(module, y, expert_idx.contiguous(), slot.contiguous(), weight)
+    _flat_routes(expert_idx, slot, capacity)
     acc_dtype = torch.float64 if torch.float64 in (y.dtype, weight.dtype) else torch.float32
     y_rows = y.reshape(num_experts * capacity, y.shape[2])
     out = torch.zeros(expert_idx.shape[0], y.shape[2], dtype=acc_dtype, device=y.device)
     for j in range(expert_idx.shape[1]):  # k is small; one gather per choice keeps the sum in choice order
-        kept = slot[:, j] >= 0
-        token = kept.nonzero(as_tuple=True)[0]
+        token = (slot[:, j] >= 0).nonzero(as_tuple=True)[0]
         rows = expert_idx[token, j].long() * capacity + slot[token, j].long()
         part = y_rows.index_select(0, rows).to(acc_dtype) * weight[token, j].to(acc_dtype).unsqueeze(1)
         out = out.index_add(0, token, part)
