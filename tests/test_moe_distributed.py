@@ -100,6 +100,27 @@ def _scenario(rank: int, world: int, sc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _broadcast_check(rank: int, world: int, sc: dict[str, Any]) -> dict[str, Any]:
+    """Ranks seeded differently; after broadcast_moe_parameters each replica equals its group's first rank."""
+    from deepnvme.moe import broadcast_moe_parameters
+    from deepnvme.moe.groups import ranks_layout, reset_groups
+
+    reset_groups()
+    moe = _build({**sc, "seed": sc["seed"] + rank}, sc["ep"])
+    before = {n: p.detach().clone() for n, p in moe.named_parameters()}
+    broadcast_moe_parameters(moe)
+    states: list[Any] = [None] * world
+    dist.all_gather_object(states, {n: p.detach() for n, p in moe.named_parameters()})
+    edp = next(g for g in ranks_layout(world, sc["ep"])[1] if rank in g)
+    mine = states[rank]
+    return {
+        "name": sc["name"],
+        "dense_equal_rank0": all(torch.equal(mine[n], states[0][n]) for n in mine if "experts." not in n),
+        "experts_equal_edp_first": all(torch.equal(mine[n], states[edp[0]][n]) for n in mine),
+        "changed_unless_source": rank == 0 or any(not torch.equal(before[n], mine[n]) for n in mine),
+    }
+
+
 def _worker(rank: int, world: int, port: int, scenarios: list[dict[str, Any]], out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -107,7 +128,9 @@ def _worker(rank: int, world: int, port: int, scenarios: list[dict[str, Any]], o
         timeout=datetime.timedelta(seconds=60),
     )
     try:
-        results = [_scenario(rank, world, sc) for sc in scenarios]
+        results = [
+            (_broadcast_check if sc.get("broadcast") else _scenario)(rank, world, sc) for sc in scenarios
+        ]
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -139,6 +162,11 @@ def _check(per_rank: list[list[dict[str, Any]]], expected_groups: dict[str, int]
     for rank, results in enumerate(per_rank):
         for res in results:
             where = f"rank {rank} {res['name']}: {res}"
+            if "dense_equal_rank0" in res:
+                assert res["dense_equal_rank0"] and res["changed_unless_source"], where
+                # within an EDP group experts match the first member; across EDP groups the experts differ
+                assert res["experts_equal_edp_first"], where
+                continue
             assert res["ep_group_size"] == expected_groups[res["name"]], where
             assert res["init"] == 0.0, where  # expert g starts the same whatever ep_size is
             assert res["out"] <= TOL and res["expert_grad"] <= TOL and res["dense_grad"] <= TOL, where
@@ -171,6 +199,7 @@ def test_four_processes(tmp_path: Path) -> None:
         _sc("ep2-k1-nodrop-unequal-residual", 2, 1, False, [4, 12, 20, 28], residual=True),
         _sc("ep2-data-before-expert-k2", 2, 2, True, [16, 16, 16, 16], data_before_expert=True),
         _sc("ep1-k1-drop", 1, 1, True, [16, 16, 16, 16]),
+        _sc("broadcast-ep2", 2, 1, True, [], broadcast=True),
     ]
     groups = {sc["name"]: sc["ep"] for sc in scenarios}
     _check(_launch(4, scenarios, tmp_path), groups)

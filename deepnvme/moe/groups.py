@@ -39,6 +39,15 @@ class ExpertGroups:
 
 
 _GROUPS: dict[str, ExpertGroups] = {}
+_WORLD: list[Any] = [None]  # the default process group the cached groups belong to
+
+
+def _drop_stale() -> None:
+    """Forget cached groups once their default process group was destroyed or replaced."""
+    live = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if live is not _WORLD[0]:
+        _GROUPS.clear()
+        _WORLD[0] = live
 
 
 def ranks_layout(
@@ -67,6 +76,7 @@ def create_expert_and_data_parallel_groups(
     Without an initialised torch.distributed only ep_size 1 is possible and both groups are ``None``.
     """
     name = expert_group_name(ep_size)
+    _drop_stale()
     found = _GROUPS.get(name)
     if found is not None:
         if found.data_before_expert != bool(use_data_before_expert_parallel):
@@ -99,11 +109,13 @@ def create_expert_and_data_parallel_groups(
 
 def groups_named(name: str) -> ExpertGroups | None:
     """The groups already created under ``name``, or None."""
+    _drop_stale()
     return _GROUPS.get(name)
 
 
 def get_expert_parallel_group(name: str) -> Any:
     """The EP group registered under ``name`` (``ep_size_{ep}``); KeyError names it if it does not exist."""
+    _drop_stale()
     if name not in _GROUPS:
         raise KeyError(
             f"no expert-parallel groups named {name!r}; build an MoE layer with that ep_size first"
@@ -113,6 +125,7 @@ def get_expert_parallel_group(name: str) -> Any:
 
 def get_expert_data_parallel_group(name: str) -> Any:
     """The EDP group registered under ``name``; ``None`` means this rank alone (no torch.distributed)."""
+    _drop_stale()
     if name not in _GROUPS:
         raise KeyError(
             f"no expert-data-parallel groups named {name!r}; build an MoE layer with that ep_size first"
@@ -120,6 +133,20 @@ def get_expert_data_parallel_group(name: str) -> Any:
     return _GROUPS[name].edp_group
 
 
+def _ep_size_of(group_name: str) -> int:
+    """The ep size encoded in a DeepSpeed group name ``ep_size_{ep}``."""
+    prefix = "ep_size_"
+    if not isinstance(group_name, str) or not group_name.startswith(prefix) or not group_name[8:].isdigit():
+        raise ValueError(f"expert parameter group_name must look like 'ep_size_<n>', got {group_name!r}")
+    return int(group_name[len(prefix):])
+
+
+def edp_group_of(group_name: str) -> Any:
+    """The expert-data-parallel group for expert parameters tagged ``group_name`` (created if needed)."""
+    groups = groups_named(group_name) or create_expert_and_data_parallel_groups(_ep_size_of(group_name))
+    return groups.edp_group
+
+
 def reset_groups() -> None:
-    """Forget the cached groups (after ``destroy_process_group``, before a new ``init_process_group``)."""
+    """Forget the cached groups (done by itself when the default process group is replaced)."""
     _GROUPS.clear()

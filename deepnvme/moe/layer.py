@@ -133,15 +133,16 @@ class MoE(nn.Module):
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
 
-        ep_rank = 0
+        # This rank's index in its EP group: local expert i is global expert ep_rank * num_local_experts + i.
+        self.ep_rank = 0
         if ep_size > 1 or (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            ep_rank = self.set_deepspeed_parallelism(self._data_before_expert)
+            self.ep_rank = self.set_deepspeed_parallelism(self._data_before_expert)
         if distinct_experts and self.num_experts > 1:
             # One draw of the global RNG (identical on ranks seeded alike), after the gate and coefficient
             # took
             # theirs, so those match DeepSpeed's initialisation for the same seed.
             base = int(torch.randint(0, 2**31 - 1, (1,)).item())
-            first = ep_rank * self.num_local_experts
+            first = self.ep_rank * self.num_local_experts
             done = [reinitialise(e, base + first + i) for i, e in enumerate(experts.deepspeed_experts)]
             if not all(done):
                 warnings.warn(
