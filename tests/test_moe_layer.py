@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from deepnvme.moe import (
@@ -135,6 +137,31 @@ def test_matches_dense_reference_and_gradients(k: int, drop: bool) -> None:
     for a, b in zip(g_ours, g_ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert g_ours[1].abs().sum() > 0  # the gate learns through the combine weights
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tokens=st.integers(1, 40),
+    experts=st.sampled_from([1, 2, 4, 8]),
+    k=st.integers(1, 3),
+    factor=st.sampled_from([0.25, 0.5, 1.0, 1.25, 2.0]),
+    min_capacity=st.integers(0, 5),
+    drop=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_gating_matches_dense_reference_everywhere(
+    tokens: int, experts: int, k: int, factor: float, min_capacity: int, drop: bool, seed: int
+) -> None:
+    k = min(k, experts)
+    moe = make(
+        seed, num_experts=experts, k=k, capacity_factor=factor, min_capacity=min_capacity, drop_tokens=drop
+    )
+    x = torch.randn(tokens, M, generator=torch.Generator().manual_seed(seed))
+    out, l_aux, counts = moe(x)
+    ref, ref_aux, ref_counts = dense_reference(moe, x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(l_aux, ref_aux)
+    assert counts.tolist() == ref_counts.tolist()
 
 
 def test_import_is_lazy() -> None:
