@@ -28,8 +28,7 @@ def _one_layer_count(num_experts: Any) -> Any:
 
 
 class MoE(nn.Module):
-    """Mixture-of-Experts layer with DeepSpeed's constructor, attribute names, state-dict keys and forward
-    contract.
+    """Mixture-of-Experts layer with DeepSpeed's constructor, attributes, state-dict keys and forward call.
 
     ``forward(hidden_states, used_token=None) -> (output, l_aux, exp_counts)``: ``output`` has the input's
     shape; ``l_aux`` is the fp32 load-balancing loss (1.0 at perfect balance) that the caller scales (e.g. by
@@ -51,21 +50,26 @@ class MoE(nn.Module):
     seed (``reset_parameters()`` of its submodules), derived from one draw of the global RNG plus the global
     expert id, so experts differ at init and expert g is the same whatever ``ep_size`` is; False keeps
     DeepSpeed's identical copies (needed for bit-for-bit parity with DeepSpeed, or to upcycle a trained dense
-    MLP). ``use_data_before_expert_parallel`` picks the rank layout of :mod:`deepnvme.moe.groups`.
+    MLP). With one expert the copy keeps the given weights. ``use_data_before_expert_parallel`` picks the rank
+    layout of :mod:`deepnvme.moe.groups`.
 
     Where DeepSpeed misbehaves, this layer differs (see also :mod:`deepnvme.moe.gating`):
 
     * ``num_experts`` as a list: DeepSpeed raises TypeError although its tutorial passes a list. A one-element
       list means that count; a longer list is a per-layer list and raises ValueError naming ``num_experts``.
     * ``drop_tokens=False`` never hangs across ranks: the capacity is agreed (MAX) over the expert-parallel
-      group.
+      group and not clamped to the local token count afterwards (DeepSpeed #6809). With dropping on, C is
+      agreed too, so ranks with different token counts still meet in the all-to-all (one 8-byte all-reduce).
+    * No ``tokens >= min_capacity`` assertion (a 1–3 token decode step works).
     * Experts start different (``distinct_experts``), and routing is deterministic in eval mode.
     * ``used_token`` is honoured for every k (DeepSpeed honours it for k=1 only).
     * Bad arguments raise ValueError naming the argument instead of asserting.
 
     Expert parallelism: with ``ep_size > 1`` torch.distributed must be initialised before the layer is built;
-    the layer creates the ``ep_size_{ep}`` groups itself. After backward, call
-    :func:`deepnvme.moe.allreduce_moe_gradients` (what DeepSpeed's engine does) instead of DDP.
+    the layer creates the ``ep_size_{ep}`` groups itself and ``ep_rank`` tells which experts it holds (local
+    expert i is global expert ``ep_rank * num_local_experts + i``). Ranks seeded differently call
+    :func:`deepnvme.moe.broadcast_moe_parameters` once; after each backward, call
+    :func:`deepnvme.moe.allreduce_moe_gradients` (both what DeepSpeed's engine does) instead of using DDP.
     """
 
     def __init__(
