@@ -190,6 +190,16 @@ def test_few_tokens_below_min_capacity() -> None:
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("drop", [True, False])
+def test_no_tokens(k: int, drop: bool) -> None:
+    moe = make(k=k, drop_tokens=drop)
+    x = torch.randn(0, M, requires_grad=True)
+    out, l_aux, counts = moe(x)
+    assert out.shape == (0, M) and l_aux.detach().item() == 0.0 and counts.tolist() == [0, 0, 0, 0]
+    (out.sum() + l_aux).backward()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
 def test_used_token_masks_tokens_out(k: int) -> None:
     moe = make(k=k)  # DeepSpeed honours used_token for k=1 only
     x = torch.randn(16, M)

@@ -311,6 +311,13 @@ class TopKGate(nn.Module):
             x = x * (1.0 - JITTER_EPSILON + 2 * JITTER_EPSILON * torch.rand(x.shape, device=x.device))
         logits = F.linear(x, self.wg.weight.float())
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        routes = self._gate(logits, factor, used_token)
+        if input.shape[0] == 0:  # no tokens: l_aux 0 (not an empty mean's NaN), still in the graph
+            routes.l_aux = logits.sum() * 0.0
+        return routes
+
+    def _gate(self, logits: Tensor, factor: float, used_token: Tensor | None) -> Routes:
+        """Run the gating function for this gate's k."""
         if self.k == 1:
             noise = self.noisy_gate_policy if self.training else None
             return top1gating(

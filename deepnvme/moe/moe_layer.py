@@ -69,6 +69,6 @@ class MOELayer(nn.Module):
         buffer = dispatch(tokens, routes.expert_idx, routes.slot, routes.num_experts, c)
         buffer = all_to_all(buffer, self.ep_group)
         out = self.experts(buffer.reshape(self.ep_size, self.num_local_experts, c, d_model))
-        out = all_to_all(out.reshape(self.ep_size * self.num_local_experts, c, -1), self.ep_group)
+        out = all_to_all(out.reshape(self.ep_size * self.num_local_experts, c, out.shape[-1]), self.ep_group)
         combined = combine(out, routes.expert_idx, routes.slot, routes.weight)
         return combined.reshape(x.shape[:-1] + combined.shape[-1:])
