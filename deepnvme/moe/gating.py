@@ -67,12 +67,18 @@ def agree_on_capacity(local: int, group: Any, device: torch.device) -> int:
     return int(t.item())
 
 
+def _uniform(shape: torch.Size, low: float, high: float, device: torch.device) -> Tensor:
+    """U(low, high) from the global RNG, computed as torch.distributions.Uniform does (``low + r * (high -
+    low)`` on default-dtype tensors), so the same RNG state gives DeepSpeed's samples bit for bit."""
+    lo = torch.tensor(low, device=device)
+    hi = torch.tensor(high, device=device)
+    return lo + torch.rand(shape, dtype=lo.dtype, device=device) * (hi - lo)
+
+
 def _gumbel(shape: torch.Size, device: torch.device) -> Tensor:
-    """Gumbel(0, 1) samples drawn from the global RNG (one uniform per element, as DeepSpeed's sampler)."""
-    u = torch.rand(shape, device=device)
-    tiny = torch.finfo(u.dtype).tiny
-    u = u.clamp(min=tiny, max=1.0 - torch.finfo(u.dtype).eps)
-    return -torch.log(-torch.log(u))
+    """Gumbel(0, 1) samples as torch.distributions.Gumbel draws them (DeepSpeed's sampler): -log(-log(u))."""
+    info = torch.finfo(torch.get_default_dtype())
+    return -torch.log(-torch.log(_uniform(shape, info.tiny, 1 - info.eps, device)))
 
 
 def _used(used_token: Tensor | None) -> Tensor | None:
@@ -125,7 +131,7 @@ def top1gating(
     priority = None
     if use_rts:
         # Draw U[S, E] like DeepSpeed so the random stream (and thus the kept subset) is the same.
-        priority = torch.rand(mask.shape, device=logits.device).gather(1, chosen.unsqueeze(1))
+        priority = _uniform(mask.shape, 0.0, 1.0, logits.device).gather(1, chosen.unsqueeze(1))
     elif s and int(exp_counts.max()) > cap:
         top = torch.topk(mask, k=min(cap, s), dim=0)[1]
         survivors = mask * torch.zeros_like(mask).scatter_(0, top, 1)
@@ -308,7 +314,7 @@ class TopKGate(nn.Module):
             )
         x = input.float()
         if self.noisy_gate_policy == "Jitter" and self.training:
-            x = x * (1.0 - JITTER_EPSILON + 2 * JITTER_EPSILON * torch.rand(x.shape, device=x.device))
+            x = x * _uniform(x.shape, 1.0 - JITTER_EPSILON, 1.0 + JITTER_EPSILON, x.device)
         logits = F.linear(x, self.wg.weight.float())
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         routes = self._gate(logits, factor, used_token)
