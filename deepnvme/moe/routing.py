@@ -282,8 +282,8 @@ def dispatch(x: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor, num_
     if module is not None:
         return _DispatchOp.apply(module, x, expert_idx.contiguous(), slot.contiguous(), num_experts, capacity)
     token, rows = _flat_routes(expert_idx, slot, capacity)
-    out = x.new_zeros(num_experts * capacity, x.shape[1])
-    out = out.index_copy(0, rows, x.index_select(0, token))
+    # In place into a fresh buffer: an out-of-place index_copy would hold a second [E*C, M] copy.
+    out = x.new_zeros(num_experts * capacity, x.shape[1]).index_copy_(0, rows, x.index_select(0, token))
     return out.view(num_experts, capacity, x.shape[1])
 
 
