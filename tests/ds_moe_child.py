@@ -28,8 +28,13 @@ def run(moe: nn.Module, x: torch.Tensor, w: torch.Tensor, aux_coeff: float, seed
     out, l_aux, counts = moe(xx)
     ((out * w).sum() + aux_coeff * l_aux).backward()
     grads = {n: p.grad.detach().clone() for n, p in moe.named_parameters() if p.grad is not None}
-    return {"out": out.detach(), "l_aux": l_aux.detach(), "exp_counts": counts.detach().clone(),
-            "x_grad": xx.grad.detach(), "grads": grads}
+    return {
+        "out": out.detach(),
+        "l_aux": l_aux.detach(),
+        "exp_counts": counts.detach().clone(),
+        "x_grad": xx.grad.detach(),
+        "grads": grads,
+    }
 
 
 def main(spec_path: str, out_path: str) -> None:

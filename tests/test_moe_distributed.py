@@ -37,8 +37,16 @@ def _build(sc: dict[str, Any], ep_size: int) -> nn.Module:
     torch.manual_seed(sc["seed"])
     expert = nn.Sequential(nn.Linear(M, F_HIDDEN), nn.ReLU(), nn.Linear(F_HIDDEN, M))
     moe = MoE(
-        M, expert, num_experts=sc["experts"], ep_size=ep_size, k=sc["k"], capacity_factor=1.0, min_capacity=2,
-        drop_tokens=sc["drop"], use_rts=False, top2_2nd_expert_sampling=False,
+        M,
+        expert,
+        num_experts=sc["experts"],
+        ep_size=ep_size,
+        k=sc["k"],
+        capacity_factor=1.0,
+        min_capacity=2,
+        drop_tokens=sc["drop"],
+        use_rts=False,
+        top2_2nd_expert_sampling=False,
         use_residual=sc.get("residual", False),
         use_data_before_expert_parallel=sc.get("data_before_expert", False) and ep_size > 1,
     )
@@ -124,7 +132,10 @@ def _broadcast_check(rank: int, world: int, sc: dict[str, Any]) -> dict[str, Any
 def _worker(rank: int, world: int, port: int, scenarios: list[dict[str, Any]], out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
     try:

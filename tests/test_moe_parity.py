@@ -28,10 +28,20 @@ CHILD = Path(__file__).resolve().parent / "ds_moe_child.py"
 AUX = 0.1
 TOL = 1e-5
 
+
 def _case(k: int, drop: bool, residual: bool = False, train: bool = True, **random: Any) -> dict[str, Any]:
     """One configuration; ``random`` switches on DeepSpeed's random options (default: all off)."""
-    moe = {"num_experts": 4, "k": k, "capacity_factor": 0.75, "eval_capacity_factor": 0.5, "min_capacity": 2,
-           "drop_tokens": drop, "use_residual": residual, "use_rts": False, "top2_2nd_expert_sampling": False}
+    moe = {
+        "num_experts": 4,
+        "k": k,
+        "capacity_factor": 0.75,
+        "eval_capacity_factor": 0.5,
+        "min_capacity": 2,
+        "drop_tokens": drop,
+        "use_residual": residual,
+        "use_rts": False,
+        "top2_2nd_expert_sampling": False,
+    }
     moe.update(random)
     name = f"k{k}-{'drop' if drop else 'nodrop'}{'-residual' if residual else ''}{'' if train else '-eval'}"
     name += "".join(f"-{key}={value}" for key, value in random.items())
@@ -39,8 +49,13 @@ def _case(k: int, drop: bool, residual: bool = False, train: bool = True, **rand
 
 
 CASES = [
-    _case(1, True), _case(1, False), _case(2, True), _case(2, False),
-    _case(1, True, residual=True), _case(2, True, train=False), _case(3, True),
+    _case(1, True),
+    _case(1, False),
+    _case(2, True),
+    _case(2, False),
+    _case(1, True, residual=True),
+    _case(2, True, train=False),
+    _case(3, True),
     # Training with DeepSpeed's random options, from the same RNG state: the same samples, so the same routes.
     _case(1, True, use_rts=True, noisy_gate_policy="RSample"),
     _case(2, True, top2_2nd_expert_sampling=True, noisy_gate_policy="Jitter"),
@@ -81,11 +96,22 @@ def deepspeed_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
     cases = []
     for i, case in enumerate(CASES):
         x = torch.randn(2, 24, case["config"]["hidden"])
-        cases.append({**case, "seed": 1000 + i, "x": x, "w": torch.randn_like(x),
-                      "ours_state_dict": ours(case, seed=2000 + i).state_dict()})
+        cases.append(
+            {
+                **case,
+                "seed": 1000 + i,
+                "x": x,
+                "w": torch.randn_like(x),
+                "ours_state_dict": ours(case, seed=2000 + i).state_dict(),
+            }
+        )
     torch.save({"cases": cases, "aux_coeff": AUX}, work / "spec.pt")
-    child = subprocess.run([python, str(CHILD), str(work / "spec.pt"), str(work / "out.pt")],
-                           capture_output=True, text=True, timeout=600)
+    child = subprocess.run(
+        [python, str(CHILD), str(work / "spec.pt"), str(work / "out.pt")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if child.returncode != 0:
         raise AssertionError(f"DeepSpeed child failed:\n{child.stderr[-3000:]}")
     out = torch.load(work / "out.pt")

@@ -33,6 +33,7 @@ from deepnvme.moe.routing import assign_slots
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 JITTER_EPSILON = 1e-2  # DeepSpeed's multiplicative jitter range: input * U(1-eps, 1+eps)
 
+
 @dataclass
 class Routes:
     """Where every token goes: the gate's answer for one batch.

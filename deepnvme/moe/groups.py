@@ -136,9 +136,10 @@ def get_expert_data_parallel_group(name: str) -> Any:
 def _ep_size_of(group_name: str) -> int:
     """The ep size encoded in a DeepSpeed group name ``ep_size_{ep}``."""
     prefix = "ep_size_"
-    if not isinstance(group_name, str) or not group_name.startswith(prefix) or not group_name[8:].isdigit():
+    digits = group_name[len(prefix) :] if isinstance(group_name, str) else ""
+    if not isinstance(group_name, str) or not group_name.startswith(prefix) or not digits.isdigit():
         raise ValueError(f"expert parameter group_name must look like 'ep_size_<n>', got {group_name!r}")
-    return int(group_name[len(prefix):])
+    return int(digits)
 
 
 def edp_group_of(group_name: str) -> Any:

@@ -22,7 +22,8 @@ def _one_layer_count(num_experts: Any) -> Any:
             raise ValueError(
                 f"num_experts: one MoE layer takes one expert count, got the list {list(num_experts)}; "
                 "a per-layer list (the pyramid/PR-MoE form) belongs to the model: build layer i with "
-            "num_experts[i]" )
+                "num_experts[i]"
+            )
         return num_experts[0]
     return num_experts
 
