@@ -232,6 +232,32 @@ def test_eval_routing_is_deterministic_and_training_is_random() -> None:
     assert not torch.equal(c, d)
 
 
+@pytest.mark.parametrize("policy", ["Jitter", "RSample"])
+def test_noisy_gate_policies_act_in_training_only(policy: str) -> None:
+    moe = make(k=1, noisy_gate_policy=policy, drop_tokens=False)
+    x = torch.randn(64, M)
+    clean = make(k=1, drop_tokens=False)
+    clean.load_state_dict(moe.state_dict())
+    moe.eval()
+    clean.eval()
+    torch.manual_seed(3)
+    a = moe(x)[0]
+    torch.manual_seed(4)
+    assert torch.equal(a, moe(x)[0]) and torch.equal(a, clean(x)[0])
+    moe.train()
+    torch.manual_seed(3)
+    b = moe(x)[0]
+    torch.manual_seed(4)
+    assert not torch.equal(b, moe(x)[0])
+
+
+def test_ignored_options_warn() -> None:
+    with pytest.warns(UserWarning, match="use_tutel"):
+        make(use_tutel=True)
+    with pytest.warns(UserWarning, match="RSample"):
+        make(k=2, noisy_gate_policy="RSample")
+
+
 def test_top1_rts_eval_is_deterministic() -> None:
     torch.manual_seed(2)
     moe = MoE(M, mlp(), num_experts=2, k=1, min_capacity=1, capacity_factor=0.5).eval()
