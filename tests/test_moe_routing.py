@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deepnvme.moe import routing
-from deepnvme.moe.routing import assign_slots, combine, dispatch
+from deepnvme.moe.routing import assign_slots, combine, dispatch, top_k
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IMPLS = ("torch", "op")
@@ -126,6 +127,29 @@ def test_empty_inputs_and_idle_experts(impl: str) -> None:
     assert out.shape == (4, 3, 5) and not out.any()
     y = torch.randn(4, 3, 5)
     assert combine(y, torch.zeros(0, 2, dtype=torch.long), slot, torch.zeros(0, 2), impl=impl).shape == (0, 5)
+
+
+# ------------------------------------------------------------------------------------ top_k
+@pytest.mark.parametrize("num_experts", [1, 5, 64])
+def test_top_k_orders_largest_first_with_ties_to_the_lower_index(impl: str, num_experts: int) -> None:
+    gen = torch.Generator().manual_seed(num_experts)
+    scores = torch.randint(0, 4, (50, num_experts), generator=gen).float()  # many ties
+    for k in sorted({1, min(2, num_experts), num_experts}):
+        values, indices = top_k(scores, k, impl=impl)
+        ref = torch.sort(scores, dim=1, descending=True, stable=True)
+        assert torch.equal(indices, ref.indices[:, :k]) and torch.equal(values, ref.values[:, :k])
+    assert torch.equal(top_k(scores, 1, impl=impl)[1].squeeze(1), torch.argmax(scores, dim=1))
+    real = torch.randn(50, num_experts, generator=gen)
+    k = min(3, num_experts)
+    assert torch.equal(top_k(real, k, impl=impl)[1], torch.topk(real, k, dim=1).indices)
+
+
+def test_top_k_values_carry_the_gradient(impl: str) -> None:
+    scores = torch.randn(6, 4, requires_grad=True)
+    values, indices = top_k(scores, 2, impl=impl)
+    values.sum().backward()
+    expected = torch.zeros(6, 4).scatter_(1, indices, 1.0)
+    assert torch.equal(scores.grad, expected)
 
 
 # ------------------------------------------------------------------------------------ op == torch
@@ -288,6 +312,11 @@ def bad_calls() -> list[tuple[str, type[Exception], str, object]]:
         ("weight int", TypeError, "weight", lambda i: combine(y, idx, slot, idx, impl=i)),
         ("combine idx >= E", ValueError, "expert_idx", lambda i: combine(y, idx + 1, slot, w, impl=i)),
         ("combine shared", ValueError, "slot", lambda i: combine(y, idx, torch.zeros_like(slot), w, impl=i)),
+        ("scores int", TypeError, "scores", lambda i: top_k(idx, 1, impl=i)),
+        ("scores 1-D", ValueError, "scores", lambda i: top_k(w[0], 1, impl=i)),
+        ("scores NaN", ValueError, "scores", lambda i: top_k(w * float("nan"), 1, impl=i)),
+        ("k zero", ValueError, "k", lambda i: top_k(w, 0, impl=i)),
+        ("k > E", ValueError, "k", lambda i: top_k(w, 3, impl=i)),
     ]
 
 
@@ -310,6 +339,10 @@ def test_compiled_functions_check_their_own_inputs(moe_op: None) -> None:
         module.combine_forward(torch.randn(2, 2, 3), idx, torch.tensor([[0, 0]]), torch.rand(1, 2))
     with pytest.raises(TypeError, match="x"):
         module.dispatch_forward(torch.randn(1, 3, dtype=torch.float64), idx % 2, idx * 0, 2, 2)
+    with pytest.raises(ValueError, match="NaN"):
+        module.top_k(torch.tensor([[0.0, float("nan")]]), 1)
+    with pytest.raises(ValueError, match="k must"):
+        module.top_k(torch.zeros(2, 3), 4)
 
 
 # ------------------------------------------------------------------------------------ packaging
@@ -369,3 +402,29 @@ print(raised)
     first, why, raised = proc.stdout.splitlines()[:3]
     assert first == "False [[0, 1], [0, -1], [1, -1]] [3, 3] 16.0"
     assert "moe" in why and "unavailable" in raised
+
+
+def test_setup_honours_ds_build_moe(tmp_path: Path) -> None:
+    """setup.py's prebuild selects the op under DS_BUILD_MOE=1 and fails, saying why, when it cannot build it.
+
+    ``setup.py --name`` runs the op selection without compiling anything, in a copy of the tree."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
+        if (REPO_ROOT / name).exists():
+            shutil.copy2(REPO_ROOT / name, tree / name)
+    for name in ("op_builder", "deepnvme", "csrc"):
+        shutil.copytree(REPO_ROOT / name, tree / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DS_BUILD_")}
+
+    def setup(**env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "setup.py", "--name"], cwd=tree, capture_output=True,
+                              text=True, env={**clean, **env}, timeout=300)
+
+    ok = setup(DS_BUILD_MOE="1")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "prebuilding moe as deepnvme.ops.moe_op" in ok.stdout + ok.stderr
+    assert "prebuilding async_io" not in ok.stdout + ok.stderr
+    broken = setup(DS_BUILD_MOE="1", CC=str(tmp_path / "no-cc"), CXX=str(tmp_path / "no-cxx"))
+    assert broken.returncode != 0
+    assert "DS_BUILD_MOE=1 asks for op 'moe' cannot be built here" in broken.stdout + broken.stderr

@@ -9,6 +9,7 @@
 #include "gather.h"
 #include "routes.h"
 #include "slots.h"
+#include "topk.h"
 
 namespace dnv::moe {
 namespace {
@@ -136,6 +137,18 @@ std::tuple<at::Tensor, at::Tensor> py_combine_backward(const at::Tensor& grad, c
     return {grad_y, grad_w};
 }
 
+std::tuple<at::Tensor, at::Tensor> py_top_k(const at::Tensor& scores, int64_t k) {
+    check_cpu(scores, "scores");
+    TORCH_CHECK_TYPE(scores.scalar_type() == at::kFloat, "scores must be float32, got ", scores.scalar_type());
+    TORCH_CHECK_VALUE(scores.dim() == 2, "scores must be 2-D [S, E], got ", scores.sizes());
+    const at::Tensor sc = scores.contiguous();
+    at::Tensor value = at::empty({sc.size(0), k}, sc.options());
+    at::Tensor index = at::empty({sc.size(0), k}, sc.options().dtype(at::kLong));
+    top_k(sc.const_data_ptr<float>(), sc.size(0), sc.size(1), k, index.mutable_data_ptr<int64_t>(),
+          value.mutable_data_ptr<float>());
+    return {value, index};
+}
+
 }  // namespace
 }  // namespace dnv::moe
 
@@ -146,6 +159,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("assign_slots", &py_assign_slots, py::arg("expert_idx"), py::arg("num_experts"), py::arg("capacity"),
           py::arg("priority"), py::arg("active"), py::arg("choice_major"),
           "(slot[S,k] int64 with -1 for dropped, exp_counts[E]); capacity -1 keeps every route");
+    m.def("top_k", &py_top_k, py::arg("scores"), py::arg("k"),
+          "(values, indices) of the k largest scores per row, largest first, ties to the lower index");
     m.def("dispatch_forward", &py_dispatch_forward, py::arg("x"), py::arg("expert_idx"), py::arg("slot"),
           py::arg("num_experts"), py::arg("capacity"));
     m.def("dispatch_backward", &py_dispatch_backward, py::arg("grad"), py::arg("expert_idx"), py::arg("slot"));

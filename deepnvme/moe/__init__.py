@@ -46,6 +46,7 @@ _WHERE = {
     "assign_slots": "routing",
     "dispatch": "routing",
     "combine": "routing",
+    "top_k": "routing",
 }
 
 __all__ = sorted(_WHERE)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["IMPL_ENV", "assign_slots", "combine", "dispatch", "op_available"]
+__all__ = ["IMPL_ENV", "assign_slots", "combine", "dispatch", "op_available", "top_k"]
 
 IMPL_ENV = "DEEPNVME_MOE_IMPL"
 _IMPLS = ("auto", "op", "torch")
@@ -130,6 +130,30 @@ def _check_same_device(**tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"tensors must share one device, got {devices}")
+
+
+# --------------------------------------------------------------------------------------------- top_k
+def top_k(scores: torch.Tensor, k: int, *, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest scores of each row, largest first: ``(values[S, k], indices[S, k] int64)``.
+
+    Ties go to the lower expert index (what ``torch.argmax`` and a stable descending sort choose, so k=1 is
+    the top-1/top-2 gates' argmax); ``torch.topk`` leaves the order of ties unspecified. ``values`` are
+    gathered from ``scores``, so they carry its gradient on either path.
+    """
+    _check_float("scores", scores, ndim=2)
+    _check_int("k", k, 1)
+    if k > scores.shape[1]:
+        raise ValueError(f"k must be <= the number of experts ({scores.shape[1]}), got {k}")
+    if bool(torch.isnan(scores).any()):
+        raise ValueError("scores must not hold NaN")
+    module = _resolve_impl(impl, scores)
+    if module is not None and scores.dtype == torch.float32:
+        _, indices = module.top_k(scores.detach(), k)
+    elif impl == "op" or (impl is None and os.environ.get(IMPL_ENV) == "op"):
+        raise ValueError("the compiled top_k takes float32 scores")
+    else:
+        indices = torch.sort(scores.detach(), dim=1, descending=True, stable=True).indices[:, :k]
+    return scores.gather(1, indices), indices
 
 
 # --------------------------------------------------------------------------------------------- assign_slots
