@@ -297,8 +297,8 @@ void Worker::complete(uint64_t tag64, int64_t res) {
                 return;
             }
             try {
-                char* base = static_cast<char*>(rest.buf) - (sl.rel + sl.done);
-                transfer_all(r, r.file.buffered_fd(), base, sl.rel + sl.done, rest.len);
+                // rest.buf already points at the remainder (in the tensor or in the staging buffer).
+                transfer_all(r, r.file.buffered_fd(), static_cast<char*>(rest.buf), sl.rel + sl.done, rest.len);
             } catch (const IoError& e) {
                 r.fail(e.err(), e.what());
             }

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Run a command with deepnvme's ops built and loaded under sanitizers:
+#
+#   tests/sanitize/run.sh address,undefined python3 -m pytest -q tests/test_aio_errors.py
+#   tests/sanitize/run.sh thread python3 -m pytest -q tests/test_aio_threads.py
+#
+# DEEPNVME_SANITIZE makes the op builder compile with -fsanitize=... into a module and build folder of their
+# own (deepnvme_async_io_asan_ubsan, deepnvme_async_io_tsan), beside the normal build. Python is not built
+# with a sanitizer, so the sanitizer's runtime has to be the first library in the process: LD_PRELOAD it
+# (the one of the compiler that builds the ops, so both agree on its version). Subprocesses inherit all of it.
+set -euo pipefail
+
+if [ $# -lt 2 ]; then
+    echo "usage: $0 address,undefined|thread COMMAND [ARGS...]" >&2
+    exit 2
+fi
+sanitizers=$1
+shift
+here=$(cd "$(dirname "$0")" && pwd)
+cxx=${CXX:-c++}
+
+runtime() {  # the compiler's own copy of a sanitizer runtime, as an absolute path
+    local path
+    path=$($cxx -print-file-name="$1")
+    if [ "$path" = "$1" ] || [ ! -e "$path" ]; then
+        echo "$0: $cxx has no $1 (install the compiler's sanitizer runtime, e.g. libasan8/libtsan2)" >&2
+        exit 2
+    fi
+    realpath "$path"
+}
+
+case ",$sanitizers," in
+    *,thread,*)
+        preload=$(runtime libtsan.so)
+        # The checked code is ours; CPython and torch are not instrumented, so their own memory accesses are
+        # invisible to TSan and cannot race. ignore_noninstrumented_modules stops the interceptors (memcpy,
+        # free...) from checking calls made by those uninstrumented libraries too; tsan.supp says what else
+        # is suppressed, and why.
+        export TSAN_OPTIONS="halt_on_error=1 exitcode=66 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$here/tsan.supp ${TSAN_OPTIONS:-}"
+        ;;
+    *,address,*)
+        preload=$(runtime libasan.so)
+        # detect_leaks=0: CPython and torch keep allocations alive until exit on purpose, and LeakSanitizer
+        # would report them all. Leaks of the ops are tested directly (fd and VmLck counts, 1000 handles).
+        export ASAN_OPTIONS="detect_leaks=0 abort_on_error=0 halt_on_error=1 exitcode=66 ${ASAN_OPTIONS:-}"
+        ;;
+    *)
+        preload=
+        ;;
+esac
+case ",$sanitizers," in
+    *,undefined,*)
+        export UBSAN_OPTIONS="print_stacktrace=1 halt_on_error=1 exitcode=66 ${UBSAN_OPTIONS:-}"
+        [ -n "$preload" ] || preload=$(runtime libubsan.so)
+        ;;
+esac
+
+export DEEPNVME_SANITIZE=$sanitizers
+export LD_PRELOAD="$preload${LD_PRELOAD:+ $LD_PRELOAD}"
+exec "$@"
