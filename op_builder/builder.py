@@ -446,10 +446,12 @@ class OpBuilder(ABC):
             (build_dir / "lock").unlink(missing_ok=True)
             if foreign and _file_identity(foreign[0]) == foreign[1]:
                 foreign[0].unlink(missing_ok=True)
-            module = cpp_extension.load(
-                name=self.jit_module_name(), sources=srcs, extra_cflags=cflags, extra_ldflags=ldflags,
-                extra_cuda_cflags=self.nvcc_args() if self.with_cuda() else None, extra_include_paths=incs,
-                build_directory=str(build_dir), verbose=verbose, with_cuda=True if self.with_cuda() else None)
+            with sanitize.compiler_environment():
+                module = cpp_extension.load(
+                    name=self.jit_module_name(), sources=srcs, extra_cflags=cflags, extra_ldflags=ldflags,
+                    extra_cuda_cflags=self.nvcc_args() if self.with_cuda() else None,
+                    extra_include_paths=incs, build_directory=str(build_dir), verbose=verbose,
+                    with_cuda=True if self.with_cuda() else None)
         except Exception as exc:  # torch raises RuntimeError (build) or ImportError (load) with the log
             log = str(exc)
             if getattr(exc, "output", None):

@@ -74,6 +74,7 @@ def test_runner_preloads_the_compilers_runtime(sanitizers: str, runtime: str, op
         pytest.skip(f"{cxx} has no {runtime}")
     env = _runner_env(sanitizers)
     assert env["DEEPNVME_SANITIZE"] == sanitizers
+    assert env["LD_PRELOAD"].startswith(env[sanitize.PRELOADED_ENV])
     assert env["LD_PRELOAD"].split()[0] == os.path.realpath(path)
     assert "halt_on_error=1" in env[options]
     if options == "ASAN_OPTIONS":
@@ -86,3 +87,16 @@ def test_runner_preloads_the_compilers_runtime(sanitizers: str, runtime: str, op
 def test_runner_usage() -> None:
     res = subprocess.run([str(RUNNER), "address"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "usage" in res.stderr
+
+
+def test_compilers_run_without_the_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What run.sh preloaded for Python is left out while the builder's compilers run, and put back after."""
+    monkeypatch.setenv("LD_PRELOAD", "/rt/libasan.so /rt/libstdc++.so /other/libfoo.so")
+    monkeypatch.setenv(sanitize.PRELOADED_ENV, "/rt/libasan.so /rt/libstdc++.so")
+    with sanitize.compiler_environment():
+        assert os.environ["LD_PRELOAD"] == "/other/libfoo.so"
+    assert os.environ["LD_PRELOAD"] == "/rt/libasan.so /rt/libstdc++.so /other/libfoo.so"
+    monkeypatch.setenv("LD_PRELOAD", "/rt/libasan.so /rt/libstdc++.so")
+    with sanitize.compiler_environment():
+        assert "LD_PRELOAD" not in os.environ
+    assert os.environ["LD_PRELOAD"] == "/rt/libasan.so /rt/libstdc++.so"

@@ -55,6 +55,12 @@ case ",$sanitizers," in
         ;;
 esac
 
+# libstdc++ right after the runtime: Python is C, so without it libstdc++ arrives later with the extension,
+# after ASan looked up the real __cxa_throw, and the first C++ exception stops the process on a failed CHECK
+# ("real___cxa_throw != 0").
+[ -z "$preload" ] || preload="$preload $(runtime libstdc++.so)"
+
 export DEEPNVME_SANITIZE=$sanitizers
+export DEEPNVME_SANITIZE_PRELOAD=$preload  # the op builder leaves these out of its compilers' environment
 export LD_PRELOAD="$preload${LD_PRELOAD:+ $LD_PRELOAD}"
 exec "$@"
