@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from op_builder import AsyncIOBuilder
 
@@ -66,6 +66,9 @@ class AioModel(RuleBasedStateMachine):
         self.aio = AsyncIOBuilder().load()
         self.dir = Path(tempfile.mkdtemp(prefix="dnv-sm-", dir=_SCRATCH[0] if _SCRATCH else None))
         self.model = {name: bytearray() for name in FILES}
+        # How long each file is by the writes known to be complete: a read past it may find the end of file
+        # even where it does not overlap a pending write (that write extends the file only when it lands).
+        self.durable = {name: 0 for name in FILES}
         self.pending: list[Pending] = []
         self.h = None
         for name in FILES:
@@ -102,14 +105,16 @@ class AioModel(RuleBasedStateMachine):
         """`completed` requests were reported done: all pending ones (a wait) or none of them."""
         assert completed in (0, len(self.pending)), (completed, len(self.pending))
         if completed:
+            self.durable = {name: len(m) for name, m in self.model.items()}
             for p in self.pending:
                 if p.buf is not None:
                     assert p.buf.numpy().tobytes() == p.expect, f"async read of {p.name}[{p.start}:{p.end}]"
             self.pending.clear()
 
     def readable(self, name: str, size: int, off: int) -> tuple[int, int] | None:
-        """A range inside the model's file (reads past the end are refused, tested elsewhere)."""
-        n = len(self.model[name])
+        """A range inside the file as completed writes left it (reads past the end are refused, tested
+        elsewhere)."""
+        n = self.durable[name]
         if n == 0:
             return None
         off = off % n
@@ -133,6 +138,7 @@ class AioModel(RuleBasedStateMachine):
         done = self.h.sync_pwrite(buf, self.path(name), off)
         assert done >= 1
         self.apply_write(name, off, data)
+        self.durable[name] = max(self.durable[name], off + size)
         self.settle(done - 1)
 
     @rule(name=st.sampled_from(FILES), size=sizes, off=offsets, memory=memories)
@@ -173,7 +179,6 @@ class AioModel(RuleBasedStateMachine):
         assert self.h.async_pread(buf, self.path(name), off) == 0
         self.pending.append(Pending(name, off, off + size, buf, bytes(self.model[name][off:off + size])))
 
-    @precondition(lambda self: self.h is not None)
     @rule()
     def wait(self) -> None:
         self.settle(self.h.wait())
@@ -192,6 +197,7 @@ class AioModel(RuleBasedStateMachine):
             start = len(self.model[name])
             assert self.h.sync_pwrite(fill, self.path(name), start) == 1
             self.apply_write(name, start, data)
+            self.durable[name] = len(self.model[name])
         batch = Batch()
         writes: list[tuple[int, bytes]] = []
         barrier = threading.Barrier(len(plans))
@@ -255,6 +261,7 @@ class AioModel(RuleBasedStateMachine):
             assert buf.numpy().tobytes() == expect
         for off, data in writes:
             self.apply_write(name, off, data)
+        self.durable[name] = len(self.model[name])
 
     @invariant()
     def files_match_model_when_idle(self) -> None:
