@@ -8,6 +8,7 @@ what can be shown: the sources are compiled with the builder's own flags against
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -112,3 +113,24 @@ def test_only_public_cpython_api() -> None:
             if not (guard.startswith("#else") and "PY_VERSION_HEX" in "\n".join(lines[max(0, i - 6):i])):
                 offenders.append(f"{path.relative_to(REPO)}:{i + 1}: {line.strip()}")
     assert not offenders, "private CPython API outside a version check:\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize("version", [max((v for v in SUPPORTED if v != sys.version_info[:2]), default=None)],
+                         ids=lambda v: f"py{v[0]}{v[1]}" if v else "none")
+def test_report_on_the_newest_python(version: tuple[int, int] | None) -> None:
+    """ds_report runs on the newest other Python: with torch there, async_io is usable; without it (no CPU
+    torch 2.13 wheel for it on this machine), torch is the one thing the op lacks, and the report says so."""
+    exe = INTERPRETERS.get(version) if version else None
+    if exe is None:
+        pytest.skip("no other CPython 3.10-3.13 on this machine")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([exe, "-m", "deepnvme.report", "--json"], capture_output=True, text=True, env=env,
+                         cwd=REPO, timeout=300, check=False)
+    report = json.loads(run.stdout)
+    has_torch = subprocess.run([exe, "-c", "import torch"], capture_output=True, timeout=300).returncode == 0
+    (aio,) = [op for op in report["ops"] if op["name"] == "async_io"]
+    if has_torch:
+        assert run.returncode == 0 and report["async_io_usable"], aio
+    else:
+        assert run.returncode == 1 and not report["async_io_usable"]
+        assert aio["reason"].count("->") == 1 and "torch is not installed" in aio["reason"], aio["reason"]
