@@ -22,7 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar, TypeVar
 
-from . import jit_cache, prebuilt, probe
+from . import jit_cache, prebuilt, probe, sanitize
 from .jit_cache import extensions_root
 from .probe import Capability
 
@@ -148,7 +148,8 @@ class OpBuilder(ABC):
         cached = OpBuilder._loaded_ops.get(self.name)
         if cached is not None:
             return cached
-        module = self._load_prebuilt()
+        # A prebuilt op is never sanitized: with DEEPNVME_SANITIZE set only a JIT build will do.
+        module = None if sanitize.selected() else self._load_prebuilt()
         if module is None:
             module = self.jit_load(verbose)
         OpBuilder._loaded_ops[self.name] = module
@@ -159,7 +160,7 @@ class OpBuilder(ABC):
         Prefixed so it never is DeepSpeed's: both call the op ``async_io``; in a shared folder each tool
         rebuilt over the other's library, and in one process the second module of that name to load came
         back as the first one."""
-        return f"deepnvme_{self.name}"
+        return f"deepnvme_{self.name}{sanitize.module_suffix()}"  # a sanitized build has a name of its own
 
     def jit_build_dir(self) -> Path:
         """This op's JIT build folder."""
@@ -289,7 +290,10 @@ class TorchCPUOpBuilder(OpBuilder):
     """A host-only C++ op built against torch: -O3, hidden visibility, native arch only when JIT."""
 
     def cxx_args(self) -> list[str]:
-        return [*_OPT_FLAGS, *self.arch_flags()]
+        return [*_OPT_FLAGS, *self.arch_flags(), *sanitize.compile_flags()]
+
+    def extra_ldflags(self) -> list[str]:
+        return [*super().extra_ldflags(), *sanitize.link_flags()]
 
 
 class CUDAOpBuilder(OpBuilder):
@@ -317,10 +321,10 @@ class CUDAOpBuilder(OpBuilder):
         return self.cuda_include_dirs()
 
     def cxx_args(self) -> list[str]:
-        return [*_OPT_FLAGS, *self.arch_flags()]
+        return [*_OPT_FLAGS, *self.arch_flags(), *sanitize.compile_flags()]
 
     def nvcc_args(self) -> list[str]:
         return ["-O3"]
 
     def extra_ldflags(self) -> list[str]:
-        return self.cuda_ldflags()
+        return [*self.cuda_ldflags(), *sanitize.link_flags()]

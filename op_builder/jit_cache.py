@@ -31,7 +31,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from . import diagnose
+from . import diagnose, sanitize
 from .capability import Capability
 from .toolchain import compiler_identity
 
@@ -255,11 +255,12 @@ def build(builder: OpBuilder, build_dir: Path, verbose: bool) -> ModuleType:
             foreign[0].unlink(missing_ok=True)
         where = torch_build_dir(build_dir)
         try:
-            module = cpp_extension.load(
-                name=builder.jit_module_name(), sources=srcs, extra_cflags=cflags, extra_ldflags=ldflags,
-                extra_cuda_cflags=builder.nvcc_args() if builder.with_cuda() else None,
-                extra_include_paths=incs, build_directory=str(where), verbose=verbose,
-                with_cuda=True if builder.with_cuda() else None)
+            with sanitize.compiler_environment():
+                module = cpp_extension.load(
+                    name=builder.jit_module_name(), sources=srcs, extra_cflags=cflags, extra_ldflags=ldflags,
+                    extra_cuda_cflags=builder.nvcc_args() if builder.with_cuda() else None,
+                    extra_include_paths=incs, build_directory=str(where), verbose=verbose,
+                    with_cuda=True if builder.with_cuda() else None)
         except Exception as exc:  # torch raises RuntimeError (build) or ImportError (load) with the log
             log = str(exc)
             if getattr(exc, "output", None):

@@ -52,6 +52,7 @@ def test_explicitly_requested_incompatible_op_fails_the_build(tree, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # a wheel of async_io without ninja's parallel build, then a fresh venv
 def test_prebuilt_async_io_wheel_in_a_fresh_venv(tree, tmp_path):
     if not (tree / "csrc" / "aio" / "py_aio.cpp").exists():
         pytest.skip("csrc/aio is not written yet")

@@ -1,10 +1,19 @@
 // fault engine, for tests: runs plain pread/pwrite like the posix engine but injects the failures a disk
 // cannot produce on demand (EIO, short transfers, partial or refused submits), by rules from $DEEPNVME_FAULT.
-// Rules (comma-separated): eio@N, enospc@N, short@N, zero@N, eagain_submit@N, partial_submit.
-// N counts block operations (or submit calls) from 1, across all engines of one handle.
+// Rules (comma-separated): eio@N, enospc@N, short@N, zero@N, unaligned_short@N, eagain_submit@N,
+// partial_submit. N counts block operations (or submit calls) from 1, across all engines of one handle.
+//
+// unaligned_short@N reaches the handle's buffered path for the remainder of a short O_DIRECT transfer, which
+// real disks take only rarely (a file shrinking under a read) and short@N cannot: half of an O_DIRECT block
+// may itself be an invalid O_DIRECT request. It issues the block exactly as asked (so always a valid
+// request), then reports an odd byte count, never a multiple of any device's alignment, and leaves poison
+// where the unreported bytes belong (in the buffer after a read, in the file after a write): only a
+// remainder transfer to the right place puts the right bytes back.
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,7 +25,7 @@ namespace dnv {
 namespace {
 
 struct FaultRules final : EngineShared {
-    long eio_at = 0, enospc_at = 0, short_at = 0, zero_at = 0, eagain_submit_at = 0;
+    long eio_at = 0, enospc_at = 0, short_at = 0, zero_at = 0, unaligned_short_at = 0, eagain_submit_at = 0;
     bool partial_submit = false;
     std::atomic<long> ops{0};
     std::atomic<long> submits{0};
@@ -51,6 +60,7 @@ std::shared_ptr<FaultRules> parse_rules(const char* text) {
         else if (name == "enospc") rules->enospc_at = n;
         else if (name == "short") rules->short_at = n;
         else if (name == "zero") rules->zero_at = n;
+        else if (name == "unaligned_short") rules->unaligned_short_at = n;
         else if (name == "eagain_submit") rules->eagain_submit_at = n;
         else throw ArgError("DEEPNVME_FAULT: unknown rule '" + name + "'");
     }
@@ -82,7 +92,32 @@ private:
             half.len = op.len / 2;
             return transfer_once(half);
         }
+        if (k == rules_->unaligned_short_at && op.len > 2) return unaligned_short(op);
         return transfer_once(op);
+    }
+
+    static constexpr unsigned char kPoison = 0xA5;
+
+    static int64_t unaligned_short(const IoOp& op) {
+        // Block lengths under O_DIRECT are multiples of 512, so half of one plus one byte is odd.
+        const size_t count = op.len / 2 + 1;
+        if (!op.write) {
+            int64_t res = transfer_once(op);
+            if (res < static_cast<int64_t>(op.len)) return res;  // a real short read or error: report it
+            std::memset(static_cast<char*>(op.buf) + count, kPoison, op.len - count);
+            return static_cast<int64_t>(count);
+        }
+        // Write the first count bytes and poison after them, from a page-aligned copy: the same offset and
+        // length as the request, so as valid under O_DIRECT as the request itself.
+        void* raw = nullptr;
+        if (posix_memalign(&raw, 4096, op.len) != 0) return -ENOMEM;
+        std::unique_ptr<void, decltype(&std::free)> copy(raw, &std::free);
+        std::memcpy(raw, op.buf, count);
+        std::memset(static_cast<char*>(raw) + count, kPoison, op.len - count);
+        IoOp poisoned = op;
+        poisoned.buf = raw;
+        int64_t res = transfer_once(poisoned);
+        return res < static_cast<int64_t>(op.len) ? res : static_cast<int64_t>(count);
     }
 
     std::shared_ptr<FaultRules> rules_;

@@ -293,8 +293,8 @@ void Worker::complete(uint64_t tag64, int64_t res) {
                 return;
             }
             try {
-                char* base = static_cast<char*>(rest.buf) - (sl.rel + sl.done);
-                transfer_all(r, r.file.buffered_fd(), base, sl.rel + sl.done, rest.len);
+                // rest.buf already points at the remainder (in the tensor or in the staging buffer).
+                transfer_all(r, r.file.buffered_fd(), static_cast<char*>(rest.buf), sl.rel + sl.done, rest.len);
             } catch (const IoError& e) {
                 r.fail(e.err(), e.what());
             }
@@ -412,21 +412,25 @@ uint64_t IoHandle::submit(Params p, std::string& warning) {
     }
     r->slices_left.store(static_cast<unsigned>(r->slices.size()));
     Request* raw = r.get();
+    // Once pending, the request can complete and be freed by another thread's wait() as soon as its last
+    // slice is queued: nothing of it is read after that.
+    Slice* const slices = raw->slices.data();
+    const size_t nslices = raw->slices.size();
+    uint64_t id;
     unsigned first_worker;
     {
         std::lock_guard<std::mutex> lock(mu_);
-        raw->id = ++next_id_;
+        id = raw->id = ++next_id_;
         first_worker = next_worker_;
-        next_worker_ = static_cast<unsigned>((next_worker_ + raw->slices.size()) % workers_.size());
-        if (raw->slices.empty()) {
+        next_worker_ = static_cast<unsigned>((next_worker_ + nslices) % workers_.size());
+        if (nslices == 0) {
             raw->file.close();
             raw->done = true;
         }
         pending_.push_back(std::move(r));
     }
-    for (size_t i = 0; i < raw->slices.size(); ++i)
-        workers_[(first_worker + i) % workers_.size()]->enqueue(&raw->slices[i]);
-    return raw->id;
+    for (size_t i = 0; i < nslices; ++i) workers_[(first_worker + i) % workers_.size()]->enqueue(&slices[i]);
+    return id;
 }
 
 void IoHandle::request_done(Request* r) {

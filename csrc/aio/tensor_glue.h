@@ -164,7 +164,14 @@ inline IoHandle::Params host_params(const at::Tensor& buffer, const Target& targ
 // then). For handle destructors, which wait for requests still in flight.
 template <class F>
 void without_gil_unless_finalizing(F&& fn) {
-    if (Py_IsInitialized() && !_Py_IsFinalizing()) {
+    // Only CPython's public API: 3.13 made Py_IsFinalizing public and removed the private _Py_IsFinalizing,
+    // which is the only spelling before it.
+#if PY_VERSION_HEX >= 0x030D0000
+    const bool finalizing = Py_IsFinalizing();
+#else
+    const bool finalizing = _Py_IsFinalizing();
+#endif
+    if (Py_IsInitialized() && !finalizing) {
         py::gil_scoped_release nogil;
         fn();
     } else {
