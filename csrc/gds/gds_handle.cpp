@@ -159,7 +159,9 @@ void GdsHandle::run_chunk(const Chunk& c) {
 void GdsHandle::finish(DeviceRequest* r) {
     if (r->fh != nullptr) cuFileHandleDeregister(r->fh);
     r->fh = nullptr;
-    r->file.close();  // free descriptors now, not at wait(): thousands of queued files must not pile up
+    // Free descriptors now, not at wait(): thousands of queued files must not pile up. A caller's descriptor
+    // (our duplicate of it) stays open until validation has read the file back through it.
+    if (!(r->validate && r->file.user_fd() >= 0)) r->file.close();
     r->lease.reset();
     {
         std::lock_guard<std::mutex> lock(mu_);

@@ -73,7 +73,7 @@ struct Ticket {
 // Requests a wait() claimed, from both sides.
 struct Completed {
     std::vector<std::unique_ptr<DeviceRequest>> device;
-    std::vector<std::unique_ptr<Request>> host;
+    std::vector<std::shared_ptr<Request>> host;
 };
 
 class GdsHandle {

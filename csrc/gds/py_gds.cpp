@@ -46,11 +46,12 @@ public:
         });
     }
 
-    int64_t io(const at::Tensor& buffer, const Target& target, bool write, bool validate, bool async,
+    int64_t io(const at::Tensor& given, const Target& target, bool write, bool validate, bool async,
                int64_t file_offset) {
         if (file_offset < 0) throw ArgError("file_offset must be >= 0, got " + std::to_string(file_offset));
         std::string warning;
         Ticket t;
+        at::Tensor buffer = resolved_for_io(given, write);  // conjugate/negative views: values, or refused
         if (buffer.defined() && buffer.is_cuda()) {
             if (!buffer.is_contiguous())
                 throw ArgError("buffer must be contiguous (call .contiguous() first; a copy would make reads land "
