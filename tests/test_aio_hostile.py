@@ -352,6 +352,10 @@ def test_non_utf8_paths(aio_module: ModuleType, engine: str, workdir: Path) -> N
         assert h.read(back, name, True) == 0 and h.pread(back, name, False, False) == 1
     with open(raw, "rb") as f:
         assert f.read() == tbytes(src)
+    assert aio_module.aio_write(src, raw, 4096, 8, False, False, True) == 0
+    back = torch.empty_like(src)
+    assert aio_module.aio_read(back, os.fsdecode(raw), 4096, 8, False, False, True) == 0
+    assert torch.equal(back, src)
     missing = os.fsencode(workdir) + b"/gone-\xfe"
     for name in (missing, os.fsdecode(missing)):
         with pytest.raises(FileNotFoundError) as e:

@@ -90,9 +90,9 @@ private:
         int err = bad ? bad->error() : 0;
         std::string what = bad ? bad->error_text() : std::string();
         std::string path = bad ? bad->file.path() : std::string();
-        std::string replaced;
+        std::string replaced;  // a sync call reports only its own request's
         for (const auto& r : done)
-            if (replaced.empty()) replaced = replaced_buffer_error(*r);
+            if (replaced.empty() && (own == 0 || r->id == own)) replaced = replaced_buffer_error(*r);
         done.clear();  // drops the tensor references, with the GIL held
         if (bad) throw IoError(err, what, path);
         if (!mismatch.empty()) raise_runtime(mismatch);
@@ -103,10 +103,10 @@ private:
     std::unique_ptr<IoHandle> core_;
 };
 
-int64_t whole_file_op(const at::Tensor& buffer, const std::string& filename, int64_t block_size,
+int64_t whole_file_op(const at::Tensor& buffer, const py::object& filename, int64_t block_size,
                       int64_t queue_depth, bool single_submit, bool overlap_events, bool validate, bool write) {
     AioHandle h(block_size, queue_depth, single_submit, overlap_events, 1, "auto");
-    h.io(buffer, by_path(filename), write, validate, false, 0);
+    h.io(buffer, by_pathlike(filename), write, validate, false, 0);
     return 0;
 }
 
@@ -121,12 +121,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "deepnvme async_io: DeepSpeed-compatible aio_handle over io_uring, libaio or POSIX threads";
 
     m.def("aio_read",
-          [](const at::Tensor& b, const std::string& f, int64_t bs, int64_t qd, bool ss, bool oe, bool v) {
+          [](const at::Tensor& b, const py::object& f, int64_t bs, int64_t qd, bool ss, bool oe, bool v) {
               return whole_file_op(b, f, bs, qd, ss, oe, v, false);
           },
           "Read buffer.nbytes from the start of a file (DeepSpeed's aio_read); returns 0.");
     m.def("aio_write",
-          [](const at::Tensor& b, const std::string& f, int64_t bs, int64_t qd, bool ss, bool oe, bool v) {
+          [](const at::Tensor& b, const py::object& f, int64_t bs, int64_t qd, bool ss, bool oe, bool v) {
               return whole_file_op(b, f, bs, qd, ss, oe, v, true);
           },
           "Write a buffer at the start of a file (DeepSpeed's aio_write); returns 0.");

@@ -29,7 +29,7 @@ inline py::str message_text(const std::string& s) {
 
 // Raises a Python warning from C++; a warning turned into an error by the filters propagates.
 inline void warn(PyObject* category, const std::string& text) {
-    py::module_::import("warnings").attr("warn")(message_text(text), py::handle(category), 2);
+    py::module_::import("warnings").attr("warn")(message_text(text), py::handle(category), 1);
 }
 
 // Raises RuntimeError(text) from C++ (validation mismatches, replaced buffers).
