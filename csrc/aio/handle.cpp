@@ -508,8 +508,10 @@ size_t IoHandle::wait(uint64_t own, std::vector<std::shared_ptr<Request>>& out,
             std::vector<std::shared_ptr<Request>> cancel;
             for (const auto& r : covered)
                 if (own == 0 || r->id == own) cancel.push_back(r);
-            // Workers stop issuing a failed request's blocks; the ones in flight finish normally.
-            for (const auto& r : cancel) r->fail(ECANCELED, "cancelled by an interruption (KeyboardInterrupt)");
+            // Workers stop issuing a failed request's blocks; the ones in flight finish normally. Requests
+            // already complete keep their result (a concurrent wait() covering them may report it).
+            for (const auto& r : cancel)
+                if (!r->done) r->fail(ECANCELED, "cancelled by an interruption (KeyboardInterrupt)");
             cv_.wait(lock, [&] { return all_done(cancel); });
             hand_over(cancel);
             throw Interrupted{};
