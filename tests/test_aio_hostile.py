@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -214,9 +215,20 @@ def test_non_positional_fds_refused(aio_module: ModuleType, engine: str, workdir
     fifo = workdir / "fifo"
     os.mkfifo(fifo)
     for call in (h.sync_pread, h.sync_pwrite):
-        with pytest.raises(OSError) as e:
-            call(buf, str(fifo))
-        assert e.value.errno == errno.ESPIPE and e.value.filename == str(fifo)
+        raised: list[BaseException] = []
+
+        def attempt(call=call, raised=raised) -> None:
+            try:
+                call(buf, str(fifo))
+            except BaseException as e:  # noqa: BLE001 - checked below
+                raised.append(e)
+
+        t = threading.Thread(target=attempt, daemon=True)  # a blocking open() must fail the test, not hang it
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "open() of a FIFO blocked"
+        assert isinstance(raised[0], OSError) and raised[0].errno == errno.ESPIPE, raised
+        assert raised[0].filename == str(fifo)
     assert h.wait() == 0
 
 
