@@ -152,7 +152,7 @@ public:
         size_t nbytes = 0;
         uint64_t offset = 0;
         std::string path;
-        int fd = -1;  // a caller's descriptor (never closed) instead of path
+        int fd = -1;  // a caller's descriptor (duplicated at submission, never closed) instead of path
         bool is_async = false;
         bool validate = false;
         std::shared_ptr<void> keepalive;

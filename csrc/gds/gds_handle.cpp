@@ -270,10 +270,6 @@ Ticket GdsHandle::submit_device(DeviceParams p, std::string& warning) {
     return Ticket{false, raw->id};
 }
 
-Ticket GdsHandle::submit_host(IoHandle::Params p, std::string& warning) {
-    return Ticket{true, host_->submit(std::move(p), warning)};
-}
-
 size_t GdsHandle::wait(const Ticket* own, Completed& out) {
     uint64_t own_dev = (own != nullptr && !own->host) ? own->id : 0;
     uint64_t own_host = (own != nullptr && own->host) ? own->id : 0;

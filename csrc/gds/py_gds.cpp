@@ -78,8 +78,15 @@ public:
             t = core_->submit_device(std::move(p), warning);
         } else {
             IoHandle::Params p = host_params(buffer, target, write, validate, async, file_offset);
-            py::gil_scoped_release nogil;  // open() can block on a slow file system
-            t = core_->submit_host(std::move(p), warning);
+            std::shared_ptr<Request> req;
+            {
+                py::gil_scoped_release nogil;  // open() can block on a slow file system
+                req = core_->host().prepare(std::move(p), warning);
+            }
+            // Before any I/O, as in aio_handle: a warning the filters turn into an error drops the request.
+            if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
+            warning.clear();
+            t = Ticket{true, core_->host().enqueue(std::move(req))};
         }
         if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
         return async ? 0 : collect(&t);
