@@ -212,18 +212,20 @@ def test_async_error_surfaces_after_all_finish(fault, workdir: Path) -> None:
     check_usable(h, workdir)
 
 
-def test_sync_call_reports_earlier_async_failure(fault, workdir: Path) -> None:
-    """A sync call that drains a failed earlier async request raises, and nothing stays pending."""
+def test_sync_call_leaves_earlier_async_failure_to_wait(fault, workdir: Path) -> None:
+    """A sync call raises only its own error: an earlier async request's failure stays pending and the next
+    wait() raises it; then nothing stays pending."""
     h = fault("eio@1")
     path = workdir / "f"
     src, data = aligned(h, 2)
     path.write_bytes(data)
     assert h.async_pread(src, str(path)) == 0
     other = h.new_cpu_locked_tensor(len(data), U8)
-    with pytest.raises(OSError) as exc:
-        bounded(lambda: h.sync_pread(other, str(path)))
-    assert exc.value.errno == errno.EIO
+    assert bounded(lambda: h.sync_pread(other, str(path))) == 1
     assert tbytes(other) == data
+    with pytest.raises(OSError) as exc:
+        bounded(h.wait)
+    assert exc.value.errno == errno.EIO and exc.value.filename == str(path)
     check_usable(h, workdir)
 
 

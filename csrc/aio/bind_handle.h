@@ -18,8 +18,11 @@ void bind_handle_api(py::class_<H>& c) {
     c.def("get_single_submit", [](const H& h) { return h.config().single_submit; });
     c.def("get_overlap_events", [](const H& h) { return h.config().overlap_events; });
     c.def("get_intra_op_parallelism", [](const H& h) { return static_cast<int64_t>(h.config().parallelism); });
-    c.def("get_alignment", [](const H& h) { return static_cast<int64_t>(h.config().parallelism * page_size()); },
-          "Sizes that are multiples of this go entirely O_DIRECT on any common device (others work too).");
+    // DeepSpeed's value, which its callers size buffers by (FastFileWriter asserts multiples of it). Any size
+    // and offset works here; multiples of the device's block size (4096 on 4Kn drives) skip buffered edges.
+    c.def("get_alignment", [](const H& h) { return static_cast<int64_t>(h.config().parallelism * 512); },
+          "DeepSpeed's O_DIRECT alignment, 512 x intra_op_parallelism. Any size works; multiples of the device's "
+          "block size go entirely O_DIRECT.");
     c.def("get_engine", [](const H& h) { return h.engine(); }, "The engine serving host memory.");
 
     // DeepSpeed's read/write return 0 on success rather than a count.
@@ -40,6 +43,18 @@ void bind_handle_api(py::class_<H>& c) {
                   return h.io(b, by_fd(fd), write, v, a, off);
               },
               py::arg("buffer"), py::arg("fd"), py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0);
+        // bytes that are not UTF-8, str with surrogate escapes, os.PathLike.
+        c.def(write ? "write" : "read",
+              [write](H& h, const at::Tensor& b, const py::object& f, bool v, int64_t off) {
+                  h.io(b, by_pathlike(f), write, v, false, off);
+                  return 0;
+              },
+              py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("file_offset") = 0);
+        c.def(write ? "pwrite" : "pread",
+              [write](H& h, const at::Tensor& b, const py::object& f, bool v, bool a, int64_t off) {
+                  return h.io(b, by_pathlike(f), write, v, a, off);
+              },
+              py::arg("buffer"), py::arg("filename"), py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0);
     }
     // sync_/async_ pread/pwrite, each by file name, by descriptor (never closed) and by os.PathLike.
     for (bool write : {false, true}) {
@@ -62,7 +77,9 @@ void bind_handle_api(py::class_<H>& c) {
                   py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0);
         }
     }
-    c.def("wait", &H::wait, "Wait for every queued async request; returns how many completed.");
+    c.def("wait", &H::wait,
+          "Waits for every async request pending at the call, whichever thread submitted it; returns how many it "
+          "covered and raises the first error among them (README, 'Guarantees').");
     // DeepSpeed's binding spells the keyword example_tenosr; accept both spellings.
     for (const char* kw : {"example_tensor", "example_tenosr"})
         c.def("new_cpu_locked_tensor", [](H&, int64_t n, const at::Tensor& e) { return new_locked_tensor(n, e); },

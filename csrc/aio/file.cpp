@@ -40,6 +40,16 @@ size_t logical_block_size(dev_t dev) {
     return v;
 }
 
+// Refuses files without positional I/O (FIFOs, sockets, ttys...): offsets would be ignored and blocks
+// land out of order. For character devices lseek's ESPIPE is the kernel's own verdict on that (regular
+// files and block devices always take offsets: no system call for them).
+void require_positional(int fd, const struct stat& st, const std::string& path) {
+    if (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) ||
+        (S_ISCHR(st.st_mode) && ::lseek(fd, 0, SEEK_CUR) < 0 && errno == ESPIPE))
+        throw IoError(ESPIPE, "not a file that takes positional I/O (a pipe, socket or terminal?): " +
+                                  errno_text(ESPIPE), path);
+}
+
 struct AlignCache {
     std::mutex mu;
     std::vector<std::pair<dev_t, Alignment>> entries;
@@ -117,24 +127,36 @@ TargetFile TargetFile::open_path(const std::string& path, bool write) {
     TargetFile f;
     f.path_ = path;
     f.write_ = write;
-    int base = (write ? O_WRONLY | O_CREAT : O_RDONLY) | O_CLOEXEC;
+    if (path.find('\0') != std::string::npos) throw ArgError("file name contains a NUL byte");
+    std::string action = std::string("cannot open for ") + (write ? "writing" : "reading");
+    // O_NONBLOCK: a FIFO would block open() until a peer came (and ignore Ctrl-C); it is refused below anyway.
+    int base = (write ? O_WRONLY | O_CREAT : O_RDONLY) | O_CLOEXEC | O_NONBLOCK;
     int fd = open_retry(path.c_str(), base | O_DIRECT, 0666);
     if (fd < 0 && errno == EINVAL) {
         // The file system refuses O_DIRECT (ramfs, some FUSE/overlay setups): fall back to buffered I/O.
         fd = open_retry(path.c_str(), base, 0666);
-        if (fd < 0) throw_io(errno, std::string("cannot open for ") + (write ? "writing" : "reading"), path);
-        f.refused_ = true;
-        f.owned_buffered_ = FileDesc(fd);
-        f.buffered_fd_ = fd;
-    } else if (fd < 0) {
-        throw_io(errno, std::string("cannot open for ") + (write ? "writing" : "reading"), path);
-    } else {
+        if (fd >= 0) {
+            f.refused_ = true;
+            f.owned_buffered_ = FileDesc(fd);
+            f.buffered_fd_ = fd;
+        }
+    } else if (fd >= 0) {
         f.owned_direct_ = FileDesc(fd);
         f.direct_fd_ = fd;
     }
     struct stat st {};
+    if (fd < 0) {
+        int err = errno;
+        // A FIFO without a reader (ENXIO for a writer) or a socket: say what is really wrong.
+        if (err == ENXIO && ::stat(path.c_str(), &st) == 0 && (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode)))
+            err = ESPIPE;
+        throw_io(err, err == ESPIPE ? "not a file that takes positional I/O (a pipe or socket)" : action, path);
+    }
     if (::fstat(fd, &st) != 0) throw_io(errno, "fstat failed", path);
     if (S_ISDIR(st.st_mode)) throw IoError(EISDIR, "is a directory: " + errno_text(EISDIR), path);
+    require_positional(fd, st, path);
+    // Back to blocking mode: io_uring would otherwise end reads and writes with EAGAIN instead of waiting.
+    if (::fcntl(fd, F_SETFL, (f.refused_ ? 0 : O_DIRECT)) != 0) throw_io(errno, "fcntl(F_SETFL) failed", path);
     f.dev_ = st.st_dev;
     if (f.direct_fd_ >= 0) f.align_ = direct_alignment(f.direct_fd_);
     return f;
@@ -144,19 +166,25 @@ TargetFile TargetFile::from_fd(int fd, bool write) {
     TargetFile f;
     f.path_ = "<fd " + std::to_string(fd) + ">";
     f.write_ = write;
-    f.user_fd_ = fd;
-    int flags = ::fcntl(fd, F_GETFL);
+    int dup = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (dup < 0) throw_io(errno, "not an open file descriptor", f.path_);
+    FileDesc owned(dup);
+    int flags = ::fcntl(dup, F_GETFL);
     if (flags < 0) throw_io(errno, "not an open file descriptor", f.path_);
     struct stat st {};
-    if (::fstat(fd, &st) != 0) throw_io(errno, "fstat failed", f.path_);
+    if (::fstat(dup, &st) != 0) throw_io(errno, "fstat failed", f.path_);
     if (S_ISDIR(st.st_mode)) throw IoError(EISDIR, "is a directory: " + errno_text(EISDIR), f.path_);
+    require_positional(dup, st, f.path_);
     f.dev_ = st.st_dev;
+    f.user_fd_ = dup;
     if (flags & O_DIRECT) {
-        f.direct_fd_ = fd;
-        f.align_ = direct_alignment(fd);
+        f.owned_direct_ = std::move(owned);
+        f.direct_fd_ = dup;
+        f.align_ = direct_alignment(dup);
     } else {
         // The caller's descriptor is buffered: use it for everything rather than reopening behind its back.
-        f.buffered_fd_ = fd;
+        f.owned_buffered_ = std::move(owned);
+        f.buffered_fd_ = dup;
     }
     return f;
 }
@@ -192,7 +220,7 @@ uint64_t TargetFile::size() const {
 void TargetFile::close() noexcept {
     owned_direct_.reset();
     owned_buffered_.reset();
-    direct_fd_ = buffered_fd_ = -1;
+    direct_fd_ = buffered_fd_ = user_fd_ = -1;
 }
 
 }  // namespace dnv

@@ -51,13 +51,15 @@ struct Alignment {
 };
 
 // The file behind one request. Holds a direct descriptor when O_DIRECT is possible, and a buffered one
-// for unaligned edges (opened lazily). A caller's descriptor is borrowed, never closed.
+// for unaligned edges (opened lazily). A caller's descriptor is duplicated at submission: the caller may close
+// it (and the number be reused for another file) while the request is pending.
+// Only files that take positional I/O are accepted: pipes, sockets, ttys and the like raise ESPIPE.
 class TargetFile {
 public:
     // Opens `path` for reading or writing (created 0666 & ~umask, never truncated).
     // Throws IoError naming the path. Sets o_direct_refused() when the file system refuses O_DIRECT.
     static TargetFile open_path(const std::string& path, bool write);
-    // Wraps a caller's open descriptor.
+    // Duplicates a caller's open descriptor (the duplicate shares its file and flags, O_DIRECT included).
     static TargetFile from_fd(int fd, bool write);
 
     TargetFile() = default;
@@ -71,8 +73,8 @@ public:
     uint64_t size() const;                                 // current size (fstat)
     bool o_direct_refused() const noexcept { return refused_; }
     uint64_t device() const noexcept { return dev_; }
-    int user_fd() const noexcept { return user_fd_; }     // the caller's descriptor, or -1
-    void close() noexcept;                                 // closes what we own; borrowed fds stay open
+    int user_fd() const noexcept { return user_fd_; }     // our duplicate of the caller's descriptor, or -1
+    void close() noexcept;                                 // closes our descriptors (the caller's is never ours)
 
 private:
     std::string path_;

@@ -1,6 +1,7 @@
 #include "handle.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -16,6 +17,19 @@
 
 namespace dnv {
 namespace {
+
+// Longest single engine operation. io_uring takes a 32-bit length and the kernel moves at most ~2 GiB per
+// read/write call, so a larger block is issued in pieces of this size (a multiple of any device alignment).
+constexpr size_t kMaxOpBytes = size_t(1) << 30;
+
+// Forks this process has made; a handle made before the latest one belongs to an ancestor.
+std::atomic<unsigned> g_forks{0};
+
+unsigned fork_generation() {
+    static std::once_flag once;
+    std::call_once(once, [] { ::pthread_atfork(nullptr, nullptr, [] { g_forks.fetch_add(1); }); });
+    return g_forks.load();
+}
 
 std::string where(const Request& r, size_t rel, size_t len) {
     return std::string(r.write ? "write" : "read") + " of " + std::to_string(len) + " bytes at file offset " +
@@ -150,7 +164,7 @@ void Worker::fill() {
             maybe_finish(s);
             continue;
         }
-        size_t len = std::min(h_.config().block_size, s->plan.body_end - s->cursor);
+        size_t len = std::min({h_.config().block_size, kMaxOpBytes, s->plan.body_end - s->cursor});
         if (r.direct) {
             // O_DIRECT needs whole device blocks; the body is a whole number of them, so this never overruns.
             size_t unit = r.file.alignment().off;
@@ -293,7 +307,8 @@ void Worker::complete(uint64_t tag64, int64_t res) {
                 return;
             }
             try {
-                // rest.buf already points at the remainder (in the tensor or in the staging buffer).
+                // rest.buf is where the remainder's first byte goes (the request's memory or the staging
+                // buffer): transfer_all fills [buf, buf + len) from file offset r.offset + rel.
                 transfer_all(r, r.file.buffered_fd(), static_cast<char*>(rest.buf), sl.rel + sl.done, rest.len);
             } catch (const IoError& e) {
                 r.fail(e.err(), e.what());
@@ -354,7 +369,7 @@ void Worker::finish_slice(Slice* s) {
 // ---------------------------------------------------------------------------------------------------------
 // IoHandle
 
-IoHandle::IoHandle(const HandleConfig& cfg) : cfg_(cfg) {
+IoHandle::IoHandle(const HandleConfig& cfg) : cfg_(cfg), fork_generation_(fork_generation()) {
     if (cfg.block_size == 0) throw ArgError("block_size must be positive");
     if (cfg.queue_depth == 0) throw ArgError("queue_depth must be positive");
     if (cfg.parallelism == 0) throw ArgError("intra_op_parallelism must be positive");
@@ -367,13 +382,31 @@ IoHandle::IoHandle(const HandleConfig& cfg) : cfg_(cfg) {
 }
 
 IoHandle::~IoHandle() {
-    std::vector<std::unique_ptr<Request>> rest;
+    if (inherited()) {
+        // A forked child has none of these threads: joining them would hang, destroying a joinable
+        // std::thread would abort. Their memory stays with the child until it exits.
+        for (auto& w : workers_) (void)w.release();
+        for (auto& r : pending_) new std::shared_ptr<Request>(std::move(r));  // workers may point into them
+        return;
+    }
+    std::vector<std::shared_ptr<Request>> rest;
     drain(rest);
     workers_.clear();  // joins the threads
 }
 
-uint64_t IoHandle::submit(Params p, std::string& warning) {
-    auto r = std::make_unique<Request>();
+bool IoHandle::inherited() const noexcept { return g_forks.load() != fork_generation_; }
+
+namespace {
+void refuse_if_inherited(const IoHandle& h) {
+    if (h.inherited())
+        throw UnsupportedError("this aio handle was made before fork() and its worker threads stayed in the parent: "
+                               "make a new handle in the child process");
+}
+}  // namespace
+
+std::shared_ptr<Request> IoHandle::prepare(Params p, std::string& warning) {
+    refuse_if_inherited(*this);
+    auto r = std::make_shared<Request>();
     r->write = p.write;
     r->is_async = p.is_async;
     r->validate = p.validate;
@@ -411,6 +444,11 @@ uint64_t IoHandle::submit(Params p, std::string& warning) {
         r->slices[i].cursor = plan.slices[i].body_begin;
     }
     r->slices_left.store(static_cast<unsigned>(r->slices.size()));
+    return r;
+}
+
+uint64_t IoHandle::enqueue(std::shared_ptr<Request> r) {
+    refuse_if_inherited(*this);
     Request* raw = r.get();
     // Once pending, the request can complete and be freed by another thread's wait() as soon as its last
     // slice is queued: nothing of it is read after that.
@@ -433,8 +471,12 @@ uint64_t IoHandle::submit(Params p, std::string& warning) {
     return id;
 }
 
+uint64_t IoHandle::submit(Params p, std::string& warning) { return enqueue(prepare(std::move(p), warning)); }
+
 void IoHandle::request_done(Request* r) {
-    r->file.close();  // free descriptors now, not at wait(): thousands of queued files must not pile up
+    // Free descriptors now, not at wait(): thousands of queued files must not pile up. A caller's descriptor
+    // (our duplicate of it) stays open until validation has read the file back through it.
+    if (!(r->validate && r->file.user_fd() >= 0)) r->file.close();
     {
         std::lock_guard<std::mutex> lock(mu_);
         r->done = true;
@@ -442,33 +484,64 @@ void IoHandle::request_done(Request* r) {
     cv_.notify_all();
 }
 
-size_t IoHandle::wait(uint64_t own, std::vector<std::unique_ptr<Request>>& out) {
+size_t IoHandle::wait(uint64_t own, std::vector<std::shared_ptr<Request>>& out,
+                      const std::function<bool()>& interrupted) {
+    refuse_if_inherited(*this);
     std::unique_lock<std::mutex> lock(mu_);
-    size_t first = out.size();
-    auto keep = std::stable_partition(pending_.begin(), pending_.end(), [own](const auto& r) {
-        return !(r->is_async || r->id == own);
-    });
-    for (auto it = keep; it != pending_.end(); ++it) out.push_back(std::move(*it));
-    pending_.erase(keep, pending_.end());
-    cv_.wait(lock, [&] {
-        return std::all_of(out.begin() + static_cast<std::ptrdiff_t>(first), out.end(),
-                           [](const auto& r) { return r->done; });
-    });
-    return out.size() - first;
+    std::vector<std::shared_ptr<Request>> covered;
+    for (const auto& r : pending_)
+        if (r->is_async || r->id == own) covered.push_back(r);
+    auto all_done = [](const std::vector<std::shared_ptr<Request>>& rs) {
+        return std::all_of(rs.begin(), rs.end(), [](const auto& r) { return r->done; });
+    };
+    auto hand_over = [&](const std::vector<std::shared_ptr<Request>>& rs) {
+        for (const auto& r : rs) r->reported = true;
+        pending_.erase(std::remove_if(pending_.begin(), pending_.end(), [](const auto& r) { return r->reported; }),
+                       pending_.end());
+        out.insert(out.end(), rs.begin(), rs.end());
+    };
+    if (interrupted) {
+        while (!cv_.wait_for(lock, kPollInterval, [&] { return all_done(covered); })) {
+            lock.unlock();
+            bool stop = interrupted();
+            lock.lock();
+            if (!stop) continue;
+            std::vector<std::shared_ptr<Request>> cancel;
+            for (const auto& r : covered)
+                if (own == 0 || r->id == own) cancel.push_back(r);
+            // Workers stop issuing a failed request's blocks; the ones in flight finish normally. Requests
+            // already complete keep their result (a concurrent wait() covering them may report it).
+            for (const auto& r : cancel)
+                if (!r->done) r->fail(ECANCELED, "cancelled by an interruption (KeyboardInterrupt)");
+            cv_.wait(lock, [&] { return all_done(cancel); });
+            hand_over(cancel);
+            throw Interrupted{};
+        }
+    } else {
+        cv_.wait(lock, [&] { return all_done(covered); });
+    }
+    if (own != 0) {
+        // A sync call reports only its own error: failed or unvalidated async requests wait for a wait().
+        covered.erase(std::remove_if(covered.begin(), covered.end(),
+                                     [own](const auto& r) { return r->id != own && (r->failed() || r->validate); }),
+                      covered.end());
+    }
+    hand_over(covered);
+    return covered.size();
 }
 
-void IoHandle::drain(std::vector<std::unique_ptr<Request>>& out) {
+void IoHandle::drain(std::vector<std::shared_ptr<Request>>& out) {
+    if (inherited()) return;  // the destructor keeps them: no thread of this process works on them
     std::unique_lock<std::mutex> lock(mu_);
-    size_t first = out.size();
-    for (auto& r : pending_) out.push_back(std::move(r));
+    cv_.wait(lock, [&] { return std::all_of(pending_.begin(), pending_.end(), [](const auto& r) { return r->done; }); });
+    for (auto& r : pending_) {
+        r->reported = true;
+        out.push_back(std::move(r));
+    }
     pending_.clear();
-    cv_.wait(lock, [&] {
-        return std::all_of(out.begin() + static_cast<std::ptrdiff_t>(first), out.end(),
-                           [](const auto& r) { return r->done; });
-    });
 }
 
-const Request* first_failure(const std::vector<std::unique_ptr<Request>>& reqs) {
+const Request* first_failure(const std::vector<std::shared_ptr<Request>>& reqs) {
     const Request* best = nullptr;
     for (const auto& r : reqs)
         if (r->failed() && (best == nullptr || r->id < best->id)) best = r.get();

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -50,7 +51,8 @@ struct Slice {
     bool finished = false;
 };
 
-// One tensor transfer. Owned by the handle until a wait() claims it; destroyed by the claimer.
+// One tensor transfer. Shared by the handle (until a call reports it) and every wait() that covers it; the
+// last holder destroys it.
 class Request {
 public:
     uint64_t id = 0;
@@ -75,7 +77,8 @@ public:
     const std::string& error_text() const noexcept { return err_what_; }
 
     std::atomic<unsigned> slices_left{0};
-    bool done = false;  // guarded by the handle's mutex
+    bool done = false;      // guarded by the handle's mutex
+    bool reported = false;  // a call has handed it over (and left the handle's pending list); same mutex
 
 private:
     std::atomic<bool> failed_{false};
@@ -138,6 +141,10 @@ public:
     IoHandle(const IoHandle&) = delete;
     IoHandle& operator=(const IoHandle&) = delete;
 
+    // Thrown by wait() when `interrupted` said stop: the requests it cancelled have finished and were handed
+    // over in `out`; the caller raises whatever the interruption was (KeyboardInterrupt).
+    struct Interrupted {};
+
     struct Params {
         bool write = false;
         char* mem = nullptr;
@@ -145,22 +152,42 @@ public:
         size_t nbytes = 0;
         uint64_t offset = 0;
         std::string path;
-        int fd = -1;  // a caller's descriptor (never closed) instead of path
+        int fd = -1;  // a caller's descriptor (duplicated at submission, never closed) instead of path
         bool is_async = false;
         bool validate = false;
         std::shared_ptr<void> keepalive;
     };
 
-    // Opens the file, plans and queues the transfer; returns its id. Throws IoError/ArgError before any
-    // I/O starts. `warning` receives a one-time notice (e.g. O_DIRECT refused), else stays empty.
+    // Opens the file and plans the transfer; no I/O starts until enqueue(). Throws IoError/ArgError.
+    // `warning` receives a one-time notice (e.g. O_DIRECT refused), else stays empty: the caller can raise
+    // it (a warning turned into an error) and drop the request, and nothing was transferred.
+    std::shared_ptr<Request> prepare(Params p, std::string& warning);
+    // Queues a prepared request; returns its id.
+    uint64_t enqueue(std::shared_ptr<Request> r);
+    // prepare() then enqueue().
     uint64_t submit(Params p, std::string& warning);
 
-    // Waits for request `own` (0 for none) and every async request not yet claimed, and hands them over.
-    // Returns how many completed (successfully or not).
-    size_t wait(uint64_t own, std::vector<std::unique_ptr<Request>>& out);
+    // The thread contract (see README, "Guarantees"). A call covers `own` (0 for none) and every async request
+    // pending when it starts, whoever submitted it; it returns once all of them have completed and hands them
+    // over in `out`, returning how many it hands over:
+    //  - wait() (own == 0) hands over everything it covered (another wait() covering the same requests at the
+    //    same time gets them too: each raises their error);
+    //  - a sync call (own != 0) hands over its own request and the covered async ones that completed cleanly;
+    //    a failed async request, or one still to be validated, stays pending for a wait() to report.
+    // `interrupted`, if set, is polled every kPollInterval while waiting; when it returns true the call
+    // cancels (wait()) what it covers or (sync call) its own request, waits for the blocks already in flight,
+    // hands the cancelled requests over and throws Interrupted.
+    size_t wait(uint64_t own, std::vector<std::shared_ptr<Request>>& out,
+                const std::function<bool()>& interrupted = {});
+    static constexpr std::chrono::milliseconds kPollInterval{50};
 
-    // Waits for everything still pending and hands it over (for destruction).
-    void drain(std::vector<std::unique_ptr<Request>>& out);
+    // Waits for everything still pending and hands it over (for destruction). In a process forked from the
+    // handle's creator it waits for nothing: the workers are the parent's.
+    void drain(std::vector<std::shared_ptr<Request>>& out);
+
+    // True in a child forked after the handle was made: it has none of the handle's threads, so the handle
+    // refuses work (UnsupportedError) and its destructor leaves the parent's workers alone.
+    bool inherited() const noexcept;
 
     const HandleConfig& config() const noexcept { return cfg_; }
     const std::string& engine_name() const noexcept { return engine_; }
@@ -175,9 +202,10 @@ private:
     std::vector<std::unique_ptr<Worker>> workers_;
     std::mutex mu_;
     std::condition_variable cv_;
-    std::vector<std::unique_ptr<Request>> pending_;
+    std::vector<std::shared_ptr<Request>> pending_;
     uint64_t next_id_ = 0;
     unsigned next_worker_ = 0;
+    unsigned fork_generation_ = 0;  // forks this process had seen when the handle was made
 };
 
 // Reads the request's file range back and compares it with the memory; "" when equal, else what differs.
@@ -188,6 +216,6 @@ std::string compare_with_file(const TargetFile& file, uint64_t offset, size_t nb
                               const std::function<const char*(size_t at, size_t len)>& memory);
 
 // The first failed request among `reqs` (submission order), or null.
-const Request* first_failure(const std::vector<std::unique_ptr<Request>>& reqs);
+const Request* first_failure(const std::vector<std::shared_ptr<Request>>& reqs);
 
 }  // namespace dnv

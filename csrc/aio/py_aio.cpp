@@ -25,7 +25,7 @@ public:
 
     ~AioHandle() {
         // Requests still in flight finish first; their tensors are released with the GIL held.
-        std::vector<std::unique_ptr<Request>> rest;
+        std::vector<std::shared_ptr<Request>> rest;
         without_gil_unless_finalizing([&] {
             core_->drain(rest);
             core_.reset();
@@ -38,12 +38,14 @@ public:
         if (target.fd < -1) throw ArgError("fd must be a non-negative file descriptor");
         IoHandle::Params p = host_params(buffer, target, write, validate, async, file_offset);
         std::string warning;
-        uint64_t id;
+        std::shared_ptr<Request> req;
         {
             py::gil_scoped_release nogil;  // open() can block on a slow file system
-            id = core_->submit(std::move(p), warning);
+            req = core_->prepare(std::move(p), warning);
         }
+        // Before any I/O: a warning that the filters turn into an error drops the request untouched.
         if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
+        uint64_t id = core_->enqueue(std::move(req));
         return async ? 0 : collect(id);
     }
 
@@ -53,15 +55,26 @@ public:
     const std::string& engine() const { return core_->engine_name(); }
 
 private:
+    // Ctrl-C: Python's signal handlers run only with the GIL, on the main thread; a long wait polls them.
+    static bool signal_pending() {
+        py::gil_scoped_acquire gil;
+        return PyErr_CheckSignals() != 0;  // leaves the handler's exception (KeyboardInterrupt) set
+    }
+
     int64_t collect(uint64_t own) {
-        std::vector<std::unique_ptr<Request>> done;
-        size_t n;
-        std::string mismatch, verify_error;
+        std::vector<std::shared_ptr<Request>> done;  // released after the GIL is back
+        size_t n = 0;
+        bool interrupted = false;
+        std::string mismatch;
         {
             py::gil_scoped_release nogil;
-            n = core_->wait(own, done);
+            try {
+                n = core_->wait(own, done, signal_pending);
+            } catch (const IoHandle::Interrupted&) {
+                interrupted = true;
+            }
             for (auto& r : done) {
-                if (!r->validate || r->failed() || !mismatch.empty()) continue;
+                if (interrupted || !r->validate || r->failed() || !mismatch.empty()) continue;
                 try {
                     mismatch = verify_request(*r);
                 } catch (const std::exception& e) {
@@ -69,23 +82,31 @@ private:
                 }
             }
         }
+        if (interrupted) {
+            done.clear();
+            throw py::error_already_set();  // the KeyboardInterrupt (or whatever the handler raised)
+        }
         const Request* bad = first_failure(done);
         int err = bad ? bad->error() : 0;
         std::string what = bad ? bad->error_text() : std::string();
         std::string path = bad ? bad->file.path() : std::string();
+        std::string replaced;  // a sync call reports only its own request's
+        for (const auto& r : done)
+            if (replaced.empty() && (own == 0 || r->id == own)) replaced = replaced_buffer_error(*r);
         done.clear();  // drops the tensor references, with the GIL held
         if (bad) throw IoError(err, what, path);
-        if (!mismatch.empty()) throw std::runtime_error(mismatch);
+        if (!mismatch.empty()) raise_runtime(mismatch);
+        if (!replaced.empty()) raise_runtime(replaced);
         return static_cast<int64_t>(n);
     }
 
     std::unique_ptr<IoHandle> core_;
 };
 
-int64_t whole_file_op(const at::Tensor& buffer, const std::string& filename, int64_t block_size,
+int64_t whole_file_op(const at::Tensor& buffer, const py::object& filename, int64_t block_size,
                       int64_t queue_depth, bool single_submit, bool overlap_events, bool validate, bool write) {
     AioHandle h(block_size, queue_depth, single_submit, overlap_events, 1, "auto");
-    h.io(buffer, by_path(filename), write, validate, false, 0);
+    h.io(buffer, by_pathlike(filename), write, validate, false, 0);
     return 0;
 }
 
@@ -100,12 +121,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "deepnvme async_io: DeepSpeed-compatible aio_handle over io_uring, libaio or POSIX threads";
 
     m.def("aio_read",
-          [](const at::Tensor& b, const std::string& f, int64_t bs, int64_t qd, bool ss, bool oe, bool v) {
+          [](const at::Tensor& b, const py::object& f, int64_t bs, int64_t qd, bool ss, bool oe, bool v) {
               return whole_file_op(b, f, bs, qd, ss, oe, v, false);
           },
           "Read buffer.nbytes from the start of a file (DeepSpeed's aio_read); returns 0.");
     m.def("aio_write",
-          [](const at::Tensor& b, const std::string& f, int64_t bs, int64_t qd, bool ss, bool oe, bool v) {
+          [](const at::Tensor& b, const py::object& f, int64_t bs, int64_t qd, bool ss, bool oe, bool v) {
               return whole_file_op(b, f, bs, qd, ss, oe, v, true);
           },
           "Write a buffer at the start of a file (DeepSpeed's aio_write); returns 0.");

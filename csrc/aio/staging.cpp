@@ -1,5 +1,6 @@
 #include "staging.h"
 
+#include <pthread.h>
 #include <sys/mman.h>
 
 #include <memory>
@@ -9,13 +10,32 @@
 
 namespace dnv {
 
+namespace {
+StagingArena* g_arena = nullptr;
+}
+
 StagingArena::StagingArena()
     : buffer_bytes_(tunables().staging_buffer_bytes), count_(tunables().staging_buffers) {}
 
 StagingArena& StagingArena::shared() {
     // Deliberately never destroyed (see the header): no work runs in a static destructor.
-    static StagingArena* arena = std::make_unique<StagingArena>().release();
+    static StagingArena* arena = [] {
+        g_arena = std::make_unique<StagingArena>().release();
+        ::pthread_atfork(before_fork, after_fork_parent, after_fork_child);
+        return g_arena;
+    }();
     return *arena;
+}
+
+// fork() copies the mutex as it is: hold it across the fork so that the child's copy is in a known state.
+void StagingArena::before_fork() { g_arena->mu_.lock(); }
+void StagingArena::after_fork_parent() { g_arena->mu_.unlock(); }
+
+void StagingArena::after_fork_child() {
+    // MADV_DONTFORK left the buffers out of this process: start over, allocated again on first use.
+    g_arena->base_ = nullptr;
+    g_arena->free_.clear();
+    g_arena->mu_.unlock();
 }
 
 void StagingArena::allocate_locked() {
@@ -24,6 +44,9 @@ void StagingArena::allocate_locked() {
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
     base_ = static_cast<char*>(p);
+    // A child process gets none of it (see after_fork_child); failing that, it would share pages under
+    // the parent's transfers copy-on-write.
+    (void)::madvise(base_, bytes, MADV_DONTFORK);
     // Locking is an optimisation (no page faults mid-transfer); an RLIMIT_MEMLOCK refusal is harmless.
     (void)::mlock(base_, bytes);
     free_.reserve(count_);

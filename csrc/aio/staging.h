@@ -13,7 +13,9 @@ namespace dnv {
 class StagingArena {
 public:
     // The one arena of the process. It lives until exit: workers of handles being destroyed at exit may
-    // still hold buffers, so it is never torn down.
+    // still hold buffers, so it is never torn down. Its memory is not inherited by fork(): a child starts
+    // with a fresh, empty arena (the buffers the parent's workers held at fork are the parent's business,
+    // and the parent's O_DIRECT transfers into them never race a copy-on-write).
     static StagingArena& shared();
 
     // Index of a free buffer, or -1 when all are in use. Allocates the arena on first call (may throw).
@@ -31,6 +33,9 @@ public:
 
 private:
     void allocate_locked();  // with mu_ held
+    static void before_fork();
+    static void after_fork_parent();
+    static void after_fork_child();
 
     std::mutex mu_;
     size_t buffer_bytes_;

@@ -7,7 +7,9 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "error.h"
 #include "handle.h"
@@ -17,9 +19,23 @@ namespace dnv {
 
 namespace py = pybind11;
 
+// Python text for a message that may hold file names in any bytes: invalid UTF-8 shows as \xNN escapes
+// instead of failing the conversion (and losing the exception it was meant for).
+inline py::str message_text(const std::string& s) {
+    PyObject* o = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "backslashreplace");
+    if (o == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::str>(o);
+}
+
 // Raises a Python warning from C++; a warning turned into an error by the filters propagates.
 inline void warn(PyObject* category, const std::string& text) {
-    if (PyErr_WarnEx(category, text.c_str(), 1) != 0) throw py::error_already_set();
+    py::module_::import("warnings").attr("warn")(message_text(text), py::handle(category), 1);
+}
+
+// Raises RuntimeError(text) from C++ (validation mismatches, replaced buffers).
+[[noreturn]] inline void raise_runtime(const std::string& text) {
+    PyErr_SetObject(PyExc_RuntimeError, message_text(text).ptr());
+    throw py::error_already_set();
 }
 
 // Copies through torch for memory the engine cannot address (CUDA and other device tensors).
@@ -41,12 +57,85 @@ private:
     at::Tensor bytes_;
 };
 
+// Storages of pending requests are made non-resizable, so that `untyped_storage().resize_()` raises in Python
+// instead of freeing memory a worker is filling. Counted per storage: several requests may share one.
+class StorageFreeze {
+public:
+    // Freezes a resizable storage; false if it was not resizable to begin with (nothing to undo).
+    static bool freeze(c10::StorageImpl* s) {
+        std::lock_guard<std::mutex> lock(mu());
+        auto it = counts().find(s);
+        if (it != counts().end()) {
+            ++it->second;
+            return true;
+        }
+        if (!s->resizable()) return false;
+        s->set_resizable(false);
+        counts().emplace(s, 1);
+        return true;
+    }
+    static void thaw(c10::StorageImpl* s) {
+        std::lock_guard<std::mutex> lock(mu());
+        auto it = counts().find(s);
+        if (it == counts().end() || --it->second > 0) return;
+        counts().erase(it);
+        s->set_resizable(true);
+    }
+
+private:
+    static std::mutex& mu() {
+        static std::mutex m;
+        return m;
+    }
+    static std::unordered_map<c10::StorageImpl*, unsigned>& counts() {
+        static std::unordered_map<c10::StorageImpl*, unsigned> c;
+        return c;
+    }
+};
+
+// What a pending request holds of its tensor: the tensor, and its storage itself, so that neither `del`,
+// `tensor.set_()` nor `tensor.data = ...` can free the memory under the request; the storage stays
+// non-resizable until the request is handed over.
+struct TensorHold {
+    at::Tensor tensor;
+    c10::Storage storage;
+    const void* data = nullptr;
+    bool frozen = false;
+
+    explicit TensorHold(const at::Tensor& t) : tensor(t), storage(t.storage()), data(t.data_ptr()) {
+        frozen = storage.unsafeGetStorageImpl() != nullptr && StorageFreeze::freeze(storage.unsafeGetStorageImpl());
+    }
+    ~TensorHold() {
+        if (frozen) StorageFreeze::thaw(storage.unsafeGetStorageImpl());
+    }
+    TensorHold(const TensorHold&) = delete;
+    TensorHold& operator=(const TensorHold&) = delete;
+
+    // True when the tensor no longer shows the memory the request used (its storage was swapped).
+    bool replaced() const {
+        return !tensor.has_storage() || tensor.storage().unsafeGetStorageImpl() != storage.unsafeGetStorageImpl() ||
+               tensor.data_ptr() != data;
+    }
+};
+
+// The tensor a request really moves: conjugate and negative views hold raw bits that differ from the values
+// they show. A write takes their values (a resolved copy); a read into one is refused, since the file's bytes
+// would land as raw bits and read back as other values.
+inline at::Tensor resolved_for_io(const at::Tensor& t, bool write, const char* name = "buffer") {
+    if (!t.defined() || (!t.is_conj() && !t.is_neg())) return t;
+    if (!write)
+        throw ArgError(std::string(name) + " is a " + (t.is_conj() ? "conjugate" : "negative") +
+                       " view: a read would store the file's bytes as its raw bits; read into a plain tensor and "
+                       "take .conj() / negate it afterwards");
+    return t.resolve_conj().resolve_neg();
+}
+
 // The memory of a tensor argument as the engine wants it. Raises ValueError naming the argument.
 struct BufferArg {
     char* mem = nullptr;
     size_t nbytes = 0;
     std::shared_ptr<const Copier> copier;
-    std::shared_ptr<void> keepalive;
+    std::shared_ptr<void> keepalive;  // a TensorHold
 };
 
 inline BufferArg buffer_arg(const at::Tensor& t, const char* name = "buffer") {
@@ -63,8 +152,18 @@ inline BufferArg buffer_arg(const at::Tensor& t, const char* name = "buffer") {
     } else if (b.nbytes > 0) {
         b.copier = std::make_shared<TensorCopier>(t);
     }
-    b.keepalive = std::make_shared<at::Tensor>(t);
+    b.keepalive = std::make_shared<TensorHold>(t);
     return b;
+}
+
+// For a read handed over by wait(): an error text when the caller swapped the tensor's storage while the
+// read was pending (the bytes went to the old storage, which was kept alive for them), else "".
+inline std::string replaced_buffer_error(const Request& r) {
+    if (r.write || !r.keepalive) return {};
+    if (!static_cast<const TensorHold*>(r.keepalive.get())->replaced()) return {};
+    return "the buffer of the read from " + r.file.path() +
+           " got another storage while the read was pending (tensor.set_() or .data =): the bytes went to the "
+           "old storage, not to the tensor";
 }
 
 // Handle settings as both I/O bindings take them, checked once here.
@@ -91,15 +190,18 @@ struct Target {
     int fd = -1;
 };
 
-inline Target by_path(const std::string& p) { return Target{p, -1}; }
+inline Target by_path(const std::string& p) {
+    if (p.find('\0') != std::string::npos) throw ArgError("filename contains a NUL byte");
+    return Target{p, -1};
+}
 inline Target by_fd(int fd) {
     if (fd < 0) throw ArgError("fd must be a non-negative file descriptor, got " + std::to_string(fd));
     return Target{{}, fd};
 }
+// str (any, including surrogate-escaped non-UTF-8 names), bytes or os.PathLike, encoded as os.fsencode does.
 inline Target by_pathlike(const py::object& o) {
-    py::object s = py::module_::import("os").attr("fspath")(o);
-    if (!py::isinstance<py::str>(s)) throw ArgError("filename must be a str path");
-    return Target{s.cast<std::string>(), -1};
+    py::object b = py::module_::import("os").attr("fsencode")(o);
+    return by_path(b.cast<std::string>());
 }
 
 inline bool is_pinned_tensor(const at::Tensor& t) {
@@ -145,7 +247,7 @@ inline bool free_locked_tensor(const at::Tensor& t) {
 // The host-side request for `buffer` (a CPU tensor, or a device tensor through its copier) at `target`.
 inline IoHandle::Params host_params(const at::Tensor& buffer, const Target& target, bool write, bool validate,
                                     bool async, int64_t file_offset) {
-    BufferArg b = buffer_arg(buffer);
+    BufferArg b = buffer_arg(resolved_for_io(buffer, write));
     IoHandle::Params p;
     p.write = write;
     p.mem = b.mem;
@@ -188,16 +290,23 @@ inline void register_translators() {
         try {
             if (p) std::rethrow_exception(p);
         } catch (const IoError& e) {
-            py::object filename = e.path().empty() ? py::none() : py::object(py::str(e.path()));
-            PyObject* exc = PyObject_CallFunction(PyExc_OSError, "isO", e.err(), e.what(), filename.ptr());
+            // The file name as Python spells it: os.fsdecode of its bytes, so non-UTF-8 names survive.
+            py::object filename = py::none();
+            if (!e.path().empty()) {
+                PyObject* f = PyUnicode_DecodeFSDefaultAndSize(e.path().data(), static_cast<Py_ssize_t>(e.path().size()));
+                if (f == nullptr) throw py::error_already_set();
+                filename = py::reinterpret_steal<py::object>(f);
+            }
+            PyObject* exc = PyObject_CallFunction(PyExc_OSError, "iOO", e.err(), message_text(e.what()).ptr(),
+                                                  filename.ptr());
             if (exc != nullptr) {
                 PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc)), exc);
                 Py_DECREF(exc);
             }
         } catch (const ArgError& e) {
-            PyErr_SetString(PyExc_ValueError, e.what());
+            PyErr_SetObject(PyExc_ValueError, message_text(e.what()).ptr());
         } catch (const UnsupportedError& e) {
-            PyErr_SetString(PyExc_RuntimeError, e.what());
+            PyErr_SetObject(PyExc_RuntimeError, message_text(e.what()).ptr());
         }
     });
 }

@@ -157,7 +157,9 @@ void GdsHandle::run_chunk(const Chunk& c) {
 void GdsHandle::finish(DeviceRequest* r) {
     if (r->fh != nullptr) cuFileHandleDeregister(r->fh);
     r->fh = nullptr;
-    r->file.close();  // free descriptors now, not at wait(): thousands of queued files must not pile up
+    // Free descriptors now, not at wait(): thousands of queued files must not pile up. A caller's descriptor
+    // (our duplicate of it) stays open until validation has read the file back through it.
+    if (!(r->validate && r->file.user_fd() >= 0)) r->file.close();
     r->lease.reset();
     {
         std::lock_guard<std::mutex> lock(mu_);
@@ -264,10 +266,6 @@ Ticket GdsHandle::submit_device(DeviceParams p, std::string& warning) {
     }
     for (size_t i = 0; i < chunks.size(); ++i) workers_[(first + i) % workers_.size()]->enqueue(chunks[i]);
     return Ticket{false, raw->id};
-}
-
-Ticket GdsHandle::submit_host(IoHandle::Params p, std::string& warning) {
-    return Ticket{true, host_->submit(std::move(p), warning)};
 }
 
 size_t GdsHandle::wait(const Ticket* own, Completed& out) {

@@ -73,7 +73,7 @@ struct Ticket {
 // Requests a wait() claimed, from both sides.
 struct Completed {
     std::vector<std::unique_ptr<DeviceRequest>> device;
-    std::vector<std::unique_ptr<Request>> host;
+    std::vector<std::shared_ptr<Request>> host;
 };
 
 class GdsHandle {
@@ -91,7 +91,7 @@ public:
         size_t nbytes = 0;
         uint64_t offset = 0;
         std::string path;
-        int fd = -1;  // a caller's descriptor (never closed) instead of path
+        int fd = -1;  // a caller's descriptor (duplicated at submission) instead of path
         bool is_async = false;
         bool validate = false;
         std::shared_ptr<void> keepalive;
@@ -101,13 +101,15 @@ public:
     // starts. When cuFile cannot serve the file at all, the transfer is staged through host memory by the
     // host engine instead and `warning` says so (once per file system).
     Ticket submit_device(DeviceParams p, std::string& warning);
-    Ticket submit_host(IoHandle::Params p, std::string& warning);
+    // Host tensors go to host(): prepare(), then enqueue() once the binding has raised any warning.
 
     // Waits for `own` (null for none) and every async request not yet claimed, on both sides; hands them
     // over and returns how many completed (successfully or not).
     size_t wait(const Ticket* own, Completed& out);
     void drain(Completed& out);
 
+    // The host engine itself, for the binding's prepare / warn / enqueue sequence on host tensors.
+    IoHandle& host() noexcept { return *host_; }
     const HandleConfig& config() const noexcept { return host_->config(); }
     const std::string& engine_name() const noexcept { return host_->engine_name(); }
     const DriverInfo& driver() const noexcept { return driver_; }

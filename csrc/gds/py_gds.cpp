@@ -46,11 +46,12 @@ public:
         });
     }
 
-    int64_t io(const at::Tensor& buffer, const Target& target, bool write, bool validate, bool async,
+    int64_t io(const at::Tensor& given, const Target& target, bool write, bool validate, bool async,
                int64_t file_offset) {
         if (file_offset < 0) throw ArgError("file_offset must be >= 0, got " + std::to_string(file_offset));
         std::string warning;
         Ticket t;
+        at::Tensor buffer = resolved_for_io(given, write);  // conjugate/negative views: values, or refused
         if (buffer.defined() && buffer.is_cuda()) {
             if (!buffer.is_contiguous())
                 throw ArgError("buffer must be contiguous (call .contiguous() first; a copy would make reads land "
@@ -77,8 +78,15 @@ public:
             t = core_->submit_device(std::move(p), warning);
         } else {
             IoHandle::Params p = host_params(buffer, target, write, validate, async, file_offset);
-            py::gil_scoped_release nogil;  // open() can block on a slow file system
-            t = core_->submit_host(std::move(p), warning);
+            std::shared_ptr<Request> req;
+            {
+                py::gil_scoped_release nogil;  // open() can block on a slow file system
+                req = core_->host().prepare(std::move(p), warning);
+            }
+            // Before any I/O, as in aio_handle: a warning the filters turn into an error drops the request.
+            if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
+            warning.clear();
+            t = Ticket{true, core_->host().enqueue(std::move(req))};
         }
         if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
         return async ? 0 : collect(&t);

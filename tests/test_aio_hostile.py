@@ -1,0 +1,502 @@
+"""A hostile user against one handle: files that change size under a read, tensors whose storage is resized
+or swapped, descriptors closed after submission, pipes, fork(), Ctrl-C, odd paths and views, huge blocks and
+warnings turned into errors. Whatever can crash or hang runs in a child process with a time limit."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from builder_helpers import REPO_ROOT
+
+KiB, MiB = 1 << 10, 1 << 20
+U8 = torch.empty(0, dtype=torch.uint8)
+
+PRELUDE = textwrap.dedent("""
+    import errno, os, signal, sys, threading, time
+    import torch
+    from op_builder import AsyncIOBuilder
+    m = AsyncIOBuilder().load()
+    U8 = torch.empty(0, dtype=torch.uint8)
+    d = sys.argv[1]
+""")
+
+
+def run_child(workdir: Path, body: str, timeout: float = 120) -> str:
+    """Run PRELUDE + body in a fresh interpreter; fail on a crash, a hang or a non-zero exit; give stdout."""
+    script = workdir / "child.py"
+    script.write_text(PRELUDE + textwrap.dedent(body))
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    try:
+        r = subprocess.run([sys.executable, str(script), str(workdir)], env=env, capture_output=True,
+                           text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"child hung (> {timeout} s); output so far:\n{e.stdout}\n{e.stderr}") from None
+    assert r.returncode == 0, f"child exit status {r.returncode}\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+def tbytes(t: torch.Tensor) -> bytes:
+    """Raw bytes of a contiguous tensor."""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+# ----------------------------------------------------------------------------- files that change under a read
+
+def test_file_rewritten_during_read(workdir: Path) -> None:
+    """A file cut to an unaligned length inside its last block and written back at once, over and over, while
+    it is read: each read gives the file's bytes, OSError(EIO) or (cut when submitted) ValueError, on every
+    engine, for locked and plain (staged) tensors, and memory around the buffer stays untouched. (A short,
+    unaligned O_DIRECT read whose rest then appears is the case: its remainder went to the wrong address.)"""
+    out = run_child(workdir, """
+        import random
+        size = 1 << 20
+        data = os.urandom(size)
+        path = f"{d}/moving"
+        with open(path, "wb") as f:
+            f.write(data)
+        stop = threading.Event()
+
+        def rewriter():
+            fd = os.open(path, os.O_WRONLY)
+            rnd = random.Random(1)
+            while not stop.is_set():
+                cut = size - rnd.randrange(1, 65536) | 1  # never a multiple of a sector
+                os.ftruncate(fd, cut)
+                os.pwrite(fd, data[cut:], cut)
+                time.sleep(0.0002)
+            os.close(fd)
+
+        t = threading.Thread(target=rewriter, daemon=True)
+        t.start()
+        ref = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        seen = {}
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            for engine in m.available_engines():
+                h = m.aio_handle(64 << 10, 8, False, True, 1, engine=engine)
+                locked = h.new_cpu_locked_tensor(size, U8)
+                guarded = torch.full((size + 8192,), 0xA5, dtype=torch.uint8)
+                for kind, buf in (("locked", locked), ("plain", guarded[4097:4097 + size])):
+                    for _ in range(20):
+                        buf.zero_()
+                        try:
+                            h.sync_pread(buf, path)
+                        except OSError as e:
+                            assert e.errno == errno.EIO and e.filename == path, e
+                            result = "eio"
+                        except ValueError as e:
+                            assert "past end of file" in str(e), e
+                            result = "cut at submit"
+                        else:
+                            assert torch.equal(buf, ref), f"{engine} {kind}: a successful read, wrong bytes"
+                            result = "ok"
+                        seen[result] = seen.get(result, 0) + 1
+                        outside = torch.cat([guarded[:4097], guarded[4097 + size:]])
+                        assert bool((outside == 0xA5).all()), f"{engine}: wrote outside the buffer"
+                h.free_cpu_locked_tensor(locked)
+        stop.set()
+        t.join()
+        print(seen)
+    """)
+    assert "'ok'" in out, out
+
+
+# ---------------------------------------------------------------------------- tensors changed under requests
+
+def test_storage_resize_refused_and_swap_kept_alive(workdir: Path) -> None:
+    """While a request is pending its storage cannot be resized (torch raises RuntimeError), a swapped storage
+    (set_, .data =) stays alive for the request, and wait() says the read went to the old storage; afterwards
+    the storage is resizable again and the handle works."""
+    run_child(workdir, """
+        n = 32 << 20
+        data = os.urandom(n)
+        path = f"{d}/big"
+        with open(path, "wb") as f:
+            f.write(data)
+        ref = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        for engine in m.available_engines():
+            h = m.aio_handle(64 << 10, 2, True, False, 1, engine=engine)
+            for kind in ("resize", "resize_tensor", "set_", "data"):
+                t = torch.empty(n + 1, dtype=torch.uint8)[1:]  # plain and misaligned: staged, the slow path
+                assert h.async_pread(t, path) == 0
+                if kind == "resize":
+                    try:
+                        t.untyped_storage().resize_(0)
+                    except RuntimeError as e:
+                        assert "resiz" in str(e), e
+                    else:
+                        raise AssertionError("resize_ of a pending request's storage was allowed")
+                elif kind == "resize_tensor":
+                    try:
+                        t.resize_(4 * n)
+                    except RuntimeError:
+                        pass
+                    else:
+                        raise AssertionError("growing a pending request's tensor was allowed")
+                elif kind == "set_":
+                    t.set_(torch.empty(10, dtype=torch.uint8))
+                else:
+                    t.data = torch.empty(10, dtype=torch.uint8)
+                junk = [torch.full((1 << 20,), 7, dtype=torch.uint8) for _ in range(40)]
+                try:
+                    h.wait()
+                except RuntimeError as e:
+                    assert kind in ("set_", "data") and "old storage" in str(e), (kind, e)
+                else:
+                    assert kind.startswith("resize"), f"{kind}: a read into a swapped storage succeeded"
+                    assert torch.equal(t[:n], ref), kind
+                del junk
+            t = torch.empty(4096, dtype=torch.uint8)
+            assert h.sync_pread(t, path) == 1
+            t.untyped_storage().resize_(8192)  # resizable again once nothing is pending
+            src = torch.full((n,), 3, dtype=torch.uint8)
+            assert h.async_pwrite(src, f"{d}/w-{engine}") == 0
+            src.set_(torch.empty(0, dtype=torch.uint8))  # the write keeps and writes the old storage
+            assert h.wait() == 1
+            with open(f"{d}/w-{engine}", "rb") as f:
+                assert f.read() == bytes([3]) * n
+        print("ok")
+    """)
+
+
+# ----------------------------------------------------------------------------- descriptors
+
+def test_fd_closed_after_submit_is_safe(aio_module: ModuleType, engine: str, workdir: Path) -> None:
+    """A descriptor closed right after async_pwrite, its number reused for another file: the data lands in the
+    file the descriptor named at submission, and the other file is untouched."""
+    h = aio_module.aio_handle(64 * KiB, 4, False, False, 1, engine=engine)
+    first = torch.full((16 * MiB,), 1, dtype=torch.uint8)
+    assert h.async_pwrite(first, str(workdir / "first")) == 0  # keeps the worker busy
+    src = torch.full((MiB,), 9, dtype=torch.uint8)
+    target, decoy = workdir / "target", workdir / "decoy"
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT, 0o644)
+    assert h.async_pwrite(src, fd, 0) == 0
+    os.close(fd)
+    fd2 = os.open(decoy, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        assert fd2 == fd, "the number was not reused; the test proves nothing"
+        assert h.wait() == 2
+    finally:
+        os.close(fd2)
+    assert target.read_bytes() == bytes([9]) * MiB
+    assert decoy.read_bytes() == b""
+
+
+def test_non_positional_fds_refused(aio_module: ModuleType, engine: str, workdir: Path) -> None:
+    """Pipes, sockets, terminals and FIFOs (by path, without blocking in open) are refused with ESPIPE."""
+    h = aio_module.aio_handle(4096, 4, False, False, 1, engine=engine)
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    r, w = os.pipe()
+    a, b = socket.socketpair()
+    master, slave = os.openpty()
+    try:
+        for fd in (r, w, a.fileno(), slave):
+            for call in (h.sync_pwrite, h.sync_pread, h.async_pwrite, h.async_pread):
+                with pytest.raises(OSError) as e:
+                    call(buf, fd, 4096)
+                assert e.value.errno == errno.ESPIPE, (fd, call)
+    finally:
+        for fd in (r, w, master, slave):
+            os.close(fd)
+        a.close()
+        b.close()
+    fifo = workdir / "fifo"
+    os.mkfifo(fifo)
+    for call in (h.sync_pread, h.sync_pwrite):
+        raised: list[BaseException] = []
+
+        def attempt(call=call, raised=raised) -> None:
+            try:
+                call(buf, str(fifo))
+            except BaseException as e:  # noqa: BLE001 - checked below
+                raised.append(e)
+
+        t = threading.Thread(target=attempt, daemon=True)  # a blocking open() must fail the test, not hang it
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "open() of a FIFO blocked"
+        assert isinstance(raised[0], OSError) and raised[0].errno == errno.ESPIPE, raised
+        assert raised[0].filename == str(fifo)
+    assert h.wait() == 0
+
+
+# ----------------------------------------------------------------------------- fork
+
+def test_fork_child_with_idle_and_busy_handles(workdir: Path) -> None:
+    """fork() while the parent's staged I/O is in flight: the child refuses the inherited handles with a clear
+    error, makes new handles with the inherited module (staged I/O included), and exits normally; the parent's
+    requests complete intact."""
+    out = run_child(workdir, """
+        import warnings
+        warnings.simplefilter("ignore", DeprecationWarning)  # "multi-threaded, use of fork() may deadlock"
+        n = 64 << 20
+        idle = m.aio_handle(1 << 20, 8, False, True, 2)
+        busy = m.aio_handle(64 << 10, 8, False, True, 2)
+        srcs = [torch.full((n + 1,), i, dtype=torch.uint8)[1:] for i in range(3)]  # misaligned: staged
+        for i, s in enumerate(srcs):
+            assert busy.async_pwrite(s, f"{d}/p{i}") == 0
+        pid = os.fork()
+        if pid == 0:
+            torch.set_num_threads(1)  # torch's OpenMP pool is not fork-safe (libgomp): not ours to test
+            try:
+                busy.sync_pwrite(torch.zeros(10, dtype=torch.uint8), f"{d}/never")
+            except RuntimeError as e:
+                assert "fork" in str(e), e
+            else:
+                raise AssertionError("an inherited handle did I/O without its threads")
+            for engine in m.available_engines():
+                h = m.aio_handle(64 << 10, 8, False, True, 2, engine=engine)
+                t = torch.arange(3 << 20, dtype=torch.uint8)[5:]  # misaligned: staged
+                assert h.sync_pwrite(t, f"{d}/c-{engine}") == 1
+                back = torch.empty_like(t)
+                assert h.sync_pread(back, f"{d}/c-{engine}") == 1
+                assert torch.equal(back, t)
+            sys.exit(0)  # a normal exit: the inherited handles are destroyed at interpreter shutdown
+        deadline = time.monotonic() + 60
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                raise AssertionError("the child hung")
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        assert busy.wait() == 3
+        for i in range(3):
+            with open(f"{d}/p{i}", "rb") as f:
+                assert f.read() == bytes([i]) * n, i
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+def test_ctrl_c_interrupts_sync_call_and_wait(workdir: Path) -> None:
+    """SIGINT during a long sync read/write or wait() raises KeyboardInterrupt within about 100 ms plus the
+    blocks in flight; the handle stays usable and later requests are correct."""
+    out = run_child(workdir, """
+        n = 256 << 20
+        path = f"{d}/sparse"
+        with open(path, "wb") as f:
+            f.truncate(n)
+        for engine in m.available_engines():
+            h = m.aio_handle(512, 4, False, True, 1, engine=engine)  # tiny blocks: a long transfer
+            buf = h.new_cpu_locked_tensor(n, U8)
+            for what in ("sync_pread", "wait", "sync_pwrite"):
+                sent = []
+                def interrupt(sent=sent):
+                    sent.append(time.monotonic())
+                    os.kill(os.getpid(), signal.SIGINT)
+                timer = threading.Timer(0.3, interrupt)
+                timer.start()
+                start = time.monotonic()
+                try:
+                    if what == "sync_pread":
+                        h.sync_pread(buf, path)
+                    elif what == "sync_pwrite":
+                        h.sync_pwrite(buf, f"{d}/out")
+                    else:
+                        assert h.async_pread(buf, path) == 0
+                        h.wait()
+                except KeyboardInterrupt:
+                    late = time.monotonic() - sent[0]
+                else:
+                    timer.join()
+                    took = time.monotonic() - start
+                    raise AssertionError(f"{engine} {what}: finished in {took:.2f} s, not interrupted")
+                assert late < 1.0, f"{engine} {what}: KeyboardInterrupt came {late:.3f} s after SIGINT"
+                print(engine, what, f"{late * 1000:.0f} ms")
+                assert h.wait() == 0
+                small = torch.arange(100000, dtype=torch.int32)
+                assert h.sync_pwrite(small, f"{d}/after") == 1
+                back = torch.empty_like(small)
+                assert h.sync_pread(back, f"{d}/after") == 1
+                assert torch.equal(back, small)
+            h.free_cpu_locked_tensor(buf)
+        print("ok")
+    """)
+    assert out.strip().endswith("ok"), out
+
+
+# ----------------------------------------------------------------------------- paths
+
+def test_nul_in_path_refused(aio_module: ModuleType, workdir: Path) -> None:
+    """A path with an embedded NUL is a ValueError (str, bytes, PathLike) and nothing is created."""
+    h = aio_module.aio_handle(4096, 4, False, False, 1)
+    buf = torch.zeros(16, dtype=torch.uint8)
+    for bad in (str(workdir / "a\0b"), os.fsencode(workdir / "a\0b"), workdir / "a\0b"):
+        for call in (lambda b: h.sync_pwrite(buf, b), lambda b: h.async_pwrite(buf, b),
+                     lambda b: h.pwrite(buf, b, False, False), lambda b: h.write(buf, b, False)):
+            with pytest.raises(ValueError, match="NUL"):
+                call(bad)
+    assert list(workdir.iterdir()) == []
+    assert h.wait() == 0
+
+
+def test_non_utf8_paths(aio_module: ModuleType, engine: str, workdir: Path) -> None:
+    """bytes, surrogate-escaped str and PathLike names with non-UTF-8 bytes work in every entry point; errors
+    on them carry errno and the file name as os.fsdecode spells it."""
+    h = aio_module.aio_handle(4096, 4, False, True, 2, engine=engine)
+    raw = os.fsencode(workdir) + b"/caf\xe9-\xff.bin"
+    src = torch.arange(10000, dtype=torch.int16)
+    for name in (raw, os.fsdecode(raw), Path(os.fsdecode(raw))):
+        assert h.sync_pwrite(src, name) == 1
+        assert h.pwrite(src, name, True, False) == 1
+        assert h.write(src, name, True) == 0
+        back = torch.empty_like(src)
+        assert h.async_pread(back, name) == 0
+        assert h.wait() == 1
+        assert torch.equal(back, src)
+        assert h.read(back, name, True) == 0 and h.pread(back, name, False, False) == 1
+    with open(raw, "rb") as f:
+        assert f.read() == tbytes(src)
+    assert aio_module.aio_write(src, raw, 4096, 8, False, False, True) == 0
+    back = torch.empty_like(src)
+    assert aio_module.aio_read(back, os.fsdecode(raw), 4096, 8, False, False, True) == 0
+    assert torch.equal(back, src)
+    missing = os.fsencode(workdir) + b"/gone-\xfe"
+    for name in (missing, os.fsdecode(missing)):
+        with pytest.raises(FileNotFoundError) as e:
+            h.sync_pread(src, name)
+        assert e.value.errno == errno.ENOENT and e.value.filename == os.fsdecode(missing)
+
+
+# ----------------------------------------------------------------------------- views
+
+def test_conjugate_and_negative_views(aio_module: ModuleType, engine: str, workdir: Path) -> None:
+    """Writing a conjugate or negative view writes the values it shows; reading into one is a ValueError that
+    says so (the file's bytes would otherwise land as its raw bits)."""
+    h = aio_module.aio_handle(4096, 4, False, True, 2, engine=engine)
+    z = torch.randn(5000, dtype=torch.complex64)
+    views = {"conj": z.conj(), "neg": z.conj().imag}
+    for kind, v in views.items():
+        assert v.is_conj() or v.is_neg(), kind
+        path = str(workdir / kind)
+        assert h.sync_pwrite(v, path) == 1
+        back = torch.empty(v.shape, dtype=v.dtype)
+        assert h.sync_pread(back, path) == 1
+        assert torch.equal(back, v.resolve_conj().resolve_neg()), kind
+        with pytest.raises(ValueError, match="conjugate|negative"):
+            h.sync_pread(v, path)
+        with pytest.raises(ValueError, match="conjugate|negative"):
+            h.async_pread(v, path)
+    assert h.wait() == 0
+
+
+# ----------------------------------------------------------------------------- block sizes
+
+@pytest.mark.parametrize("locked", [True, False], ids=["locked", "plain"])
+def test_block_size_up_to_tensor_size(aio_module: ModuleType, engine: str, workdir: Path,
+                                      locked: bool) -> None:
+    """block_size equal to, just above and far above the tensor's size works on every engine."""
+    size = 3 * MiB + 4096
+    data = os.urandom(size)
+    for bs in (size, size + 1, 1 << 40):
+        h = aio_module.aio_handle(bs, 4, False, True, 2, engine=engine)
+        src = h.new_cpu_locked_tensor(size, U8) if locked else torch.empty(size + 1, dtype=torch.uint8)[1:]
+        src.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        path = str(workdir / f"b{bs}")
+        assert h.sync_pwrite(src, path, 4096) == 1
+        dst = torch.zeros(size, dtype=torch.uint8)
+        assert h.sync_pread(dst, path, 4096) == 1
+        assert tbytes(dst) == data, bs
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_block_of_4gib_or_more(workdir: Path) -> None:
+    """One block above 4 GiB (io_uring takes 32-bit lengths) reads a sparse file correctly on every engine."""
+    size = (4 << 30) + 8192
+    if _mem_available() < 3 * size:
+        pytest.skip(f"needs {3 * size >> 30} GiB of available memory for a {size >> 30} GiB tensor")
+    out = run_child(workdir, """
+        size = (4 << 30) + 8192
+        path = f"{d}/sparse4g"
+        with open(path, "wb") as f:
+            f.truncate(size)
+            f.seek(size - 5)
+            f.write(b"tail!")
+        for engine in m.available_engines():
+            h = m.aio_handle(size, 4, False, True, 1, engine=engine)
+            t = torch.full((size,), 1, dtype=torch.uint8)
+            assert h.sync_pread(t, path) == 1
+            assert bytes(t[-5:].tolist()) == b"tail!"
+            assert int(t[:-5].count_nonzero()) == 0, engine
+            del t
+        print("ok")
+    """, timeout=600)
+    assert out.strip() == "ok"
+
+
+# ----------------------------------------------------------------------------- alignment
+
+@pytest.mark.parametrize("par", [1, 2, 3])
+def test_get_alignment_is_deepspeeds(aio_module: ModuleType, workdir: Path, par: int) -> None:
+    """get_alignment() is DeepSpeed's 512 x P, and DeepSpeed-sized buffers (3 KiB at P=1, 64,000,000 bytes)
+    written at multiples of it read back intact."""
+    h = aio_module.aio_handle(MiB, 8, False, True, par)
+    assert h.get_alignment() == 512 * par
+    for size in (3 * KiB, 6 * h.get_alignment(), 64_000_000 // 8):
+        data = torch.randint(0, 256, (size,), dtype=torch.uint8)
+        path = str(workdir / f"a{size}")
+        for off in (0, h.get_alignment(), 7 * h.get_alignment()):
+            assert h.sync_pwrite(data, path, off) == 1
+            back = torch.empty_like(data)
+            assert h.sync_pread(back, path, off) == 1
+            assert torch.equal(back, data), (size, off)
+
+
+# ----------------------------------------------------------------------------- warnings as errors
+
+@pytest.fixture
+def ramfs(tmp_path: Path) -> Iterator[Path]:
+    """A fresh ramfs mount (a file system that refuses O_DIRECT, so the handle warns)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a ramfs")
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True, text=True,
+                       check=False)
+    if r.returncode != 0:
+        pytest.skip(f"mount -t ramfs failed: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True, check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+
+
+def test_warning_as_error_leaves_nothing_half_done(aio_module: ModuleType, ramfs: Path) -> None:
+    """With warnings turned into errors, the O_DIRECT-refused warning raises before any I/O: the request is
+    dropped whole (nothing written, nothing pending) and the handle goes on working."""
+    h = aio_module.aio_handle(4096, 4, False, True, 2)
+    path = ramfs / "f"
+    src = torch.full((100000,), 5, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning):
+            h.sync_pwrite(src, str(path))
+        assert path.read_bytes() == b""  # opened (created) but not written
+        assert h.wait() == 0
+        assert h.sync_pwrite(src, str(path)) == 1  # warned once per file system: now it just works
+    assert path.read_bytes() == bytes([5]) * 100000
