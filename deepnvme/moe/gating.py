@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from deepnvme.moe.routing import assign_slots
+from deepnvme.moe.routing import assign_slots, top_k
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 JITTER_EPSILON = 1e-2  # DeepSpeed's multiplicative jitter range: input * U(1-eps, 1+eps)
@@ -70,7 +70,8 @@ def agree_on_capacity(local: int, group: Any, device: torch.device) -> int:
 
 def _uniform(shape: torch.Size, low: float, high: float, device: torch.device) -> Tensor:
     """U(low, high) from the global RNG, computed as torch.distributions.Uniform does (``low + r * (high -
-    low)`` on default-dtype tensors), so the same RNG state gives DeepSpeed's samples bit for bit."""
+    low)`` on default-dtype tensors), so the same RNG state gives DeepSpeed's samples bit for bit.
+    """
     lo = torch.tensor(low, device=device)
     hi = torch.tensor(high, device=device)
     return lo + torch.rand(shape, dtype=lo.dtype, device=device) * (hi - lo)
@@ -196,13 +197,15 @@ def topkgating(
 ) -> Routes:
     """Top-k gating for k >= 3 (DeepSpeed's ``topkgating`` with its ``'probs'`` drop policy).
 
-    Over capacity, an expert keeps the routes with the highest gate probability (choice rank gives no
-    priority); C uses ``k * capacity_factor``; aux loss ``E * sum(me * ce) / k`` with ``ce`` over all k
-    choices; surviving weights are renormalised to sum to 1. ``used_token`` as in top-2.
+    The k choices come from :func:`deepnvme.moe.routing.top_k` (exact probability ties go to the lower expert
+    index, where DeepSpeed's ``torch.topk`` leaves them unspecified). Over capacity, an expert keeps the
+    routes with the highest gate probability (choice rank gives no priority); C uses ``k * capacity_factor``;
+    aux loss ``E * sum(me * ce) / k`` with ``ce`` over all k choices; surviving weights are renormalised to
+    sum to 1. ``used_token`` as in top-2.
     """
     s, e = logits.shape
     gates = F.softmax(logits, dim=1)
-    top_gate, expert_idx = torch.topk(gates, k=k, dim=1)
+    top_gate, expert_idx = top_k(gates, k)
     mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, expert_idx, True)
     used = _used(used_token)
     if used is not None:
