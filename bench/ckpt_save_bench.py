@@ -7,8 +7,8 @@ One run, contenders interleaved in every repeat, 1 s of rest before each case (t
 allowance). Loads start from a cold cache (the file's pages are flushed and evicted first). GB = 10^9 bytes.
 "Raw handle" writes / reads the same payload bytes, one async request per tensor at page-aligned offsets
 of one file and one wait(): the ceiling for a checkpoint format on this handle. "Peak extra RSS" is the
-largest growth of the process's resident memory during the save over its size before it, sampled every
-2 ms (the state dict itself is not counted).
+process's peak resident memory during the save beyond its size before it (the kernel's high-water mark,
+reset first), so the state dict itself is not counted.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import argparse
 import os
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,31 +35,29 @@ from deepnvme.sizes import parse_size  # noqa: E402
 PAGE = 4096
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 class PeakRss:
-    """Samples resident memory in a thread while a block runs; .extra is the peak growth over the start."""
+    """The process's peak resident memory during a block beyond its size at the start (.extra).
+
+    The kernel's high-water mark (VmHWM) is reset at the start through /proc/self/clear_refs, so short
+    peaks between samples are not missed.
+    """
 
     def __enter__(self) -> PeakRss:
-        self.start = rss_bytes()
-        self.peak = self.start
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.start = _status("VmRSS")
         return self
 
-    def _sample(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, rss_bytes())
-
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
-        self.extra = self.peak - self.start
+        self.extra = _status("VmHWM") - self.start
 
 
 def state_dict(total: int, count: int) -> dict[str, torch.Tensor]:
@@ -79,7 +76,7 @@ def raw_offsets(sd: dict[str, torch.Tensor]) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default=".", help="directory on the drive to measure (default: .)")
-    p.add_argument("--size", default="1.2G", help="state dict bytes (default 1.2G)")
+    p.add_argument("--size", default="1154M", help="state dict bytes (default 1154M = 1.21 GB)")
     p.add_argument("--tensors", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rest", type=float, default=1.0)

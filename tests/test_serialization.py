@@ -359,3 +359,10 @@ def test_memory_file_system_without_o_direct_still_works(handle: Any) -> None:
         assert _same(obj, deepnvme.load(path, handle=handle))
     finally:
         path.unlink(missing_ok=True)
+
+
+def test_mmap_is_torch_loads_memory_mapped_path(tmp_path: Path, handle: Any) -> None:
+    obj = {"w": torch.randn(BIG // 4)}
+    path = tmp_path / "a.pt"
+    deepnvme.save(obj, path, handle=handle)
+    assert _same(obj, deepnvme.load(path, mmap=True, handle=handle))
