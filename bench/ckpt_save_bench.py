@@ -6,7 +6,7 @@
 One run, contenders interleaved in every repeat, 1 s of rest before each case (the VM's disk has a burst
 allowance). Loads start from a cold cache (the file's pages are flushed and evicted first). GB = 10^9 bytes.
 "Raw handle" writes / reads the same payload bytes, one async request per tensor at page-aligned offsets
-of one file and one wait(): the ceiling for a checkpoint format on this handle. "Peak extra RSS" is the
+of one new file and one wait(): the ceiling for a checkpoint format on this handle. "Peak extra RSS" is the
 process's peak resident memory during the save beyond its size before it (the kernel's high-water mark,
 reset first), so the state dict itself is not counted.
 """
@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         deepnvme.save(sd, paths["nocrc"], checksum=False)
 
     def raw_write() -> None:
+        # A new file, as the others write (an atomic save replaces the file, torch.save truncates it):
+        # overwriting blocks already allocated would be cheaper than any of them can be.
+        if os.path.exists(paths["raw"]):
+            os.unlink(paths["raw"])
         fd = os.open(paths["raw"], os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
         try:
             for t, off in zip(sd.values(), offsets):
