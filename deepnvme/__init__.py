@@ -1,9 +1,11 @@
-"""deepnvme: tensor<->file I/O ops for PyTorch; re-exports the op builders without importing torch.
+"""deepnvme: tensor<->file I/O for PyTorch; re-exports the op builders and save/load without importing torch.
 
 Where things are:
 - the library: this package's top level — the op builders (re-exported from ``op_builder``),
   :mod:`.defaults` (performance tunables), :mod:`.fastio` (torch.save/load through a handle),
-  :mod:`.files` (fsync by name, mount of a path); checkpoint and moe join here as sub-packages.
+  :mod:`.files` (fsync by name, mount of a path), :mod:`.serialization` (``save``/``load`` in torch's format),
+  :mod:`.io` (DeepSpeed's FastFileWriter), :mod:`.checkpoint` (the torch.distributed.checkpoint backend) and
+  :mod:`.moe` (Mixture of Experts).
 - the tools: :mod:`deepnvme.tools` — ds_report, ds_io, ds_nvme_tune, the demo and their helpers. The
   library never imports from there.
 - ``deepnvme.report``, ``ds_io``, ``tune``, ``demo``, ``pagecache``, ``sizes`` and ``pattern`` at the top are
@@ -19,16 +21,21 @@ from deepnvme._version import __version__
 # Resolved from op_builder on first access, so `import deepnvme` stays free of torch, probes and compilers.
 _FROM_OP_BUILDER = ("AsyncIOBuilder", "GDSBuilder", "MoEBuilder", "PinMemoryBuilder", "OpBuilder", "ALL_OPS",
                     "register")
+# Checkpoints in torch's format (deepnvme.serialization), imported on first access for the same reason.
+_FROM_SERIALIZATION = ("save", "load", "CheckpointFormatError")
 
 __all__ = [
     "ALL_OPS",
     "AsyncIOBuilder",
+    "CheckpointFormatError",
     "GDSBuilder",
     "MoEBuilder",
     "OpBuilder",
     "PinMemoryBuilder",
     "__version__",
+    "load",
     "register",
+    "save",
 ]
 
 
@@ -38,9 +45,13 @@ def __getattr__(name: str) -> Any:
         import op_builder
 
         return getattr(op_builder, name)
+    if name in _FROM_SERIALIZATION:
+        from deepnvme import serialization
+
+        return getattr(serialization, name)
     raise AttributeError(f"module 'deepnvme' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
     """List the lazy names too, so completion and dir() show the whole public face."""
-    return sorted(set(globals()) | set(_FROM_OP_BUILDER))
+    return sorted(set(globals()) | set(_FROM_OP_BUILDER) | set(_FROM_SERIALIZATION))
