@@ -541,7 +541,8 @@ class AioStorageReader(FileSystemReader):
             raise FileNotFoundError(2, "no DCP checkpoint here: its metadata file is missing", path)
         try:
             return super().read_metadata(*args, **kwargs)
-        except (EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError) as exc:
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError,
+                IndexError) as exc:
             raise ValueError(f"{path}: not a readable DCP metadata file ({type(exc).__name__}: {exc})") \
                 from exc
 
