@@ -35,10 +35,17 @@ def free_port() -> int:
 
 def run(world: int, fn: Callable[..., None], *args: Any, timeout: float = 90.0) -> None:
     """Run fn(rank, world, port, *args) in `world` spawned processes; raise if one fails or time runs out."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    # Children fork from a server that imported torch once: four fresh interpreters each importing torch
+    # cost more than the checkpoint work, and forking the test process itself (with live I/O threads) is
+    # not safe.
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.checkpoint", __name__])
     port = free_port()
-    ctx = mp.start_processes(fn, args=(world, port, *args), nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(fn, args=(world, port, *args), nprocs=world, join=False,
+                             start_method="forkserver")
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=1.0):
@@ -65,8 +72,9 @@ def full_tensor(name: str) -> torch.Tensor:
     return torch.randn(shape, generator=g)
 
 
-def save_world(rank: int, world: int, port: int, directory: str, kind: str) -> None:
-    """Save DTensors sharded over `world` CPU ranks, a replicated tensor and a Python value."""
+def save_world(rank: int, world: int, port: int, ours: str, stock: str) -> None:
+    """Save DTensors sharded over `world` CPU ranks, a replicated tensor and a Python value: with our writer
+    into `ours`, with FileSystemWriter into `stock`."""
     from deepnvme.checkpoint import AioStorageWriter
 
     _init(rank, world, port)
@@ -76,8 +84,8 @@ def save_world(rank: int, world: int, port: int, directory: str, kind: str) -> N
                               SHARDED.items()}
         sd["rep"] = full_tensor("rep")
         sd["step"] = 11
-        writer = AioStorageWriter(directory, thread_count=2) if kind == "aio" else FileSystemWriter(directory)
-        dcp.save(sd, storage_writer=writer)
+        dcp.save(sd, storage_writer=AioStorageWriter(ours, thread_count=2))
+        dcp.save(sd, storage_writer=FileSystemWriter(stock))
     finally:
         dist.destroy_process_group()
 
