@@ -52,6 +52,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from deepnvme.io import DEFAULT_HANDLE_SETTINGS, default_handle
+from deepnvme.serialization import _fsync_directory
+
 __all__ = ["AioStorageReader", "AioStorageWriter"]
 
 # File offsets of payloads, and the unit every write is rounded to: the page size suits every common device.
@@ -61,29 +64,32 @@ INLINE_BELOW = 64 << 10
 # Bytes of temporary copies (device tensors, views, resharding) allowed in flight before draining the handle.
 COPY_AHEAD = 256 << 20
 
-_HANDLE_DEFAULTS = {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 2, "engine": "auto"}
 
 
-def _new_handle(settings: dict[str, Any]) -> Any:
-    """An aio_handle from `settings` (keywords of aio_handle); the op is built or loaded on first use."""
-    from op_builder import AsyncIOBuilder
-
-    return AsyncIOBuilder().load().aio_handle(**settings)
-
-
-def _handle_settings(handle: Any, block_size: int, queue_depth: int, intra_op_parallelism: int,
-                     engine: str) -> dict[str, Any]:
-    """Check the handle keywords up front, so a bad value fails at construction rather than mid-save."""
-    if handle is not None:
+def _handle_settings(handle: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a handle of our own, checked up front so a bad value fails at construction, not
+    mid-save; empty when `handle` is passed or nothing is set (then deepnvme.io.default_handle() serves)."""
+    given = {k: v for k, v in given.items() if v is not None}
+    if handle is not None or not given:
         return {}
-    for name, value in (("block_size", block_size), ("queue_depth", queue_depth),
-                        ("intra_op_parallelism", intra_op_parallelism)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    for name, value in given.items():
+        if name == "engine":
+            if not isinstance(value, str):
+                raise TypeError(f"engine must be a str, got {type(value).__name__}")
+        elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not isinstance(engine, str):
-        raise TypeError(f"engine must be a str, got {type(engine).__name__}")
-    return {"block_size": block_size, "queue_depth": queue_depth,
-            "intra_op_parallelism": intra_op_parallelism, "engine": engine}
+    return {**DEFAULT_HANDLE_SETTINGS, **given}
+
+
+def _resolve_handle(handle: Any, settings: dict[str, Any]) -> Any:
+    """The handle given, else one made from `settings` (kept by the caller), else this thread's default."""
+    if handle is not None:
+        return handle
+    if settings:
+        from op_builder import AsyncIOBuilder
+
+        return AsyncIOBuilder().load().aio_handle(**settings)
+    return default_handle()
 
 
 def _open_direct(path: str, flags: int) -> int:
@@ -96,15 +102,6 @@ def _open_direct(path: str, flags: int) -> int:
             if exc.errno not in (22, 95):  # EINVAL, EOPNOTSUPP: this file system refuses O_DIRECT
                 raise
     return os.open(path, flags, 0o644)
-
-
-def _fsync_dir(path: str) -> None:
-    """fsync a directory so the names just created or renamed in it survive a crash."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -277,8 +274,9 @@ class AioStorageWriter(FileSystemWriter):
     """DCP StorageWriter writing FileSystemWriter's format through an aio_handle (O_DIRECT).
 
     Constructed like FileSystemWriter: the checkpoint directory first, then its options, plus either a
-    `handle` (an aio_handle you made) or the settings for one made on first use. `thread_count` is the number
-    of files per rank, as for FileSystemWriter; the handle's `intra_op_parallelism` threads do the I/O.
+    `handle` (an aio_handle you made) or settings (aio_handle keywords) for one of its own. `thread_count`
+    is the number of files per rank, as for FileSystemWriter; the handle's `intra_op_parallelism` threads
+    do the I/O. Without a handle or settings, each writing thread uses its `deepnvme.io.default_handle()`.
 
     Atomicity, beyond FileSystemWriter: each .distcp file is written under a temporary name, fsynced and then
     renamed, so a crash never leaves a half-written file under a checkpoint's name; `.metadata` is written
@@ -299,10 +297,10 @@ class AioStorageWriter(FileSystemWriter):
         overwrite: bool = True,
         *,
         handle: Any = None,
-        block_size: int = _HANDLE_DEFAULTS["block_size"],
-        queue_depth: int = _HANDLE_DEFAULTS["queue_depth"],
-        intra_op_parallelism: int = _HANDLE_DEFAULTS["intra_op_parallelism"],
-        engine: str = _HANDLE_DEFAULTS["engine"],
+        block_size: int | None = None,
+        queue_depth: int | None = None,
+        intra_op_parallelism: int | None = None,
+        engine: str | None = None,
     ) -> None:
         """Point the writer at directory `path`; the options mean what they mean for FileSystemWriter."""
         if not isinstance(path, (str, os.PathLike)):
@@ -312,24 +310,24 @@ class AioStorageWriter(FileSystemWriter):
         super().__init__(path, single_file_per_rank=single_file_per_rank, sync_files=sync_files,
                          thread_count=thread_count, per_thread_copy_ahead=per_thread_copy_ahead,
                          cache_staged_state_dict=cache_staged_state_dict, overwrite=overwrite)
-        self._handle_settings = _handle_settings(handle, block_size, queue_depth, intra_op_parallelism,
-                                                 engine)
+        self._handle_settings = _handle_settings(handle, {
+            "block_size": block_size, "queue_depth": queue_depth,
+            "intra_op_parallelism": intra_op_parallelism, "engine": engine})
         self._handle = handle
 
     def __getstate__(self) -> dict[str, Any]:
-        """A handle cannot be pickled (a process async_save pickles us): the copy makes its own handle."""
+        """A handle cannot be pickled (a process async_save pickles us): the copy finds its own."""
         state = self.__dict__.copy()
-        if state["_handle"] is not None and not state["_handle_settings"]:
-            state["_handle_settings"] = dict(_HANDLE_DEFAULTS)
         state["_handle"] = None
         return state
 
     @property
     def handle(self) -> Any:
-        """The aio_handle the writer uses, made on first use from the settings given."""
-        if self._handle is None:
-            self._handle = _new_handle(self._handle_settings)
-        return self._handle
+        """The handle given; else one made once from the settings given; else the calling thread's
+        deepnvme.io.default_handle() (async_save writes from a thread of its own)."""
+        if self._handle is None and self._handle_settings:
+            self._handle = _resolve_handle(None, self._handle_settings)
+        return _resolve_handle(self._handle, {})
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items into its .distcp files; the future is already complete when returned."""
@@ -381,7 +379,7 @@ class AioStorageWriter(FileSystemWriter):
             for _, tmp, final in files:
                 os.replace(tmp, final)
             if self.sync_files:
-                _fsync_dir(directory)
+                _fsync_directory(directory)
         except BaseException:
             _drain_quietly(handle)
             for layout in layouts:
@@ -422,7 +420,7 @@ class AioStorageWriter(FileSystemWriter):
                 os.unlink(tmp)
             raise
         if self.sync_files:
-            _fsync_dir(str(self.path))
+            _fsync_directory(str(self.path))
 
 
 def _bytes_first(items: Sequence[WriteItem]) -> Iterator[WriteItem]:
@@ -503,8 +501,8 @@ class AioStorageReader(FileSystemReader):
     """DCP StorageReader for FileSystemWriter's format (ours or stock) reading tensors through an aio_handle.
 
     Constructed like FileSystemReader, the checkpoint directory first, plus either a `handle` or the settings
-    for one made on first use. Items written with stream extensions (FileSystemWriter's `_extensions`) are
-    read the stock way.
+    for one of its own (default: the reading thread's `deepnvme.io.default_handle()`).
+    Items written with stream extensions (FileSystemWriter's `_extensions`) are read the stock way.
     """
 
     def __init__(
@@ -512,25 +510,27 @@ class AioStorageReader(FileSystemReader):
         path: str | os.PathLike,
         *,
         handle: Any = None,
-        block_size: int = _HANDLE_DEFAULTS["block_size"],
-        queue_depth: int = _HANDLE_DEFAULTS["queue_depth"],
-        intra_op_parallelism: int = _HANDLE_DEFAULTS["intra_op_parallelism"],
-        engine: str = _HANDLE_DEFAULTS["engine"],
+        block_size: int | None = None,
+        queue_depth: int | None = None,
+        intra_op_parallelism: int | None = None,
+        engine: str | None = None,
     ) -> None:
         """Point the reader at checkpoint directory `path`."""
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         super().__init__(path)
-        self._handle_settings = _handle_settings(handle, block_size, queue_depth, intra_op_parallelism,
-                                                 engine)
+        self._handle_settings = _handle_settings(handle, {
+            "block_size": block_size, "queue_depth": queue_depth,
+            "intra_op_parallelism": intra_op_parallelism, "engine": engine})
         self._handle = handle
 
     @property
     def handle(self) -> Any:
-        """The aio_handle the reader uses, made on first use from the settings given."""
-        if self._handle is None:
-            self._handle = _new_handle(self._handle_settings)
-        return self._handle
+        """The handle given; else one made once from the settings given; else the calling thread's
+        deepnvme.io.default_handle() (async_save writes from a thread of its own)."""
+        if self._handle is None and self._handle_settings:
+            self._handle = _resolve_handle(None, self._handle_settings)
+        return _resolve_handle(self._handle, {})
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """FileSystemReader's metadata, with errors that say which checkpoint and file are at fault."""
