@@ -454,11 +454,19 @@ def _drain_quietly(handle: Any) -> None:
 
 
 class _FileView(io.RawIOBase):
-    """A read-only, seekable window [offset, offset+length) of a file (pread) for torch's zip reader."""
+    """A read-only, seekable window [offset, offset+length) of a file, for torch's zip reader.
 
-    def __init__(self, fd: int, offset: int, length: int) -> None:
+    torch reads an archive's records in many small pieces. On a cold file each piece would be a disk round
+    trip of its own, queued behind the payload reads, so the window's first and last EDGE bytes (where an
+    archive's small records and its directory sit, around the payload) come read in `edges`.
+    """
+
+    def __init__(self, fd: int, offset: int, length: int, edges: _Edges) -> None:
         super().__init__()
         self._fd, self._offset, self._length, self._pos = fd, offset, length, 0
+        self._head = memoryview(edges.head.numpy())
+        self._tail = memoryview(edges.tail.numpy())
+        self._tail_at = edges.tail_at
 
     def readable(self) -> bool:
         """A read-only stream."""
@@ -479,13 +487,43 @@ class _FileView(io.RawIOBase):
         return self._pos
 
     def readinto(self, buffer: Any) -> int:
-        """Read at the current position, never past the window."""
+        """Read at the current position, never past the window (a short file gives a short read)."""
         out = memoryview(buffer).cast("B")
         n = max(0, min(len(out), self._length - self._pos))
-        data = os.pread(self._fd, n, self._offset + self._pos) if n else b""
+        pos = self._pos
+        if pos + n <= len(self._head):
+            data = self._head[pos:pos + n]
+        elif pos >= self._tail_at:
+            data = self._tail[pos - self._tail_at:pos - self._tail_at + n]
+        else:
+            data = os.pread(self._fd, n, self._offset + pos) if n else b""
         out[: len(data)] = data
         self._pos += len(data)
         return len(data)
+
+
+# Bytes read up front at each end of an archive: its small records and its directory fit in them.
+EDGE = 4096
+
+
+@dataclasses.dataclass
+class _Edges:
+    """The first and last bytes of one archive, read ahead of its parsing."""
+
+    head: torch.Tensor
+    tail: torch.Tensor
+    tail_at: int  # offset of `tail` within the archive
+
+
+def _queue_edges(handle: Any, fd: int, offset: int, length: int) -> _Edges:
+    """Queue the reads of an archive's two ends."""
+    head = torch.empty(min(length, EDGE), dtype=torch.uint8)
+    tail_at = max(head.numel(), length - EDGE)
+    tail = torch.empty(length - tail_at, dtype=torch.uint8)
+    for buf, at in ((head, offset), (tail, offset + tail_at)):
+        if buf.numel():
+            handle.async_pread(buf, fd, at)
+    return _Edges(head, tail, tail_at)
 
 
 @dataclasses.dataclass
@@ -569,24 +607,36 @@ class AioStorageReader(FileSystemReader):
     def _read_file(self, handle: Any, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
         """Read one .distcp file's items: queue every payload, then commit the tensors after one wait."""
         meta_fd = os.open(path, os.O_RDONLY)
+        # The buffered descriptor reads only archives' small records: readahead would fetch payload bytes
+        # that the O_DIRECT reads fetch again.
+        os.posix_fadvise(meta_fd, 0, 0, os.POSIX_FADV_RANDOM)
         data_fd = -1
         pending: list[_PendingRead] = []
         try:
             data_fd = _open_direct(path, os.O_RDONLY)
             size = os.fstat(meta_fd).st_size
             reqs = sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset)
-            in_flight = 0
-            for req in reqs:
+            edges: dict[int, _Edges] = {}
+            for i, req in enumerate(reqs):
                 info: _StorageInfo = self.storage_data[req.storage_index]
                 if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
                     raise ValueError(f"{path}: truncated or not this checkpoint's file: item "
                                      f"{req.storage_index.fqn!r} needs bytes [{info.offset}, "
                                      f"{info.offset + info.length}) of a {size}-byte file")
+                if req.type != LoadItemType.BYTE_IO:
+                    edges[i] = _queue_edges(handle, data_fd, info.offset, info.length)
+            # Every archive's small parts first, all in flight at once; then each payload is queued as
+            # soon as its archive is parsed, so parsing the next overlaps reading this one.
+            _finish(handle, [], planner, path)
+            in_flight = 0
+            for i, req in enumerate(reqs):
+                info = self.storage_data[req.storage_index]
                 if req.type == LoadItemType.BYTE_IO:
                     data = os.pread(meta_fd, info.length, info.offset)
                     planner.load_bytes(req, io.BytesIO(data))
                     continue
-                job, temp = self._queue_tensor(handle, path, meta_fd, data_fd, info, req, planner)
+                job, temp = self._queue_tensor(handle, path, meta_fd, data_fd, info, req, planner,
+                                               edges.pop(i))
                 pending.append(job)
                 in_flight += temp
                 if in_flight > COPY_AHEAD:
@@ -602,11 +652,11 @@ class AioStorageReader(FileSystemReader):
                 os.close(data_fd)
 
     def _queue_tensor(self, handle: Any, path: str, meta_fd: int, data_fd: int, info: _StorageInfo,
-                      req: ReadItem, planner: LoadPlanner) -> tuple[_PendingRead, int]:
+                      req: ReadItem, planner: LoadPlanner, edges: _Edges) -> tuple[_PendingRead, int]:
         """Queue the read of one tensor item's payload; returns the job and its temporary's bytes."""
         try:
             # A meta-device load reads only the archive's small records and tells where the payload lies.
-            saved = torch.load(_FileView(meta_fd, info.offset, info.length), map_location="meta",
+            saved = torch.load(_FileView(meta_fd, info.offset, info.length, edges), map_location="meta",
                                weights_only=True)
         except Exception as exc:
             raise ValueError(f"{path}: item {req.storage_index.fqn!r} at offset {info.offset} is not a "
@@ -636,9 +686,7 @@ class AioStorageReader(FileSystemReader):
 
 
 def _finish(handle: Any, pending: list[_PendingRead], planner: LoadPlanner, path: str) -> None:
-    """Wait for the queued payloads, then copy the resharded ones into place and commit every tensor."""
-    if not pending:
-        return
+    """Wait for everything queued, then copy the resharded tensors into place and commit every tensor."""
     try:
         handle.wait()
     except OSError as exc:
