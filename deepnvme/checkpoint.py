@@ -20,6 +20,7 @@ otherwise (resharding). Payload CRC32s are not computed, as with
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import os
 import pickle
@@ -97,11 +98,11 @@ def _open_direct(path: str, flags: int) -> int:
     direct = getattr(os, "O_DIRECT", 0)
     if direct:
         try:
-            return os.open(path, flags | direct, 0o644)
+            return os.open(path, flags | direct)
         except OSError as exc:
-            if exc.errno not in (22, 95):  # EINVAL, EOPNOTSUPP: this file system refuses O_DIRECT
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):  # this file system refuses O_DIRECT
                 raise
-    return os.open(path, flags, 0o644)
+    return os.open(path, flags)
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -348,7 +349,10 @@ class AioStorageWriter(FileSystemWriter):
                 final = os.path.join(directory, name)
                 tmp = os.path.join(directory, f".{name}.{token}.tmp")
                 files.append((name, tmp, final))
-                fd = _open_direct(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                # Created plainly, then opened O_DIRECT: some file systems (ramfs) create the file and then
+                # refuse O_DIRECT, which would leave an O_EXCL retry facing its own file.
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                fd = _open_direct(tmp, os.O_WRONLY)
                 layouts.append(_FileLayout(handle, fd, name))
             copies = 0
             for layout, group in zip(layouts, groups):
@@ -362,14 +366,14 @@ class AioStorageWriter(FileSystemWriter):
                         copies += copied
                         offset, length = layout.add_tensor(t)
                         if copies > COPY_AHEAD:  # bound the memory held by copies awaiting their writes
-                            handle.wait()
+                            _wait_for_writes(handle, directory)
                             for lay in layouts:
                                 lay.keep.clear()
                             copies = 0
                     info = _StorageInfo(layout.relative_path, offset, length)
                     results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
                 layout.close_layout()
-            handle.wait()
+            _wait_for_writes(handle, directory)
             for layout in layouts:
                 layout.keep.clear()
                 if self.sync_files:
@@ -421,6 +425,15 @@ class AioStorageWriter(FileSystemWriter):
             raise
         if self.sync_files:
             _fsync_directory(str(self.path))
+
+
+def _wait_for_writes(handle: Any, directory: str) -> None:
+    """Wait for the queued writes; an I/O error names the checkpoint (the handle only knows descriptors)."""
+    try:
+        handle.wait()
+    except OSError as exc:
+        what = f"writing checkpoint files failed: {exc.strerror or exc}"
+        raise OSError(exc.errno, what, directory) from exc
 
 
 def _bytes_first(items: Sequence[WriteItem]) -> Iterator[WriteItem]:

@@ -12,6 +12,7 @@ import dcp_workers
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from test_aio_errors import full_fs, ramfs  # noqa: F401 - mounted file systems, as fixtures
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -144,6 +145,29 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
         dcp.save(broken, storage_writer=AioStorageWriter(directory))
     assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
     _check(_load(directory, AioStorageReader, sd), sd)
+
+
+def test_full_disk_raises_enospc_and_keeps_previous(full_fs: Path) -> None:  # noqa: F811
+    """On a 16 MiB file system: a save that does not fit raises ENOSPC naming the checkpoint, removes its
+    temporary files, and the checkpoint saved there before still loads."""
+    directory = full_fs / "c"
+    small = {"w": torch.randn(1 << 18)}
+    dcp.save(small, storage_writer=AioStorageWriter(directory))
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    with warnings.catch_warnings(), pytest.raises(CheckpointException) as exc:
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.randn(6 << 20)}, storage_writer=AioStorageWriter(directory))
+    assert "No space left on device" in str(exc.value) and str(directory) in str(exc.value)
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+    _check(_load(directory, AioStorageReader, small), small)
+
+
+def test_file_system_without_o_direct(ramfs: Path) -> None:  # noqa: F811
+    """ramfs refuses O_DIRECT: the backend falls back to buffered I/O and stays readable by stock DCP."""
+    sd = _state()
+    dcp.save(sd, storage_writer=AioStorageWriter(ramfs / "c"))
+    _check(_load(ramfs / "c", FileSystemReader, sd), sd)
+    _check(_load(ramfs / "c", AioStorageReader, sd), sd)
 
 
 def test_missing_directory_names_it(tmp_path: Path) -> None:
