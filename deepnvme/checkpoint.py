@@ -339,6 +339,7 @@ class AioStorageWriter(FileSystemWriter):
         else:
             groups = [[w] for w in plan.items]
         token = uuid.uuid4().hex[:8]
+        _remove_stale_temps(directory, f".{prefix.prefix}")
         files: list[tuple[str, str, str]] = []  # (relative name, temporary path, final path)
         layouts: list[_FileLayout] = []
         results: list[WriteResult] = []
@@ -411,6 +412,7 @@ class AioStorageWriter(FileSystemWriter):
         metadata.storage_meta = self.storage_meta()
         per_rank = not self.use_collectives and self.rank is not None
         final = str(self._get_metadata_path(self.rank if per_rank else None))
+        _remove_stale_temps(os.path.dirname(final), os.path.basename(final) + ".")
         tmp = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             with open(tmp, "wb") as f:
@@ -425,6 +427,21 @@ class AioStorageWriter(FileSystemWriter):
             raise
         if self.sync_files:
             _fsync_directory(str(self.path))
+
+
+def _remove_stale_temps(directory: str, prefix: str) -> None:
+    """Delete temporary files a killed save of this rank left (`prefix`...`.tmp`): they are never read, and
+    a rank saves into a checkpoint directory one save at a time."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name.startswith(prefix) and name.endswith(".tmp"):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
 
 
 def _wait_for_writes(handle: Any, directory: str) -> None:

@@ -134,6 +134,18 @@ def _io_bytes(b: bytes) -> Any:
     return io.BytesIO(b)
 
 
+def test_temporaries_of_a_killed_save_are_removed(tmp_path: Path) -> None:
+    directory = tmp_path / "c"
+    directory.mkdir()
+    stale = [directory / ".__0_0.distcp.0badf00d.tmp", directory / ".metadata.0badf00d.tmp"]
+    for p in stale:
+        p.write_bytes(b"half a file")
+    other_rank = directory / ".__1_0.distcp.0badf00d.tmp"
+    other_rank.write_bytes(b"not ours to remove")
+    dcp.save({"x": torch.ones(5)}, storage_writer=AioStorageWriter(directory))
+    assert not any(p.exists() for p in stale) and other_rank.exists()
+
+
 def test_failed_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     directory = tmp_path / "c"
     sd = _state()
