@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""deepnvme.save / deepnvme.load beside torch.save+fsync / torch.load and the raw handle, on one state dict.
+
+    python3 bench/ckpt_save_bench.py [--dir /work/benchtmp] [--size 1.2G] [--tensors 96] [--repeats 3]
+
+One run, contenders interleaved in every repeat, 1 s of rest before each case (the VM's disk has a burst
+allowance). Loads start from a cold cache (the file's pages are flushed and evicted first). GB = 10^9 bytes.
+"Raw handle" writes / reads the same payload bytes, one async request per tensor at page-aligned offsets
+of one file and one wait(): the ceiling for a checkpoint format on this handle. "Peak extra RSS" is the
+process's peak resident memory during the save beyond its size before it (the kernel's high-water mark,
+reset first), so the state dict itself is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # this checkout's deepnvme, not an installed one
+
+import torch  # noqa: E402
+
+import deepnvme  # noqa: E402
+from deepnvme.io import default_handle  # noqa: E402
+from deepnvme.pagecache import drop_file_cache, fsync_path  # noqa: E402
+from deepnvme.sizes import parse_size  # noqa: E402
+
+PAGE = 4096
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+class PeakRss:
+    """The process's peak resident memory during a block beyond its size at the start (.extra).
+
+    The kernel's high-water mark (VmHWM) is reset at the start through /proc/self/clear_refs, so short
+    peaks between samples are not missed.
+    """
+
+    def __enter__(self) -> PeakRss:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.start = _status("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.extra = _status("VmHWM") - self.start
+
+
+def state_dict(total: int, count: int) -> dict[str, torch.Tensor]:
+    per = total // count // 4
+    return {f"layer{i}.weight": torch.randn(per) for i in range(count)}
+
+
+def raw_offsets(sd: dict[str, torch.Tensor]) -> list[int]:
+    offsets, at = [], 0
+    for t in sd.values():
+        offsets.append(at)
+        at += -(-t.numel() * t.element_size() // PAGE) * PAGE
+    return offsets
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default=".", help="directory on the drive to measure (default: .)")
+    p.add_argument("--size", default="1154M", help="state dict bytes (default 1154M = 1.21 GB)")
+    p.add_argument("--tensors", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rest", type=float, default=1.0)
+    args = p.parse_args(argv)
+
+    sd = state_dict(parse_size(args.size), args.tensors)
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    handle = default_handle()
+    paths = {k: os.path.join(args.dir, f"ckpt_bench_{k}.pt") for k in ("torch", "deepnvme", "raw")}
+    offsets = raw_offsets(sd)
+    dests = {k: torch.empty_like(t) for k, t in sd.items()}
+
+    def torch_save() -> None:
+        torch.save(sd, paths["torch"])
+        fsync_path(paths["torch"])
+
+    def dn_save() -> None:
+        deepnvme.save(sd, paths["deepnvme"])
+
+    def raw_write() -> None:
+        fd = os.open(paths["raw"], os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+        try:
+            for t, off in zip(sd.values(), offsets):
+                handle.async_pwrite(t.view(-1).view(torch.uint8), fd, off)
+            handle.wait()
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def torch_load() -> None:
+        torch.load(paths["torch"], weights_only=True)
+
+    def dn_load() -> None:
+        deepnvme.load(paths["deepnvme"])
+
+    def dn_load_noverify() -> None:
+        deepnvme.load(paths["deepnvme"], verify=False)
+
+    def dn_load_stock() -> None:
+        deepnvme.load(paths["torch"])
+
+    def raw_read() -> None:
+        fd = os.open(paths["raw"], os.O_RDONLY | os.O_DIRECT)
+        try:
+            for t, off in zip(dests.values(), offsets):
+                handle.async_pread(t.view(-1).view(torch.uint8), fd, off)
+            handle.wait()
+        finally:
+            os.close(fd)
+
+    saves: list[tuple[str, Callable[[], None]]] = [
+        ("torch.save + fsync", torch_save), ("deepnvme.save", dn_save), ("raw handle write", raw_write)]
+    loads: list[tuple[str, Callable[[], None], str]] = [
+        ("torch.load (cold)", torch_load, "torch"), ("deepnvme.load (cold)", dn_load, "deepnvme"),
+        ("deepnvme.load verify=False (cold)", dn_load_noverify, "deepnvme"),
+        ("deepnvme.load of a torch.save file (cold)", dn_load_stock, "torch"),
+        ("raw handle read (cold)", raw_read, "raw")]
+    times: dict[str, list[float]] = {}
+    extra: dict[str, list[int]] = {}
+    dn_save()  # warm up: the op is loaded, the handle made
+    for r in range(args.repeats):
+        for name, fn in saves:
+            time.sleep(args.rest)
+            with PeakRss() as rss:
+                start = time.perf_counter()
+                fn()
+                times.setdefault(name, []).append(time.perf_counter() - start)
+            extra.setdefault(name, []).append(rss.extra)
+        for name, fn, key in loads:
+            drop_file_cache(paths[key])
+            time.sleep(args.rest)
+            start = time.perf_counter()
+            fn()
+            times.setdefault(name, []).append(time.perf_counter() - start)
+        print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr)
+    for path in paths.values():
+        os.unlink(path)
+
+    def gbs(name: str) -> float:
+        return nbytes / statistics.median(times[name]) / 1e9
+
+    print(f"{args.tensors} float32 tensors, {nbytes / 1e9:.2f} GB, {args.repeats} interleaved repeats, "
+          f"engine {handle.get_engine()}, median (min-max) GB/s\n")
+    print("| what | GB/s | peak extra RSS during save |")
+    print("| --- | --- | --- |")
+    for name in [n for n, _ in saves] + [n for n, _, _ in loads]:
+        rates = sorted(nbytes / t / 1e9 for t in times[name])
+        rss = f"{max(extra[name]) / 2**20:.0f} MiB" if name in extra else ""
+        print(f"| {name} | {gbs(name):.2f} ({rates[0]:.2f}-{rates[-1]:.2f}) | {rss} |")
+    print()
+    print(f"- deepnvme.save / torch.save+fsync: {gbs('deepnvme.save') / gbs('torch.save + fsync'):.2f}x; "
+          f"/ raw handle write: {gbs('deepnvme.save') / gbs('raw handle write'):.2f}x")
+    for name in ("deepnvme.load (cold)", "deepnvme.load verify=False (cold)"):
+        print(f"- {name} / torch.load: {gbs(name) / gbs('torch.load (cold)'):.2f}x; "
+              f"/ raw handle read: {gbs(name) / gbs('raw handle read (cold)'):.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
