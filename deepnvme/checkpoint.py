@@ -64,6 +64,8 @@ ALIGNMENT = 4096
 INLINE_BELOW = 64 << 10
 # Bytes of temporary copies (device tensors, views, resharding) allowed in flight before draining the handle.
 COPY_AHEAD = 256 << 20
+# A gap (small items between payloads) this large has its whole blocks queued at once, not held in memory.
+GAP_SPILL = 8 << 20
 
 
 
@@ -218,6 +220,7 @@ class _FileLayout:
         self.gap = bytearray()  # bytes from gap_start up to the current end of the file
         self.gap_start = 0
         self.keep: list[torch.Tensor] = []  # tensors whose memory queued writes still read
+        self.queued = 0  # bytes of gap copies queued since the last drain
 
     @property
     def end(self) -> int:
@@ -228,6 +231,7 @@ class _FileLayout:
         """Append buffered bytes; returns their file offset."""
         offset = self.end
         self.gap += data
+        self._spill()
         return offset
 
     def add_tensor(self, t: torch.Tensor) -> tuple[int, int]:
@@ -238,6 +242,7 @@ class _FileLayout:
             if arc.payload:
                 self.gap += memoryview(_storage_bytes(t).numpy())
             self.gap += arc.tail
+            self._spill()
             return offset, arc.length
         # Pad so the payload, not the archive, starts on an aligned offset: readers find each archive by the
         # metadata's offset, so bytes between archives are never read.
@@ -262,8 +267,22 @@ class _FileLayout:
             buf = torch.frombuffer(self.gap, dtype=torch.uint8)
             self.handle.async_pwrite(buf, self.fd, self.gap_start)
             self.keep.append(buf)
+            self.queued += len(self.gap)
         self.gap_start = self.end
         self.gap = bytearray()
+
+    def _spill(self) -> None:
+        """Once the gap is large (many small items in a row), queue its whole blocks; keep only the rest."""
+        if len(self.gap) < GAP_SPILL:
+            return
+        n = len(self.gap) - len(self.gap) % ALIGNMENT
+        rest = bytearray(memoryview(self.gap)[n:])
+        buf = torch.frombuffer(self.gap, dtype=torch.uint8, count=n)
+        self.handle.async_pwrite(buf, self.fd, self.gap_start)
+        self.keep.append(buf)
+        self.queued += n
+        self.gap_start += n
+        self.gap = rest
 
     def close_layout(self) -> None:
         """Queue the last gap, zero-padded to whole blocks so it too goes O_DIRECT."""
@@ -366,11 +385,13 @@ class AioStorageWriter(FileSystemWriter):
                         t, copied = _plain_cpu(data)
                         copies += copied
                         offset, length = layout.add_tensor(t)
-                        if copies > COPY_AHEAD:  # bound the memory held by copies awaiting their writes
-                            _wait_for_writes(handle, directory)
-                            for lay in layouts:
-                                lay.keep.clear()
-                            copies = 0
+                    # Bound the memory held by copies awaiting their writes.
+                    if copies + sum(lay.queued for lay in layouts) > COPY_AHEAD:
+                        _wait_for_writes(handle, directory)
+                        for lay in layouts:
+                            lay.keep.clear()
+                            lay.queued = 0
+                        copies = 0
                     info = _StorageInfo(layout.relative_path, offset, length)
                     results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
                 layout.close_layout()
