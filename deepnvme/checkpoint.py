@@ -9,8 +9,9 @@ stock DCP writes.
 Why it is faster: the stock writer pickles each tensor with `torch.save` into a buffered Python file and the
 stock reader `torch.load`s each item from a buffered file. Here each tensor's archive is laid out with
 `torch.serialization.skip_data` (only its few small records are built in memory), padding between items puts
-every large payload on a 4 KiB file offset, and the payload goes straight from the tensor's memory to the file
-through the handle (O_DIRECT, overlapped with laying out the next archives). The gaps between payloads are
+every large payload on a 4 KiB file offset, and the payload goes from the tensor's memory to the file through
+the handle (O_DIRECT, overlapped with laying out the next archives; the handle stages through its pool only
+when the tensor's address is not aligned). The gaps between payloads are
 whole aligned blocks, so nothing is written through the page cache. Loading reads each payload straight into
 the tensor it belongs to whenever the saved chunk and the target line up, and through one temporary
 otherwise (resharding). Payload CRC32s are not computed, as with
