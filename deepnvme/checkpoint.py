@@ -723,11 +723,11 @@ class AioStorageReader(FileSystemReader):
             raise ValueError(f"{path}: item {req.storage_index.fqn!r}: its payload lies outside the "
                              "item's bytes")
         target = planner.resolve_tensor(req).detach()
-        whole = (all(o == 0 for o in req.storage_offsets) and list(req.lengths) == list(saved.shape))
-        if (whole and target.device.type == "cpu" and target.dtype == saved.dtype
-                and target.shape == saved.shape and target.is_contiguous() and saved.is_contiguous()
-                and saved.storage_offset() == 0 and nbytes == target.nbytes and nbytes > 0):
-            handle.async_pread(target.reshape(-1).view(torch.uint8), data_fd, info.offset + start)
+        span = _leading_rows(saved, req.storage_offsets, req.lengths)
+        if (span is not None and target.device.type == "cpu" and target.dtype == saved.dtype
+                and target.is_contiguous() and list(target.shape) == list(req.lengths) and span[1] > 0):
+            # The bytes wanted are one run of the payload: read them into the target itself.
+            handle.async_pread(target.reshape(-1).view(torch.uint8), data_fd, info.offset + start + span[0])
             return _PendingRead(req, target), 0
         buf = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
@@ -735,6 +735,26 @@ class AioStorageReader(FileSystemReader):
         layout = torch.empty(0, dtype=saved.dtype).set_(buf.untyped_storage(), saved.storage_offset(),
                                                         saved.shape, saved.stride())
         return _PendingRead(req, target, layout), nbytes
+
+
+def _leading_rows(saved: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]
+                  ) -> tuple[int, int] | None:
+    """(byte offset, byte count) within the payload of the chunk [offsets, offsets+lengths) of `saved`, when
+    that chunk is one contiguous run: a contiguous tensor cut along its first dimension only (or not at all).
+    """
+    shape = list(saved.shape)
+    if not saved.is_contiguous() or saved.storage_offset() != 0 or len(offsets) != len(shape):
+        return None
+    if any(o != 0 for o in offsets[1:]) or list(lengths[1:]) != shape[1:]:
+        return None
+    if shape and not 0 <= offsets[0] <= offsets[0] + lengths[0] <= shape[0]:
+        return None
+    row = saved.element_size()
+    for s in shape[1:]:
+        row *= s
+    if not shape:  # a 0-dimensional tensor: the whole of it
+        return 0, saved.element_size()
+    return offsets[0] * row, lengths[0] * row
 
 
 def _finish(handle: Any, pending: list[_PendingRead], planner: LoadPlanner, path: str) -> None:
