@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         ("raw handle read (cold)", raw_read, "raw")]
     times: dict[str, list[float]] = {}
     extra: dict[str, list[int]] = {}
-    dn_save()  # warm up: the op is loaded, the handle made
+    with PeakRss() as first:
+        dn_save()  # warm up: the op is loaded, the handle made, its process-wide staging pool allocated
     for r in range(args.repeats):
         for name, fn in saves:
             time.sleep(args.rest)
@@ -164,9 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- |")
     for name in [n for n, _ in saves] + [n for n, _, _ in loads]:
         rates = sorted(nbytes / t / 1e9 for t in times[name])
-        rss = f"{max(extra[name]) / 2**20:.0f} MiB" if name in extra else ""
+        rss = f"{max(extra[name]) / 2**20:.1f} MiB" if name in extra else ""
         print(f"| {name} | {gbs(name):.2f} ({rates[0]:.2f}-{rates[-1]:.2f}) | {rss} |")
     print()
+    print(f"- first deepnvme.save of the process (op load, handle, its staging pool): peak extra RSS "
+          f"{first.extra / 2**20:.1f} MiB")
     print(f"- deepnvme.save / torch.save+fsync: {gbs('deepnvme.save') / gbs('torch.save + fsync'):.2f}x; "
           f"/ raw handle write: {gbs('deepnvme.save') / gbs('raw handle write'):.2f}x")
     for name in ("deepnvme.load (cold)", "deepnvme.load verify=False (cold)"):

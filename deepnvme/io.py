@@ -241,11 +241,11 @@ class _AlignedWriter:
         self._seg_mem, self._seg_file = self._fill, end
 
     def _pwrite(self, mem: int, start: int, end: int) -> None:
+        self.bytes_buffered += end - start
         view = self._mems[self._cur][mem:mem + end - start]
         while len(view):
             done = os.pwrite(self._buffered_fd, view, start)
             view, start = view[done:], start + done
-        self.bytes_buffered += end - start
 
 
 class _Shares:
