@@ -67,7 +67,8 @@ INLINE_BELOW = 64 << 10
 COPY_AHEAD = 256 << 20
 # A gap (small items between payloads) this large has its whole blocks queued at once, not held in memory.
 GAP_SPILL = 8 << 20
-
+# Bytes read up front at each end of an archive when loading: its small records and its directory fit in them.
+EDGE = 4096
 
 
 def _handle_settings(handle: Any, given: dict[str, Any]) -> dict[str, Any]:
@@ -552,10 +553,6 @@ class _FileView(io.RawIOBase):
         out[: len(data)] = data
         self._pos += len(data)
         return len(data)
-
-
-# Bytes read up front at each end of an archive: its small records and its directory fit in them.
-EDGE = 4096
 
 
 @dataclasses.dataclass
