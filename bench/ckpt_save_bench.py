@@ -6,7 +6,7 @@
 One run, contenders interleaved in every repeat, 1 s of rest before each case (the VM's disk has a burst
 allowance). Loads start from a cold cache (the file's pages are flushed and evicted first). GB = 10^9 bytes.
 "Raw handle" writes / reads the same payload bytes, one async request per tensor at page-aligned offsets
-of one file and one wait(): the ceiling for a checkpoint format on this handle. "Peak extra RSS" is the
+of one new file and one wait(): the ceiling for a checkpoint format on this handle. "Peak extra RSS" is the
 process's peak resident memory during the save beyond its size before it (the kernel's high-water mark,
 reset first), so the state dict itself is not counted.
 """
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     sd = state_dict(parse_size(args.size), args.tensors)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     handle = default_handle()
-    paths = {k: os.path.join(args.dir, f"ckpt_bench_{k}.pt") for k in ("torch", "deepnvme", "raw")}
+    paths = {k: os.path.join(args.dir, f"ckpt_bench_{k}.pt") for k in ("torch", "deepnvme", "nocrc", "raw")}
     offsets = raw_offsets(sd)
     dests = {k: torch.empty_like(t) for k, t in sd.items()}
 
@@ -96,7 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     def dn_save() -> None:
         deepnvme.save(sd, paths["deepnvme"])
 
+    def dn_save_nocrc() -> None:
+        deepnvme.save(sd, paths["nocrc"], checksum=False)
+
     def raw_write() -> None:
+        # A new file, as the others write (an atomic save replaces the file, torch.save truncates it):
+        # overwriting blocks already allocated would be cheaper than any of them can be.
+        if os.path.exists(paths["raw"]):
+            os.unlink(paths["raw"])
         fd = os.open(paths["raw"], os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
         try:
             for t, off in zip(sd.values(), offsets):
@@ -118,22 +125,25 @@ def main(argv: list[str] | None = None) -> int:
     def dn_load_stock() -> None:
         deepnvme.load(paths["torch"])
 
-    def raw_read() -> None:
+    def raw_read(fresh: bool) -> None:
         fd = os.open(paths["raw"], os.O_RDONLY | os.O_DIRECT)
         try:
             for t, off in zip(dests.values(), offsets):
+                t = torch.empty_like(t) if fresh else t  # fresh: its pages are faulted in by the read
                 handle.async_pread(t.view(-1).view(torch.uint8), fd, off)
             handle.wait()
         finally:
             os.close(fd)
 
     saves: list[tuple[str, Callable[[], None]]] = [
-        ("torch.save + fsync", torch_save), ("deepnvme.save", dn_save), ("raw handle write", raw_write)]
+        ("torch.save + fsync", torch_save), ("deepnvme.save", dn_save),
+        ("deepnvme.save checksum=False", dn_save_nocrc), ("raw handle write", raw_write)]
     loads: list[tuple[str, Callable[[], None], str]] = [
         ("torch.load (cold)", torch_load, "torch"), ("deepnvme.load (cold)", dn_load, "deepnvme"),
         ("deepnvme.load verify=False (cold)", dn_load_noverify, "deepnvme"),
         ("deepnvme.load of a torch.save file (cold)", dn_load_stock, "torch"),
-        ("raw handle read (cold)", raw_read, "raw")]
+        ("raw handle read into reused tensors (cold)", lambda: raw_read(False), "raw"),
+        ("raw handle read into new tensors (cold)", lambda: raw_read(True), "raw")]
     times: dict[str, list[float]] = {}
     extra: dict[str, list[int]] = {}
     with PeakRss() as first:
@@ -170,11 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"- first deepnvme.save of the process (op load, handle, its staging pool): peak extra RSS "
           f"{first.extra / 2**20:.1f} MiB")
-    print(f"- deepnvme.save / torch.save+fsync: {gbs('deepnvme.save') / gbs('torch.save + fsync'):.2f}x; "
-          f"/ raw handle write: {gbs('deepnvme.save') / gbs('raw handle write'):.2f}x")
+    for name in ("deepnvme.save", "deepnvme.save checksum=False"):
+        print(f"- {name} / torch.save+fsync: {gbs(name) / gbs('torch.save + fsync'):.2f}x; "
+              f"/ raw handle write: {gbs(name) / gbs('raw handle write'):.2f}x")
+    reused = gbs("raw handle read into reused tensors (cold)")
+    new = gbs("raw handle read into new tensors (cold)")
     for name in ("deepnvme.load (cold)", "deepnvme.load verify=False (cold)"):
-        print(f"- {name} / torch.load: {gbs(name) / gbs('torch.load (cold)'):.2f}x; "
-              f"/ raw handle read: {gbs(name) / gbs('raw handle read (cold)'):.2f}x")
+        print(f"- {name} / torch.load: {gbs(name) / gbs('torch.load (cold)'):.2f}x; / raw handle read "
+              f"into reused / new tensors: {gbs(name) / reused:.2f}x / {gbs(name) / new:.2f}x")
     return 0
 
 

@@ -4,13 +4,14 @@ The file is torch.save's own zip archive, so stock torch.load reads what save wr
 torch.save wrote. Both are built on torch.save/torch.load themselves, through public doors only:
 
 - save hands torch.save a file object (torch's writer takes any object with write()) while
-  `torch.utils.serialization.config.save.storage_alignment` is 4096, so every storage payload starts on
-  a page. The payloads, which torch passes as views of the storages' own memory, go to the handle
-  O_DIRECT and asynchronously, straight from that memory, while torch computes the next one's CRC; the
-  small records between them are staged in two 4 MiB page-aligned buffers. Nothing else is copied: the
-  archive never exists in memory. The object is first pickled once into a null sink to learn which
-  storages it holds, because only memory that outlives the call may be written asynchronously (torch
-  makes transient host copies of device storages; those are staged, not referenced).
+  `torch.utils.serialization.config.save.storage_alignment` is 4096 in the saving thread (torch keeps
+  the setting per thread), so every storage payload starts on a page. The payloads, which torch passes
+  as views of the storages' own memory, go to the handle O_DIRECT and asynchronously, straight from that
+  memory, while torch computes the next one's CRC; the small records between them are staged in two
+  4 MiB page-aligned buffers. Nothing else is copied: the archive never exists in memory. The object is
+  first pickled once into a null sink to learn which storages it holds, because only memory that
+  outlives the call may be written asynchronously (torch makes transient host copies of device
+  storages; those are staged, not referenced).
   The save is atomic: a temporary file in the same directory, fsync, rename over the path, fsync of the
   directory. A crash leaves the previous file intact (and at worst a temporary
   `.<name>.<host>.<pid>.<random>.deepnvme-tmp`, which the next successful save of that path removes once
@@ -35,7 +36,6 @@ import secrets
 import socket
 import stat
 import struct
-import threading
 import zipfile
 import zlib
 from collections.abc import Iterator
@@ -78,13 +78,15 @@ class CheckpointFormatError(ValueError):
 
 
 def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
-         handle: Any = None) -> None:
+         handle: Any = None, checksum: bool = True) -> None:
     """torch.save(obj) to `path` atomically, storage payloads written O_DIRECT from the tensors' memory.
 
     `handle` is an aio_handle (default: deepnvme.io.default_handle()). Raises FileNotFoundError when the
     directory is missing, IsADirectoryError when `path` is a directory, OSError (errno, path) when a write
     fails — ENOSPC included — and pickling errors as torch.save does; in every case a file that was at
-    `path` before is left as it was.
+    `path` before is left as it was. `checksum=False` skips torch's CRC-32 of every record (one core,
+    about 2 GB/s, often the bound on a save): stock torch.load still reads the file, but neither zip tools
+    nor deepnvme.load can then check it.
     """
     import torch
 
@@ -102,7 +104,7 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
     try:
         try:
             stream = _SaveStream(writer, storages)
-            with _page_aligned_storages():
+            with _page_aligned_storages(checksum):
                 torch.save(obj, stream, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
             writer.finish()
             os.ftruncate(buffered_fd, stream.pos)
@@ -190,37 +192,23 @@ class _NullSink:
         return len(data)
 
 
-_align_lock = threading.Lock()
-_align_users = 0
-_align_before: Any = None
-
-
 @contextlib.contextmanager
-def _page_aligned_storages() -> Iterator[None]:
-    """Page-align torch's storage records while any save runs (the setting is process-wide).
+def _page_aligned_storages(crc: bool = True) -> Iterator[None]:
+    """Page-aligned storage records, and torch's CRC-32s on or off, for the saves of this thread.
 
-    Counted rather than locked around the whole save so that saves in several threads run together;
-    a torch.save elsewhere meanwhile also gets aligned records, which any reader accepts.
+    torch keeps these settings per thread (ContextVar-backed config), so concurrent saves and a plain
+    torch.save in another thread do not see each other's choices.
     """
-    global _align_users, _align_before
     try:
         from torch.utils.serialization import config
     except ImportError:  # older torch: records stay 64-aligned and payloads are staged, still correct
         yield
         return
-    with _align_lock:
-        if _align_users == 0:
-            _align_before = config.save.storage_alignment
-            if _align_before % STORAGE_ALIGNMENT:
-                config.save.storage_alignment = STORAGE_ALIGNMENT
-        _align_users += 1
-    try:
+    alignment = config.save.storage_alignment
+    if alignment % STORAGE_ALIGNMENT:
+        alignment = STORAGE_ALIGNMENT
+    with config.patch({"save.storage_alignment": alignment, "save.compute_crc32": crc}):
         yield
-    finally:
-        with _align_lock:
-            _align_users -= 1
-            if _align_users == 0:
-                config.save.storage_alignment = _align_before
 
 
 _HOST = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname()) or "host"

@@ -161,15 +161,45 @@ def test_module_state_and_plain_python_objects(tmp_path: Path, handle: Any) -> N
 
 
 def test_legacy_format_and_crc_less_archives_load(tmp_path: Path, handle: Any) -> None:
-    from torch.utils.serialization import config
-
     obj = {"w": torch.randn(BIG // 4), "n": 3}
     legacy, nocrc = tmp_path / "legacy.pt", tmp_path / "nocrc.pt"
     torch.save(obj, legacy, _use_new_zipfile_serialization=False)
-    with config.patch({"save.compute_crc32": False}):
-        deepnvme.save(obj, nocrc, handle=handle)
+    deepnvme.save(obj, nocrc, handle=handle, checksum=False)
+    with zipfile.ZipFile(nocrc) as z:
+        assert {i.CRC for i in z.infolist()} == {0}
     assert _same(obj, deepnvme.load(legacy, handle=handle))
     assert _same(obj, deepnvme.load(nocrc, handle=handle))
+    assert _same(obj, torch.load(nocrc, weights_only=True))
+
+
+def test_concurrent_saves_with_different_checksum_choices(tmp_path: Path) -> None:
+    """torch's save settings are process-wide: saves in threads each get theirs, and they are restored."""
+    import threading
+
+    from torch.utils.serialization import config
+
+    before = (config.save.storage_alignment, config.save.compute_crc32)
+    objs = [{"w": torch.randn(BIG // 4 + i)} for i in range(6)]
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            for _ in range(3):
+                deepnvme.save(objs[i], tmp_path / f"{i}.pt", checksum=bool(i % 2))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i, obj in enumerate(objs):
+        with zipfile.ZipFile(tmp_path / f"{i}.pt") as z:
+            assert all((m.CRC != 0) == bool(i % 2) for m in z.infolist() if m.file_size)
+        assert _same(obj, deepnvme.load(tmp_path / f"{i}.pt"))
+    assert (config.save.storage_alignment, config.save.compute_crc32) == before
 
 
 @pytest.mark.parametrize("where", ["cpu", "callable", "dict", "device", "meta"])
