@@ -19,15 +19,22 @@ def expert(hidden: int, ffn: int) -> nn.Module:
     return nn.Sequential(nn.Linear(hidden, ffn), nn.ReLU(), nn.Linear(ffn, hidden))
 
 
-def run(moe: nn.Module, x: torch.Tensor, w: torch.Tensor, aux_coeff: float) -> dict[str, Any]:
-    """Forward + backward of ``(out * w).sum() + aux_coeff * l_aux``; everything detached for saving."""
+def run(moe: nn.Module, x: torch.Tensor, w: torch.Tensor, aux_coeff: float, seed: int) -> dict[str, Any]:
+    """Forward + backward of ``(out * w).sum() + aux_coeff * l_aux`` from RNG state ``seed`` (the random
+    routing options draw from it); everything detached for saving."""
     moe.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
     xx = x.clone().requires_grad_(True)
     out, l_aux, counts = moe(xx)
     ((out * w).sum() + aux_coeff * l_aux).backward()
     grads = {n: p.grad.detach().clone() for n, p in moe.named_parameters() if p.grad is not None}
-    return {"out": out.detach(), "l_aux": l_aux.detach(), "exp_counts": counts.detach().clone(),
-            "x_grad": xx.grad.detach(), "grads": grads}
+    return {
+        "out": out.detach(),
+        "l_aux": l_aux.detach(),
+        "exp_counts": counts.detach().clone(),
+        "x_grad": xx.grad.detach(),
+        "grads": grads,
+    }
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -43,10 +50,10 @@ def main(spec_path: str, out_path: str) -> None:
         with torch.no_grad():
             moe.deepspeed_moe.gate.wg.weight.mul_(cfg["gate_scale"])
         moe.train(cfg["train"])
-        own = run(moe, case["x"], case["w"], spec["aux_coeff"])
+        own = run(moe, case["x"], case["w"], spec["aux_coeff"], case["seed"])
         own["state_dict"] = {k: v.detach().clone() for k, v in moe.state_dict().items()}
         moe.load_state_dict(case["ours_state_dict"], strict=True)
-        back = run(moe, case["x"], case["w"], spec["aux_coeff"])
+        back = run(moe, case["x"], case["w"], spec["aux_coeff"], case["seed"])
         results.append({"own": own, "back": back})
     torch.save({"version": deepspeed.__version__, "results": results}, out_path)
 

@@ -1,8 +1,9 @@
 """Parity with DeepSpeed's MoE, run in DeepSpeed's own interpreter as a child process.
 
 The interpreter is ``$DEEPNVME_DEEPSPEED_PYTHON``, else ``/work/dsvenv/bin/python`` when it exists;
-without one that can import deepspeed the tests skip with the reason. Settings are the deterministic ones
-(use_rts=False, no noise, no second-expert sampling). Both directions are checked: DeepSpeed's state dict
+without one that can import deepspeed the tests skip with the reason. Settings are mostly the deterministic
+ones (use_rts=False, no noise, no second-expert sampling); two training cases switch DeepSpeed's random
+options on and start both sides from the same RNG state. Both directions are checked: DeepSpeed's state dict
 loaded into deepnvme, and deepnvme's (distinct experts) loaded into DeepSpeed; output, l_aux, exp_counts
 and all gradients must agree.
 """
@@ -27,16 +28,37 @@ CHILD = Path(__file__).resolve().parent / "ds_moe_child.py"
 AUX = 0.1
 TOL = 1e-5
 
+
+def _case(k: int, drop: bool, residual: bool = False, train: bool = True, **random: Any) -> dict[str, Any]:
+    """One configuration; ``random`` switches on DeepSpeed's random options (default: all off)."""
+    moe = {
+        "num_experts": 4,
+        "k": k,
+        "capacity_factor": 0.75,
+        "eval_capacity_factor": 0.5,
+        "min_capacity": 2,
+        "drop_tokens": drop,
+        "use_residual": residual,
+        "use_rts": False,
+        "top2_2nd_expert_sampling": False,
+    }
+    moe.update(random)
+    name = f"k{k}-{'drop' if drop else 'nodrop'}{'-residual' if residual else ''}{'' if train else '-eval'}"
+    name += "".join(f"-{key}={value}" for key, value in random.items())
+    return {"name": name, "config": {"hidden": 8, "ffn": 16, "gate_scale": 4.0, "train": train, "moe": moe}}
+
+
 CASES = [
-    {"name": f"k{k}-{'drop' if drop else 'nodrop'}{'-residual' if res else ''}{'-eval' if not train else ''}",
-     "config": {"hidden": 8, "ffn": 16, "gate_scale": 4.0, "train": train,
-                "moe": {"num_experts": 4, "k": k, "capacity_factor": 0.75, "eval_capacity_factor": 0.5,
-                        "min_capacity": 2, "drop_tokens": drop, "use_residual": res, "use_rts": False,
-                        "top2_2nd_expert_sampling": False}}}
-    for k, drop, res, train in [
-        (1, True, False, True), (1, False, False, True), (2, True, False, True), (2, False, False, True),
-        (1, True, True, True), (2, True, False, False), (3, True, False, True),
-    ]
+    _case(1, True),
+    _case(1, False),
+    _case(2, True),
+    _case(2, False),
+    _case(1, True, residual=True),
+    _case(2, True, train=False),
+    _case(3, True),
+    # Training with DeepSpeed's random options, from the same RNG state: the same samples, so the same routes.
+    _case(1, True, use_rts=True, noisy_gate_policy="RSample"),
+    _case(2, True, top2_2nd_expert_sampling=True, noisy_gate_policy="Jitter"),
 ]
 
 
@@ -74,11 +96,22 @@ def deepspeed_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
     cases = []
     for i, case in enumerate(CASES):
         x = torch.randn(2, 24, case["config"]["hidden"])
-        cases.append({**case, "seed": 1000 + i, "x": x, "w": torch.randn_like(x),
-                      "ours_state_dict": ours(case, seed=2000 + i).state_dict()})
+        cases.append(
+            {
+                **case,
+                "seed": 1000 + i,
+                "x": x,
+                "w": torch.randn_like(x),
+                "ours_state_dict": ours(case, seed=2000 + i).state_dict(),
+            }
+        )
     torch.save({"cases": cases, "aux_coeff": AUX}, work / "spec.pt")
-    child = subprocess.run([python, str(CHILD), str(work / "spec.pt"), str(work / "out.pt")],
-                           capture_output=True, text=True, timeout=600)
+    child = subprocess.run(
+        [python, str(CHILD), str(work / "spec.pt"), str(work / "out.pt")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if child.returncode != 0:
         raise AssertionError(f"DeepSpeed child failed:\n{child.stderr[-3000:]}")
     out = torch.load(work / "out.pt")
@@ -102,11 +135,11 @@ def test_matches_deepspeed(deepspeed_results: dict[str, Any], index: int) -> Non
     case = deepspeed_results["cases"][index]
     got = deepspeed_results["results"][index]
     # DeepSpeed's weights in deepnvme's layer
-    mine = run(ours(case, got["own"]["state_dict"]), case["x"], case["w"], AUX)
+    mine = run(ours(case, got["own"]["state_dict"]), case["x"], case["w"], AUX, case["seed"])
     assert torch.equal(mine["exp_counts"].to(torch.int64), got["own"]["exp_counts"].to(torch.int64))
     diffs = max_diffs(mine, got["own"])
     # deepnvme's weights in DeepSpeed's layer
-    back = run(ours(case, case["ours_state_dict"]), case["x"], case["w"], AUX)
+    back = run(ours(case, case["ours_state_dict"]), case["x"], case["w"], AUX, case["seed"])
     assert torch.equal(back["exp_counts"].to(torch.int64), got["back"]["exp_counts"].to(torch.int64))
     back_diffs = max_diffs(back, got["back"])
     print(f"\n{case['name']}: ds->ours {diffs}  ours->ds {back_diffs}")

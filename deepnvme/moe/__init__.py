@@ -42,6 +42,7 @@ _WHERE = {
     "get_expert_data_parallel_group": "groups",
     "expert_group_name": "groups",
     "allreduce_moe_gradients": "grads",
+    "broadcast_moe_parameters": "broadcast",
     "assign_slots": "routing",
     "dispatch": "routing",
     "combine": "routing",
