@@ -32,6 +32,7 @@ import threading
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 __all__ = ["IMPL_ENV", "assign_slots", "combine", "dispatch", "op_available", "top_k"]
 
@@ -353,6 +354,7 @@ class _DispatchOp(torch.autograd.Function):
         return module.dispatch_forward(x.contiguous(), expert_idx, slot, num_experts, capacity)
 
     @staticmethod
+    @once_differentiable  # the compiled backward is not itself differentiable: say so instead of a wrong 0
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         expert_idx, slot = ctx.saved_tensors
         grad_x = None
@@ -374,6 +376,7 @@ class _CombineOp(torch.autograd.Function):
         return module.combine_forward(y, expert_idx, slot, weight)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         y, expert_idx, slot, weight = ctx.saved_tensors
         grad_y, grad_w = ctx.module.combine_backward(grad_out.contiguous(), y, expert_idx, slot, weight,
