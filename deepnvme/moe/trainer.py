@@ -1,0 +1,235 @@
+"""The recipe's training loop on one rank: data, model, DP + EP gradient reduction, eval, MoS, checkpoints.
+
+What DeepSpeed's engine does for an MoE model is done here in plain torch.distributed, so the recipe runs on
+any gloo/NCCL setup: expert-parallel groups via each MoE layer's set_deepspeed_parallelism(); dense gradients
+averaged over all ranks; expert gradients summed over their expert-data-parallel group (the ranks holding
+the same experts) and divided by the full data-parallel size, since the all-to-all's backward has already
+summed every rank's tokens into them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from deepnvme.moe.checkpoint import load_moe_checkpoint, read_client_state, save_moe_checkpoint
+from deepnvme.moe.distill import mos_loss
+from deepnvme.moe.gpt import GPT, GPTConfig, count_parameters
+from deepnvme.moe.synthetic import TopicTask
+from deepnvme.moe.train import model_config, task_from_args
+
+_EDP_GROUPS: dict[int, Any] = {}
+
+
+def expert_data_parallel_group(ep_size: int) -> Any:
+    """This rank's group of ranks that hold the same experts (stride ep_size: DeepSpeed's default layout).
+
+    Every rank must call it with the same ep sizes in the same order (group creation is collective).
+    """
+    if ep_size not in _EDP_GROUPS:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        for first in range(ep_size):
+            ranks = list(range(first, world, ep_size))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                _EDP_GROUPS[ep_size] = group
+    return _EDP_GROUPS[ep_size]
+
+
+def setup_expert_parallel(model: nn.Module) -> None:
+    """Hand every MoE layer its process groups, as deepspeed.initialize does."""
+    for module in model.modules():
+        if hasattr(module, "set_deepspeed_parallelism"):
+            module.set_deepspeed_parallelism()
+
+
+def reduce_gradients(model: nn.Module) -> None:
+    """Average gradients over data parallelism: dense params over all ranks, expert params over their EDP group."""
+    from deepnvme.moe import is_moe_param
+
+    world = dist.get_world_size()
+    dense: list[torch.Tensor] = []
+    expert: dict[int, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:  # an expert that got no token this step still takes part in the reduction
+            p.grad = torch.zeros_like(p)
+        if is_moe_param(p):
+            expert.setdefault(int(p.group_name.rsplit("_", 1)[1]), []).append(p.grad)
+        else:
+            dense.append(p.grad)
+    buckets = [(dense, None)] + [(grads, expert_data_parallel_group(ep)) for ep, grads in sorted(expert.items())]
+    for grads, group in buckets:
+        if not grads:
+            continue
+        if world > 1 and (group is None or dist.get_world_size(group) > 1):
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        for g in grads:
+            g.div_(world)
+
+
+def _lr(args: argparse.Namespace, it: int) -> float:
+    """Linear warm-up, then cosine decay to --min-lr at the last iteration."""
+    if it < args.lr_warmup_iters:
+        return args.lr * (it + 1) / args.lr_warmup_iters
+    span = max(1, args.train_iters - args.lr_warmup_iters)
+    progress = min(1.0, (it - args.lr_warmup_iters) / span)
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def build_model(cfg: GPTConfig, seed: int) -> GPT:
+    """The GPT of `cfg` on this rank: its share of the experts, groups set up (needs an initialised group)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    model = GPT(cfg, seed=seed, ep_rank=rank % cfg.ep_size)
+    if dist.is_initialized():
+        setup_expert_parallel(model)
+    return model
+
+
+def _teacher(args: argparse.Namespace, ep_size: int) -> GPT:
+    """The trained teacher of MoS, rebuilt from the config saved in its checkpoint at this run's ep size."""
+    saved = read_client_state(args.load_teacher)
+    if "gpt_config" not in saved:
+        raise ValueError(f"--load-teacher {args.load_teacher}: the checkpoint holds no gpt_config")
+    cfg_dict = dict(saved["gpt_config"])
+    for flag, field in (("num_layers_teacher", "num_layers"), ("hidden_size_teacher", "hidden_size"),
+                        ("num_attention_heads_teacher", "num_attention_heads"),
+                        ("num_experts_teacher", "num_experts")):
+        wanted = getattr(args, flag)
+        if wanted is not None and list(wanted if isinstance(wanted, list) else [wanted]) != \
+                list(cfg_dict[field] if isinstance(cfg_dict[field], list) else [cfg_dict[field]]):
+            raise ValueError(f"--{flag.replace('_', '-')} {wanted} does not match the teacher checkpoint's "
+                             f"{field}={cfg_dict[field]}")
+    cfg_dict["ep_size"] = ep_size
+    cfg = GPTConfig(**cfg_dict)
+    teacher = build_model(cfg, seed=0)
+    load_moe_checkpoint(teacher, args.load_teacher)
+    teacher.eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
+@torch.no_grad()
+def evaluate(model: GPT, batches: list[torch.Tensor]) -> float:
+    """Mean next-token cross-entropy over every rank's validation batches (all ranks call it together)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    for batch in batches:
+        logits, _ = model(batch[:, :-1])
+        total[0] += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").double()
+        total[1] += batch[:, 1:].numel()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    model.train(was_training)
+    return float(total[0] / total[1])
+
+
+def validation_batches(task: TopicTask, args: argparse.Namespace, rank: int, world: int) -> list[torch.Tensor]:
+    """This rank's share of one fixed validation set (the same set at every world size that divides it)."""
+    g = torch.Generator().manual_seed(args.seed + 7919)
+    table = task.table()
+    every = [task.batch(args.micro_batch_size, g, table) for _ in range(args.eval_iters * world)]
+    return every[rank::world]
+
+
+def run_worker(rank: int, world: int, args: argparse.Namespace, init_method: str | None) -> dict[str, Any]:
+    """Train on this rank; rank 0 writes --log-json; returns the results (every rank)."""
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
+    if init_method is None:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        return _train(rank, world, args)
+    finally:
+        dist.destroy_process_group()
+        _EDP_GROUPS.clear()
+
+
+def _train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    from deepnvme.moe import split_params_into_different_moe_groups_for_optimizer
+
+    task = task_from_args(args)
+    cfg = model_config(args, task.vocab_size)
+    # Routing noise (RTS, sampling) draws from the global RNG: seeded, and different per rank like the data.
+    torch.manual_seed(args.seed * 1000 + rank)
+    model = build_model(cfg, args.seed)
+    if args.load:
+        load_moe_checkpoint(model, args.load)
+    teacher = _teacher(args, cfg.ep_size) if args.mos else None
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        [{"params": [p for p in model.parameters() if p.requires_grad], "name": "dense"}])
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+
+    table = task.table()
+    data = torch.Generator().manual_seed(args.seed * 1000 + 17 + rank)
+    val = validation_batches(task, args, rank, world)
+    curve: list[dict[str, float]] = []
+    start = time.perf_counter()
+    running = torch.zeros(3, dtype=torch.float64)  # lm loss sum, aux loss sum, steps
+
+    def record(it: int) -> None:
+        nonlocal running
+        if world > 1:
+            dist.all_reduce(running)
+        steps = max(1.0, float(running[2]))
+        point = {"iter": it, "val_loss": evaluate(model, val), "elapsed_s": time.perf_counter() - start,
+                 "train_loss": float(running[0]) / steps if running[2] else float("nan"),
+                 "aux_loss": float(running[1]) / steps if running[2] else float("nan")}
+        curve.append(point)
+        running = torch.zeros(3, dtype=torch.float64)
+        if rank == 0:
+            print(f"iter {it:5d}  train {point['train_loss']:.4f}  val {point['val_loss']:.4f}  "
+                  f"aux {point['aux_loss']:.3f}  {point['elapsed_s']:.0f} s", flush=True)
+
+    record(0)
+    model.train()
+    for it in range(args.train_iters):
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(args, it)
+        batch = task.batch(args.micro_batch_size, data, table)
+        logits, aux = model(batch[:, :-1])
+        lm = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        loss = lm + args.moe_loss_coeff * aux
+        if teacher is not None and (args.kd_stop_iter is None or it < args.kd_stop_iter):
+            with torch.no_grad():
+                teacher_logits, _ = teacher(batch[:, :-1])
+            loss = args.kd_alpha_ce * lm + args.kd_beta_ce * mos_loss(logits, teacher_logits, args.kd_temp) \
+                + args.moe_loss_coeff * aux
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        reduce_gradients(model)
+        optimizer.step()
+        running += torch.tensor([lm.item(), aux.item(), 1.0], dtype=torch.float64)
+        if (it + 1) % args.eval_interval == 0 or it + 1 == args.train_iters:
+            record(it + 1)
+
+    results = {"config": cfg.to_dict(), "task": asdict(task), "world_size": world, "params": count_parameters(model),
+               "loss_floor": task.loss_floor(), "curve": curve, "final_val_loss": curve[-1]["val_loss"],
+               "mos": bool(args.mos), "train_s": time.perf_counter() - start}
+    if args.save:
+        save_moe_checkpoint(model, args.save, f"global_step{args.train_iters}",
+                            {"gpt_config": cfg.to_dict(), "task": asdict(task), "iteration": args.train_iters})
+    if rank == 0 and args.log_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
+        with open(args.log_json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
