@@ -1,0 +1,85 @@
+"""Run the NLG+MoE recipe's comparison and write its curves (PNG) and table (markdown).
+
+    python3 bench/moe_recipe.py [--iters 600] [--nproc 2] [--out bench/results]
+
+One run after another, the same task, seeds, batch and schedule for every model, each through
+`python3 -m deepnvme.moe.train` with --nproc processes (gloo):
+  dense        every block a dense MLP (the baseline of the same active size as MoE top-1)
+  moe-8        MoE blocks every other layer, 8 experts, top-1, expert parallel over the processes
+  pr-moe-4-8   PR-MoE: residual MLP type, pyramid 4 then 8 experts (its checkpoint is the MoS teacher)
+  student      a shallower PR-MoE (one block fewer), trained alone
+  mos-student  the same student distilled from pr-moe-4-8 (Mixture-of-Students), KD stopped at 3/4 of training
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from deepnvme.moe.curves import plot_curves, results_table  # noqa: E402
+
+# The task and model every run shares; chosen so the dense baseline is capacity-bound within a few minutes.
+COMMON = ["--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32", "--num-topics", "32",
+          "--num-words", "96", "--micro-batch-size", "32", "--moe-train-capacity-factor", "1.25",
+          "--moe-eval-capacity-factor", "2", "--moe-loss-coeff", "0.01", "--seed", "1234"]
+
+
+def runs(iters: int, nproc: int, teacher: str) -> list[tuple[str, list[str]]]:
+    """(label, extra flags) of each run, in the order they must run (the teacher before its student)."""
+    ep = ["--moe-expert-parallel-size", str(nproc)]
+    student = ["--num-layers", "3", "--num-experts", "8", "--mlp-type", "residual"] + ep
+    return [
+        ("dense", ["--num-layers", "4", "--num-experts", "1"]),
+        ("moe-8", ["--num-layers", "4", "--num-experts", "8"] + ep),
+        ("pr-moe-4-8", ["--num-layers", "4", "--num-experts", "4", "8", "--mlp-type", "residual", "--save", teacher]
+         + ep),
+        ("student", student),
+        ("mos-student", student + ["--mos", "--load-teacher", teacher, "--kd-temp", "1.0", "--kd-beta-ce", "1.0",
+                                   "--kd-stop-iter", str(iters * 3 // 4)]),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every model, then draw and tabulate; the JSON of each run is kept beside the figures."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--iters", type=int, default=600)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--out", default=str(REPO / "bench" / "results"))
+    p.add_argument("--only", nargs="*", default=None, help="labels to (re)run; the others are read from --out")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="moe_recipe_") as scratch:
+        teacher = os.path.join(args.out, "moe_recipe_teacher") if args.only else os.path.join(scratch, "teacher")
+        for label, flags in runs(args.iters, args.nproc, teacher):
+            log = os.path.join(args.out, f"moe_recipe_{label}.json")
+            if args.only is None or label in args.only:
+                cmd = [sys.executable, "-m", "deepnvme.moe.train", "--nproc", str(args.nproc), "--train-iters",
+                       str(args.iters), "--eval-interval", str(max(1, args.iters // 12)), "--log-json", log,
+                       *COMMON, *flags]
+                print(f"== {label}: {' '.join(cmd[1:])}", flush=True)
+                subprocess.run(cmd, check=True, env=env)
+            with open(log) as f:
+                results[label] = json.load(f)
+    title = f"synthetic topic task, {args.nproc} gloo processes (CPU), {args.iters} iterations"
+    png = plot_curves(results, os.path.join(args.out, "moe_recipe.png"), title=title)
+    table = results_table(results, baseline="dense")
+    with open(os.path.join(args.out, "moe_recipe.md"), "w") as f:
+        f.write(f"{title}\n\n{table}")
+    print(table)
+    print(f"curves: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
