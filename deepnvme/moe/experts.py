@@ -1,0 +1,78 @@
+"""Experts: the local expert modules of one MoE layer, tagged so optimisers and reducers can tell them
+apart."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor, nn
+
+
+def reinitialise(module: nn.Module, seed: int) -> bool:
+    """Re-run ``reset_parameters()`` of every submodule that has one, drawing from a private RNG seeded
+    ``seed``.
+
+    The global CPU (and the module's CUDA) RNG state is left as it was. Returns False when no submodule could
+    be reset, i.e. the module keeps the weights it had.
+    """
+    resettable = [m for m in module.modules() if callable(getattr(m, "reset_parameters", None))]
+    if not resettable:
+        return False
+    cuda = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for m in resettable:
+                m.reset_parameters()
+    return True
+
+
+class Experts(nn.Module):
+    """``num_local_experts`` deep copies of ``expert`` in ``deepspeed_experts`` (DeepSpeed's attribute name).
+
+    Every parameter gets ``allreduce = False`` and ``group_name = expert_group_name``: that tag is what
+    :func:`deepnvme.moe.is_moe_param` and the optimiser-group helpers look for, exactly as in DeepSpeed.
+
+    The copies start identical, as in DeepSpeed; :class:`deepnvme.moe.MoE` re-initialises them with
+    :func:`reinitialise` unless told not to.
+
+    ``forward`` takes ``[..., num_local_experts * n, ...]`` split along dim 1 into one chunk per expert (the
+    MoE layer passes ``[ep, E_local, C, M]``, so each expert sees ``[ep, 1, C, M]``); an expert returning a
+    tuple contributes its first element.
+    """
+
+    def __init__(
+        self,
+        expert: nn.Module,
+        num_local_experts: int = 1,
+        expert_group_name: str | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(expert, nn.Module):
+            raise ValueError(f"expert must be a torch.nn.Module, got {type(expert).__name__}")
+        if (
+            isinstance(num_local_experts, bool)
+            or not isinstance(num_local_experts, int)
+            or num_local_experts < 1
+        ):
+            raise ValueError(f"num_local_experts must be an int >= 1, got {num_local_experts!r}")
+        self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
+        self.num_local_experts = num_local_experts
+        for e in self.deepspeed_experts:
+            for p in e.parameters():
+                p.allreduce = False
+                p.group_name = expert_group_name
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        """Run each local expert on its chunk of dim 1 and concatenate the results along dim 1."""
+        if inputs.dim() < 2 or inputs.shape[1] % self.num_local_experts:
+            raise ValueError(
+                f"inputs dim 1 must split into {self.num_local_experts} expert chunks, "
+                f"got {tuple(inputs.shape)}"
+            )
+        outputs = []
+        for chunk, expert in zip(inputs.chunk(self.num_local_experts, dim=1), self.deepspeed_experts):
+            out = expert(chunk)
+            outputs.append(out[0] if isinstance(out, tuple) else out)
+        return torch.cat(outputs, dim=1)

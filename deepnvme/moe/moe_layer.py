@@ -1,0 +1,72 @@
+"""MOELayer: gate -> index dispatch -> all-to-all -> experts -> all-to-all -> weighted combine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from deepnvme.moe.comm import all_to_all
+from deepnvme.moe.gating import TopKGate, combine, dispatch
+
+
+class MOELayer(nn.Module):
+    """DeepSpeed's ``MOELayer`` (GShard-style dispatch), with the same attribute names (``gate``,
+    ``experts``).
+
+    Tokens are moved by index: each kept route copies its token row into an ``[E, C, M]`` buffer and the
+    combine gathers rows back, so memory is O(E·C·M + S·k·M), never an ``S×E×C`` mask. With ``ep_size > 1``
+    the buffer is exchanged over the expert-parallel group (chunk r of the E experts goes to EP rank r), each
+    rank runs its ``num_local_experts`` experts on ``[ep, E_local, C, M]``, and a second exchange brings
+    results back. After ``forward``, ``l_aux`` and ``exp_counts`` hold the batch's aux loss and per-expert
+    counts.
+    """
+
+    def __init__(
+        self,
+        gate: TopKGate,
+        experts: nn.Module,
+        ep_group_name: str,
+        ep_size: int,
+        num_local_experts: int,
+        use_tutel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        self.ep_group: Any = None
+        self.ep_group_name = ep_group_name
+        self.ep_size = ep_size
+        self.num_local_experts = num_local_experts
+        self.use_tutel = (
+            False  # index dispatch already does what Tutel's kernels did; the flag is accepted only
+        )
+        self.l_aux: Tensor | None = None
+        self.exp_counts: Tensor | None = None
+
+    def _set_ep_group(self, ep_group: Any) -> None:
+        """Attach the expert-parallel group to the layer and its gate."""
+        self.ep_group = ep_group
+        self.gate._set_ep_group(ep_group)
+
+    def forward(self, *input: Tensor, **kwargs: Any) -> Tensor:
+        """``input[0]``: tokens ``[..., M]``; ``input[1]`` (optional): used_token mask. Returns
+        ``input[0]``'s shape."""
+        x = input[0]
+        used_token = input[1] if len(input) > 1 else None
+        if self.ep_size > 1 and self.ep_group is None:
+            raise RuntimeError(
+                f"MoE layer with ep_size={self.ep_size} has no expert-parallel group; "
+                "initialise torch.distributed before building the model or call set_deepspeed_parallelism()"
+            )
+        d_model = x.shape[-1]
+        tokens = x.reshape(-1, d_model)
+        routes = self.gate.route(tokens, used_token)
+        self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
+        c = routes.capacity
+        buffer = dispatch(tokens, routes.expert_idx, routes.slot, routes.num_experts, c)
+        buffer = all_to_all(buffer, self.ep_group)
+        out = self.experts(buffer.reshape(self.ep_size, self.num_local_experts, c, d_model))
+        out = all_to_all(out.reshape(self.ep_size * self.num_local_experts, c, -1), self.ep_group)
+        combined = combine(out, routes.expert_idx, routes.slot, routes.weight)
+        return combined.reshape(x.shape[:-1] + combined.shape[-1:])
