@@ -28,9 +28,28 @@ if str(REPO) not in sys.path:
 from deepnvme.moe.curves import plot_curves, results_table  # noqa: E402
 
 # The task and model every run shares; chosen so the dense baseline is capacity-bound within a few minutes.
-COMMON = ["--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32", "--num-topics", "32",
-          "--num-words", "96", "--micro-batch-size", "32", "--moe-train-capacity-factor", "1.25",
-          "--moe-eval-capacity-factor", "2", "--moe-loss-coeff", "0.01", "--seed", "1234"]
+COMMON = [
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--num-topics",
+    "32",
+    "--num-words",
+    "96",
+    "--micro-batch-size",
+    "32",
+    "--moe-train-capacity-factor",
+    "1.25",
+    "--moe-eval-capacity-factor",
+    "2",
+    "--moe-loss-coeff",
+    "0.01",
+    "--seed",
+    "1234",
+]
 
 
 def runs(iters: int, nproc: int, teacher: str) -> list[tuple[str, list[str]]]:
@@ -40,11 +59,27 @@ def runs(iters: int, nproc: int, teacher: str) -> list[tuple[str, list[str]]]:
     return [
         ("dense", ["--num-layers", "4", "--num-experts", "1"]),
         ("moe-8", ["--num-layers", "4", "--num-experts", "8"] + ep),
-        ("pr-moe-4-8", ["--num-layers", "4", "--num-experts", "4", "8", "--mlp-type", "residual", "--save", teacher]
-         + ep),
+        (
+            "pr-moe-4-8",
+            ["--num-layers", "4", "--num-experts", "4", "8", "--mlp-type", "residual", "--save", teacher]
+            + ep,
+        ),
         ("student", student),
-        ("mos-student", student + ["--mos", "--load-teacher", teacher, "--kd-temp", "1.0", "--kd-beta-ce", "1.0",
-                                   "--kd-stop-iter", str(iters * 3 // 4)]),
+        (
+            "mos-student",
+            student
+            + [
+                "--mos",
+                "--load-teacher",
+                teacher,
+                "--kd-temp",
+                "1.0",
+                "--kd-beta-ce",
+                "1.0",
+                "--kd-stop-iter",
+                str(iters * 3 // 4),
+            ],
+        ),
     ]
 
 
@@ -54,19 +89,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=600)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
-    p.add_argument("--only", nargs="*", default=None, help="labels to (re)run; the others are read from --out")
+    p.add_argument(
+        "--only", nargs="*", default=None, help="labels to (re)run; the others are read from --out"
+    )
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     results = {}
     with tempfile.TemporaryDirectory(prefix="moe_recipe_") as scratch:
-        teacher = os.path.join(args.out, "moe_recipe_teacher") if args.only else os.path.join(scratch, "teacher")
+        teacher = (
+            os.path.join(args.out, "moe_recipe_teacher") if args.only else os.path.join(scratch, "teacher")
+        )
         for label, flags in runs(args.iters, args.nproc, teacher):
             log = os.path.join(args.out, f"moe_recipe_{label}.json")
             if args.only is None or label in args.only:
-                cmd = [sys.executable, "-m", "deepnvme.moe.train", "--nproc", str(args.nproc), "--train-iters",
-                       str(args.iters), "--eval-interval", str(max(1, args.iters // 12)), "--log-json", log,
-                       *COMMON, *flags]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "deepnvme.moe.train",
+                    "--nproc",
+                    str(args.nproc),
+                    "--train-iters",
+                    str(args.iters),
+                    "--eval-interval",
+                    str(max(1, args.iters // 12)),
+                    "--log-json",
+                    log,
+                    *COMMON,
+                    *flags,
+                ]
                 print(f"== {label}: {' '.join(cmd[1:])}", flush=True)
                 subprocess.run(cmd, check=True, env=env)
             with open(log) as f:

@@ -1,4 +1,4 @@
-"""The NLG+MoE recipe: flags, the model's pyramid, checkpoints across ep sizes (real gloo), PR-MoE, MoS, plots."""
+"""The NLG+MoE recipe: flags, pyramid, checkpoints across ep sizes (real gloo), PR-MoE, MoS, plots."""
 
 from __future__ import annotations
 
@@ -19,9 +19,32 @@ from deepnvme.moe.train import main, parse_args
 
 # A model small enough that a step takes milliseconds; eval capacity high enough that nothing is dropped at
 # eval, so outputs do not depend on how tokens are split over ranks.
-TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
-        "--num-topics", "4", "--num-words", "12", "--micro-batch-size", "4", "--eval-iters", "1",
-        "--eval-interval", "2", "--moe-eval-capacity-factor", "16", "--lr-warmup-iters", "1", "--threads", "1"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "16",
+    "--num-attention-heads",
+    "2",
+    "--seq-length",
+    "16",
+    "--num-topics",
+    "4",
+    "--num-words",
+    "12",
+    "--micro-batch-size",
+    "4",
+    "--eval-iters",
+    "1",
+    "--eval-interval",
+    "2",
+    "--moe-eval-capacity-factor",
+    "16",
+    "--lr-warmup-iters",
+    "1",
+    "--threads",
+    "1",
+]
 
 
 def _error_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -36,32 +59,65 @@ def test_num_experts_int_or_pyramid_list() -> None:
     assert args.num_experts == [4, 8] and args.mlp_type == "residual"
     cfg = GPTConfig(vocab_size=10, seq_length=8, num_layers=4, num_experts=[4, 8])
     assert cfg.experts_per_layer() == [1, 4, 1, 8]
-    assert GPTConfig(vocab_size=10, seq_length=8, num_layers=6, num_experts=8).experts_per_layer() == [1, 8] * 3
-    assert GPTConfig(vocab_size=10, seq_length=8, num_layers=6, num_experts=[2, 4, 8],
-                     expert_interval=2).experts_per_layer() == [1, 2, 1, 4, 1, 8]
-    args = parse_args(["--moe-train-capacity-factor", "1.25", "--moe-eval-capacity-factor", "2",
-                       "--moe-min-capacity", "0", "--disable-moe-token-dropping", "--topk", "2",
-                       "--num-experts", "4", "--ep-size", "2", "--nproc", "2", "--moe-loss-coeff", "0.1"])
-    assert (args.moe_train_capacity_factor, args.moe_eval_capacity_factor, args.moe_min_capacity) == (1.25, 2, 0)
-    assert args.disable_moe_token_dropping and args.topk == 2 and args.ep_size == 2 and args.moe_loss_coeff == 0.1
+    assert (
+        GPTConfig(vocab_size=10, seq_length=8, num_layers=6, num_experts=8).experts_per_layer() == [1, 8] * 3
+    )
+    assert GPTConfig(
+        vocab_size=10, seq_length=8, num_layers=6, num_experts=[2, 4, 8], expert_interval=2
+    ).experts_per_layer() == [1, 2, 1, 4, 1, 8]
+    args = parse_args(
+        [
+            "--moe-train-capacity-factor",
+            "1.25",
+            "--moe-eval-capacity-factor",
+            "2",
+            "--moe-min-capacity",
+            "0",
+            "--disable-moe-token-dropping",
+            "--topk",
+            "2",
+            "--num-experts",
+            "4",
+            "--ep-size",
+            "2",
+            "--nproc",
+            "2",
+            "--moe-loss-coeff",
+            "0.1",
+        ]
+    )
+    assert (args.moe_train_capacity_factor, args.moe_eval_capacity_factor, args.moe_min_capacity) == (
+        1.25,
+        2,
+        0,
+    )
+    assert (
+        args.disable_moe_token_dropping
+        and args.topk == 2
+        and args.ep_size == 2
+        and args.moe_loss_coeff == 0.1
+    )
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["--num-layers", "6", "--num-experts", "4", "8"], "--num-experts"),   # 3 MoE blocks, 2 values
-    (["--num-experts", "0"], "--num-experts"),
-    (["--num-experts", "four"], "--num-experts"),
-    (["--num-experts", "3", "--ep-size", "2", "--nproc", "2"], "--moe-expert-parallel-size"),
-    (["--num-experts", "4", "--ep-size", "2", "--nproc", "3"], "--moe-expert-parallel-size"),
-    (["--num-experts", "4", "--topk", "5"], "--topk"),
-    (["--mlp-type", "pyramid"], "--mlp-type"),
-    (["--moe-train-capacity-factor", "-1"], "--moe-train-capacity-factor"),
-    (["--moe-eval-capacity-factor", "0"], "--moe-eval-capacity-factor"),
-    (["--moe-min-capacity", "-2"], "--moe-min-capacity"),
-    (["--moe-loss-coeff", "nan"], "--moe-loss-coeff"),
-    (["--hidden-size", "30", "--num-attention-heads", "4"], "--hidden-size"),
-    (["--mos"], "--load-teacher"),
-    (["--kd-temp", "0"], "--kd-temp"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--num-layers", "6", "--num-experts", "4", "8"], "--num-experts"),  # 3 MoE blocks, 2 values
+        (["--num-experts", "0"], "--num-experts"),
+        (["--num-experts", "four"], "--num-experts"),
+        (["--num-experts", "3", "--ep-size", "2", "--nproc", "2"], "--moe-expert-parallel-size"),
+        (["--num-experts", "4", "--ep-size", "2", "--nproc", "3"], "--moe-expert-parallel-size"),
+        (["--num-experts", "4", "--topk", "5"], "--topk"),
+        (["--mlp-type", "pyramid"], "--mlp-type"),
+        (["--moe-train-capacity-factor", "-1"], "--moe-train-capacity-factor"),
+        (["--moe-eval-capacity-factor", "0"], "--moe-eval-capacity-factor"),
+        (["--moe-min-capacity", "-2"], "--moe-min-capacity"),
+        (["--moe-loss-coeff", "nan"], "--moe-loss-coeff"),
+        (["--hidden-size", "30", "--num-attention-heads", "4"], "--hidden-size"),
+        (["--mos"], "--load-teacher"),
+        (["--kd-temp", "0"], "--kd-temp"),
+    ],
+)
 def test_bad_flags_name_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert flag in _error_of(argv, capsys)
 
@@ -75,7 +131,8 @@ def test_config_errors_are_value_errors() -> None:
         GPTConfig(vocab_size=10, seq_length=8, mlp_type="dense")
     with pytest.raises(ValueError, match="sequence"):
         GPT(GPTConfig(vocab_size=10, seq_length=4, hidden_size=8, num_attention_heads=2))(
-            torch.zeros(1, 5, dtype=torch.long))
+            torch.zeros(1, 5, dtype=torch.long)
+        )
 
 
 def test_task_floor_is_the_true_distributions_loss() -> None:
@@ -93,8 +150,9 @@ def test_task_floor_is_the_true_distributions_loss() -> None:
             p = torch.full(tok.shape, 1.0 / task.num_words)
         else:
             hit = tok == table[topic, batch[:, pos - 1] - task.num_topics]
-            p = torch.where(hit, 1 - task.noise + task.noise / task.num_words,
-                            torch.tensor(task.noise / task.num_words))
+            p = torch.where(
+                hit, 1 - task.noise + task.noise / task.num_words, torch.tensor(task.noise / task.num_words)
+            )
         total += float(-p.log().mean())
     assert abs(total / task.seq_length - task.loss_floor()) < 0.02
 
@@ -110,14 +168,17 @@ def test_mos_loss() -> None:
 
 
 def _logits_at_ep2(rank: int, world: int, save: str, batch_path: str, out_dir: str, port: int) -> None:
-    """Child: train a few steps at ep 2 and save; then rebuild at ep 2, load, and keep logits of its half batch."""
+    """Child: train a few steps at ep 2 and save; rebuild at ep 2, load, keep the logits of its half batch."""
+    from deepnvme.moe.groups import reset_groups
     from deepnvme.moe.trainer import build_model, run_worker
 
-    args = parse_args(TINY + ["--nproc", "2", "--num-experts", "4", "--ep-size", "2", "--train-iters", "3",
-                              "--save", save])
+    args = parse_args(
+        TINY + ["--nproc", "2", "--num-experts", "4", "--ep-size", "2", "--train-iters", "3", "--save", save]
+    )
     run_worker(rank, world, args, f"tcp://127.0.0.1:{port}")
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + 1}", rank=rank,
-                                         world_size=world)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port + 1}", rank=rank, world_size=world
+    )
     try:
         saved = ckpt.read_client_state(save)
         model = build_model(GPTConfig(**saved["gpt_config"]), seed=99)  # other weights until loaded
@@ -129,6 +190,7 @@ def _logits_at_ep2(rank: int, world: int, save: str, batch_path: str, out_dir: s
         torch.save(logits, os.path.join(out_dir, f"logits{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
+        reset_groups()
 
 
 def test_checkpoint_saved_at_ep2_loads_at_ep1_with_identical_outputs(tmp_path: Path) -> None:
@@ -162,8 +224,9 @@ def test_checkpoint_saved_at_ep2_loads_at_ep1_with_identical_outputs(tmp_path: P
 
 
 def test_checkpoint_errors_name_the_file(tmp_path: Path) -> None:
-    cfg = GPTConfig(vocab_size=12, seq_length=8, num_layers=2, hidden_size=8, num_attention_heads=2,
-                    num_experts=2)
+    cfg = GPTConfig(
+        vocab_size=12, seq_length=8, num_layers=2, hidden_size=8, num_attention_heads=2, num_experts=2
+    )
     model = GPT(cfg)
     ckpt.save_moe_checkpoint(model, str(tmp_path), "t", {"note": "x"})
     assert ckpt.read_client_state(str(tmp_path)) == {"note": "x", "num_experts": [2]}
@@ -183,11 +246,54 @@ def test_checkpoint_errors_name_the_file(tmp_path: Path) -> None:
 def test_prmoe_teacher_then_mos_student(tmp_path: Path) -> None:
     teacher = str(tmp_path / "teacher")
     log_t, log_s = str(tmp_path / "t.json"), str(tmp_path / "s.json")
-    assert main(TINY + ["--num-layers", "4", "--num-experts", "2", "4", "--mlp-type", "residual",
-                        "--train-iters", "2", "--save", teacher, "--log-json", log_t]) == 0
-    assert main(TINY + ["--num-layers", "2", "--num-experts", "4", "--mlp-type", "residual", "--mos",
-                        "--load-teacher", teacher, "--num-layers-teacher", "4", "--kd-temp", "2",
-                        "--kd-stop-iter", "1", "--train-iters", "2", "--log-json", log_s]) == 0
+    assert (
+        main(
+            TINY
+            + [
+                "--num-layers",
+                "4",
+                "--num-experts",
+                "2",
+                "4",
+                "--mlp-type",
+                "residual",
+                "--train-iters",
+                "2",
+                "--save",
+                teacher,
+                "--log-json",
+                log_t,
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            TINY
+            + [
+                "--num-layers",
+                "2",
+                "--num-experts",
+                "4",
+                "--mlp-type",
+                "residual",
+                "--mos",
+                "--load-teacher",
+                teacher,
+                "--num-layers-teacher",
+                "4",
+                "--kd-temp",
+                "2",
+                "--kd-stop-iter",
+                "1",
+                "--train-iters",
+                "2",
+                "--log-json",
+                log_s,
+            ]
+        )
+        == 0
+    )
     for path in (log_t, log_s):
         with open(path) as f:
             run = json.load(f)
@@ -195,8 +301,20 @@ def test_prmoe_teacher_then_mos_student(tmp_path: Path) -> None:
         assert all(math.isfinite(p["val_loss"]) for p in run["curve"])
     assert json.load(open(log_s))["mos"] is True
     with pytest.raises(ValueError, match="--num-experts-teacher"):
-        main(TINY + ["--num-experts", "4", "--mos", "--load-teacher", teacher, "--num-experts-teacher", "8",
-                     "--train-iters", "1"])
+        main(
+            TINY
+            + [
+                "--num-experts",
+                "4",
+                "--mos",
+                "--load-teacher",
+                teacher,
+                "--num-experts-teacher",
+                "8",
+                "--train-iters",
+                "1",
+            ]
+        )
 
 
 def test_plot_and_table(tmp_path: Path) -> None:
@@ -205,8 +323,13 @@ def test_plot_and_table(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="matplotlib is the optional 'plot' extra")
 
     def run(losses: list[float], total: int) -> dict:
-        return {"curve": [{"iter": 10 * i, "val_loss": v} for i, v in enumerate(losses)], "loss_floor": 1.0,
-                "final_val_loss": losses[-1], "params": {"total": total, "active": 5000}, "train_s": 3.0}
+        return {
+            "curve": [{"iter": 10 * i, "val_loss": v} for i, v in enumerate(losses)],
+            "loss_floor": 1.0,
+            "final_val_loss": losses[-1],
+            "params": {"total": total, "active": 5000},
+            "train_s": 3.0,
+        }
 
     runs = {"dense": run([4.0, 3.0, 2.5], 5000), "moe-8": run([4.0, 2.5, 1.5], 40000)}
     path = plot_curves(runs, str(tmp_path / "c.png"), title="t")

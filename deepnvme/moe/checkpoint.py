@@ -1,8 +1,8 @@
 """MoE model checkpoints in DeepSpeed's engine layout: one file per expert, one for everything else.
 
-    <save_dir>/<tag>/mp_rank_00_model_states.pt                      non-expert weights, num_experts, client state
-    <save_dir>/<tag>/layer_{L}_expert_{G}_mp_rank_00_model_states.pt  expert G of MoE layer L (global ids)
-    <save_dir>/latest                                                 the newest tag
+    <save_dir>/<tag>/mp_rank_00_model_states.pt          non-expert weights, num_experts, client state
+    <save_dir>/<tag>/layer_{L}_expert_{G}_mp_rank_00_model_states.pt   expert G of MoE layer L (global id)
+    <save_dir>/latest                                     the newest tag
 
 MoE layers are numbered 0, 1, ... in named_modules() order; inside an expert file the keys carry the global
 expert id (DeepSpeed's renaming), so a model built at any expert-parallel size that divides the experts loads
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepnvme.moe.gpt import EXPERT_KEY
+from deepnvme.moe.gpt import EXPERT_KEY, expert_ranks
 
 MAIN_FILE = "mp_rank_00_model_states.pt"
 LATEST_FILE = "latest"
@@ -71,39 +71,25 @@ def _moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
-def _rank_and_world() -> tuple[int, int]:
+def _rank() -> int:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def expert_ranks(layer: nn.Module) -> tuple[int, int]:
-    """(expert-parallel rank, expert-data-parallel rank) of this process for `layer`.
-
-    DeepSpeed's default layout: expert-parallel groups are blocks of ep_size consecutive ranks, so the EP rank
-    is rank % ep_size and the EDP rank rank // ep_size.
-    """
-    rank, world = _rank_and_world()
-    ep = int(layer.ep_size)
-    if world % ep:
-        raise ValueError(f"ep_size ({ep}) must divide the world size ({world})")
-    return rank % ep, rank // ep
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _layer_prefix(name: str) -> str:
     return f"{name}.deepspeed_moe.experts.deepspeed_experts."
 
 
-def save_moe_checkpoint(model: nn.Module, save_dir: str, tag: str,
-                        client_state: Mapping[str, Any] | None = None) -> str:
-    """Write this rank's share of the checkpoint `tag` of `model`; call it on every rank. Returns the tag folder."""
+def save_moe_checkpoint(
+    model: nn.Module, save_dir: str, tag: str, client_state: Mapping[str, Any] | None = None
+) -> str:
+    """Write this rank's share of checkpoint `tag` of `model` (call it on every rank); returns the folder."""
     import torch.distributed as dist
 
     if not isinstance(tag, str) or not tag or os.sep in tag:
         raise ValueError(f"tag must be a non-empty name without '{os.sep}', got {tag!r}")
-    rank, _ = _rank_and_world()
+    rank = _rank()
     folder = os.path.join(save_dir, tag)
     os.makedirs(folder, exist_ok=True)
     state = model.state_dict()
@@ -119,7 +105,9 @@ def save_moe_checkpoint(model: nn.Module, save_dir: str, tag: str,
             if m is None or not key.startswith(prefix):
                 continue
             global_id = ep_rank * layer.num_local_experts + int(m.group("local"))
-            per_expert.setdefault(global_id, {})[f"{prefix}{global_id}.{m.group('rest')}"] = value.detach().clone()
+            per_expert.setdefault(global_id, {})[f"{prefix}{global_id}.{m.group('rest')}"] = (
+                value.detach().clone()
+            )
         for global_id, expert_state in sorted(per_expert.items()):
             _write(expert_state, os.path.join(folder, expert_file(layer_id, global_id)))
     if rank == 0:
@@ -167,8 +155,9 @@ def load_moe_checkpoint(model: nn.Module, load_dir: str, tag: str | None = None)
     layers = _moe_layers(model)
     ours = [int(layer.num_experts) for _, layer in layers]
     if list(main["num_experts"]) != ours:
-        raise ValueError(f"{main_path}: saved with experts per MoE layer {list(main['num_experts'])}, "
-                         f"the model has {ours}")
+        raise ValueError(
+            f"{main_path}: saved with experts per MoE layer {list(main['num_experts'])}, the model has {ours}"
+        )
     state = dict(main["module"])
     for layer_id, (name, layer) in enumerate(layers):
         ep_rank, _ = expert_ranks(layer)
@@ -179,6 +168,6 @@ def load_moe_checkpoint(model: nn.Module, load_dir: str, tag: str | None = None)
             for key, value in _read(path).items():
                 if not key.startswith(f"{prefix}{global_id}."):
                     raise ValueError(f"{path}: key {key!r} is not expert {global_id} of layer {name!r}")
-                state[f"{prefix}{local}.{key[len(prefix) + len(str(global_id)) + 1:]}"] = value
+                state[f"{prefix}{local}.{key[len(prefix) + len(str(global_id)) + 1 :]}"] = value
     model.load_state_dict(state)
     return {k: v for k, v in main.items() if k != "module"}

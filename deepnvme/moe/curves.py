@@ -38,7 +38,9 @@ def plot_curves(runs: Mapping[str, Mapping[str, Any]], path: str, title: str = "
             ax.plot(its, [p["val_loss"] for p in run["curve"]], marker="o", markersize=2.5, label=label)
         floors = {round(run["loss_floor"], 6) for run in runs.values() if "loss_floor" in run}
         if len(floors) == 1:
-            ax.axhline(floors.pop(), color="grey", linestyle="--", linewidth=1, label="loss floor of the task")
+            ax.axhline(
+                floors.pop(), color="grey", linestyle="--", linewidth=1, label="loss floor of the task"
+            )
         ax.set_xlabel("iteration")
         ax.set_ylabel("validation loss (nats/token)")
         if title:
@@ -74,8 +76,13 @@ def results_table(runs: Mapping[str, Mapping[str, Any]], baseline: str | None = 
         return run["final_val_loss"] - run.get("loss_floor", 0.0)
 
     for label, run in runs.items():
-        row = [label, _millions(run["params"]["total"]), _millions(run["params"]["active"]),
-               f"{run['final_val_loss']:.4f}", f"{gap(run):.4f}"]
+        row = [
+            label,
+            _millions(run["params"]["total"]),
+            _millions(run["params"]["active"]),
+            f"{run['final_val_loss']:.4f}",
+            f"{gap(run):.4f}",
+        ]
         if baseline:
             base = gap(runs[baseline])
             row.append(f"{gap(run) / base:.2f}×" if base > 0 and not math.isnan(base) else "n/a")

@@ -1,9 +1,9 @@
-"""A small GPT (causal transformer, pure torch) with DeepSpeed-style MoE layers every `expert_interval` blocks.
+"""A small GPT (causal transformer, pure torch) with DeepSpeed-style MoE layers every few blocks.
 
 The model layout follows Megatron-DeepSpeed's NLG recipe: 1-based block l is an MoE block iff
 l % expert_interval == 0, and takes num_experts[(l - 1) // expert_interval] experts, so a list gives the
 pyramid of PR-MoE (more experts near the output). A block with one expert is a plain dense MLP, as there.
-`mlp_type="residual"` turns every MoE block into PR-MoE's residual form (a dense MLP beside the routed experts).
+`mlp_type="residual"` turns every MoE block into PR-MoE's residual form (a dense MLP beside the experts).
 
 Initial weights depend only on the seed and each parameter's global name (an expert's global id, not its
 rank-local slot), so the same seed gives the same model at every expert-parallel size and every expert
@@ -26,7 +26,9 @@ from torch import nn
 MLP_TYPES = ("standard", "residual")
 
 # DeepSpeed's state_dict naming of a rank-local expert inside an MoE layer.
-EXPERT_KEY = re.compile(r"^(?P<layer>.*)\.deepspeed_moe\.experts\.deepspeed_experts\.(?P<local>\d+)\.(?P<rest>.*)$")
+EXPERT_KEY = re.compile(
+    r"^(?P<layer>.*)\.deepspeed_moe\.experts\.deepspeed_experts\.(?P<local>\d+)\.(?P<rest>.*)$"
+)
 
 
 @dataclass
@@ -62,37 +64,59 @@ class GPTConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field; nothing is asserted."""
-        for name in ("vocab_size", "seq_length", "num_layers", "hidden_size", "num_attention_heads",
-                     "ffn_hidden_size", "expert_interval", "topk", "ep_size"):
+        for name in (
+            "vocab_size",
+            "seq_length",
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "ffn_hidden_size",
+            "expert_interval",
+            "topk",
+            "ep_size",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
-                             f"({self.num_attention_heads})")
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
         if self.mlp_type not in MLP_TYPES:
             raise ValueError(f"mlp_type must be one of {MLP_TYPES}, got {self.mlp_type!r}")
         moe_blocks = self.num_layers // self.expert_interval
-        if not self.num_experts or any(isinstance(e, bool) or not isinstance(e, int) or e < 1
-                                       for e in self.num_experts):
+        if not self.num_experts or any(
+            isinstance(e, bool) or not isinstance(e, int) or e < 1 for e in self.num_experts
+        ):
             raise ValueError(f"num_experts must be positive ints, got {list(self.num_experts)}")
         if len(self.num_experts) not in (1, moe_blocks):
-            raise ValueError(f"num_experts needs 1 value or one per MoE block ({moe_blocks} for num_layers="
-                             f"{self.num_layers}, expert_interval={self.expert_interval}), "
-                             f"got {len(self.num_experts)}: {list(self.num_experts)}")
+            raise ValueError(
+                f"num_experts needs 1 value or one per MoE block ({moe_blocks} for num_layers="
+                f"{self.num_layers}, expert_interval={self.expert_interval}), "
+                f"got {len(self.num_experts)}: {list(self.num_experts)}"
+            )
         routed = [e for e in self.experts_per_layer() if e > 1]
         if self.ep_size > 1 and not routed:
-            raise ValueError(f"ep_size={self.ep_size} needs MoE blocks, but every block is dense "
-                             f"(num_experts={list(self.num_experts)})")
+            raise ValueError(
+                f"ep_size={self.ep_size} needs MoE blocks, but every block is dense "
+                f"(num_experts={list(self.num_experts)})"
+            )
         for e in routed:
             if e % self.ep_size:
-                raise ValueError(f"ep_size ({self.ep_size}) must divide num_experts of every MoE block, got {e}")
+                raise ValueError(
+                    f"ep_size ({self.ep_size}) must divide num_experts of every MoE block, got {e}"
+                )
             if self.topk > e:
                 raise ValueError(f"topk ({self.topk}) exceeds the experts of an MoE block ({e})")
         for name in ("capacity_factor", "eval_capacity_factor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if isinstance(self.min_capacity, bool) or not isinstance(self.min_capacity, int) or self.min_capacity < 0:
+        if (
+            isinstance(self.min_capacity, bool)
+            or not isinstance(self.min_capacity, int)
+            or self.min_capacity < 0
+        ):
             raise ValueError(f"min_capacity must be an int >= 0, got {self.min_capacity!r}")
 
     def experts_per_layer(self) -> list[int]:
@@ -158,11 +182,21 @@ class Block(nn.Module):
             return
         from deepnvme.moe import MoE
 
-        self.mlp = MoE(cfg.hidden_size, expert, num_experts=num_experts, ep_size=cfg.ep_size, k=cfg.topk,
-                       capacity_factor=cfg.capacity_factor, eval_capacity_factor=cfg.eval_capacity_factor,
-                       min_capacity=cfg.min_capacity, use_residual=cfg.mlp_type == "residual",
-                       noisy_gate_policy=cfg.noisy_gate_policy, drop_tokens=cfg.drop_tokens,
-                       use_rts=cfg.use_rts, top2_2nd_expert_sampling=cfg.top2_2nd_expert_sampling)
+        self.mlp = MoE(
+            cfg.hidden_size,
+            expert,
+            num_experts=num_experts,
+            ep_size=cfg.ep_size,
+            k=cfg.topk,
+            capacity_factor=cfg.capacity_factor,
+            eval_capacity_factor=cfg.eval_capacity_factor,
+            min_capacity=cfg.min_capacity,
+            use_residual=cfg.mlp_type == "residual",
+            noisy_gate_policy=cfg.noisy_gate_policy,
+            drop_tokens=cfg.drop_tokens,
+            use_rts=cfg.use_rts,
+            top2_2nd_expert_sampling=cfg.top2_2nd_expert_sampling,
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(new hidden states, l_aux or None, exp_counts or None)."""
@@ -177,7 +211,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token + position embeddings, blocks, final LayerNorm, output head tied to the token embedding."""
 
-    def __init__(self, cfg: GPTConfig, seed: int = 0, ep_rank: int = 0) -> None:
+    def __init__(self, cfg: GPTConfig, seed: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -185,18 +219,14 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, e) for e in cfg.experts_per_layer())
         self.ln_f = nn.LayerNorm(cfg.hidden_size)
         self.exp_counts: list[torch.Tensor] = []
-        self.reset_parameters(seed, ep_rank)
+        self.reset_parameters(seed)
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int, ep_rank: int = 0) -> None:
-        """Draw every parameter from a generator keyed by (seed, its global name); see the module doc.
-
-        `ep_rank` is this rank's place in its expert-parallel group: rank-local expert i of a block with E
-        experts is global expert ep_rank * E / ep_size + i.
-        """
+    def reset_parameters(self, seed: int) -> None:
+        """Draw every parameter from a generator keyed by (seed, its global name); see the module doc."""
         proj_std = 0.02 / math.sqrt(2 * self.cfg.num_layers)
         for name, p in self.named_parameters():
-            key = _global_name(name, self, ep_rank)
+            key = _global_name(name, self)
             g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{key}".encode()))
             if name.endswith("bias"):
                 p.zero_()
@@ -229,15 +259,32 @@ class GPT(nn.Module):
         return F.linear(self.ln_f(x), self.wte.weight), aux
 
 
-def _global_name(name: str, model: GPT, ep_rank: int) -> str:
+def expert_ranks(layer: nn.Module) -> tuple[int, int]:
+    """(expert-parallel rank, expert-data-parallel rank) of this process for the MoE `layer`.
+
+    The EP rank says which experts it holds (local expert i is global expert ep_rank * E_local + i); EDP rank
+    0 marks the first of the ranks holding the same experts. Without torch.distributed both are 0.
+    """
+    import torch.distributed as dist
+
+    from deepnvme.moe.groups import groups_named
+
+    groups = groups_named(layer.expert_group_name)
+    if groups is None:
+        if layer.ep_size > 1:
+            raise ValueError(f"MoE layer with ep_size={layer.ep_size} has no expert-parallel groups")
+        return 0, 0
+    return groups.ep_rank, (dist.get_rank(groups.edp_group) if groups.edp_group is not None else 0)
+
+
+def _global_name(name: str, model: GPT) -> str:
     """A parameter's name with a rank-local expert index replaced by its global expert id."""
     m = EXPERT_KEY.match(name)
     if m is None:
         return name
     layer = model.get_submodule(m.group("layer"))
-    local = int(m.group("local"))
-    return f"{m.group('layer')}.deepspeed_moe.experts.deepspeed_experts.{ep_rank * layer.num_local_experts + local}" \
-           f".{m.group('rest')}"
+    global_id = expert_ranks(layer)[0] * layer.num_local_experts + int(m.group("local"))
+    return f"{m.group('layer')}.deepspeed_moe.experts.deepspeed_experts.{global_id}.{m.group('rest')}"
 
 
 def count_parameters(model: GPT) -> dict[str, int]:

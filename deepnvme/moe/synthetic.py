@@ -44,7 +44,7 @@ class TopicTask:
         return self.num_topics + self.num_words
 
     def table(self) -> torch.Tensor:
-        """The facts: table[t, x] is the word (0-based, without the topic offset) that answers x in topic t."""
+        """The facts: table[t, x] is the word (0-based, no topic offset) that answers x in topic t."""
         import torch
 
         g = torch.Generator().manual_seed(self.seed)

@@ -21,11 +21,19 @@ from typing import Any
 
 # GPTConfig field -> the flag that sets it, so a config error names what the user typed.
 FLAG_OF_FIELD = {
-    "num_experts": "--num-experts", "ep_size": "--moe-expert-parallel-size", "topk": "--topk",
-    "mlp_type": "--mlp-type", "capacity_factor": "--moe-train-capacity-factor",
-    "eval_capacity_factor": "--moe-eval-capacity-factor", "min_capacity": "--moe-min-capacity",
-    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
-    "ffn_hidden_size": "--ffn-hidden-size", "expert_interval": "--expert-interval", "seq_length": "--seq-length",
+    "num_experts": "--num-experts",
+    "ep_size": "--moe-expert-parallel-size",
+    "topk": "--topk",
+    "mlp_type": "--mlp-type",
+    "capacity_factor": "--moe-train-capacity-factor",
+    "eval_capacity_factor": "--moe-eval-capacity-factor",
+    "min_capacity": "--moe-min-capacity",
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "num_attention_heads": "--num-attention-heads",
+    "ffn_hidden_size": "--ffn-hidden-size",
+    "expert_interval": "--expert-interval",
+    "seq_length": "--seq-length",
 }
 
 
@@ -67,11 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--ffn-hidden-size", type=_positive_int, default=None, help="default: 4 x hidden size")
     m.add_argument("--seq-length", type=_positive_int, default=32)
     e = p.add_argument_group("mixture of experts")
-    e.add_argument("--num-experts", type=_positive_int, nargs="+", default=[1],
-                   help="experts per MoE block: one value for all, or one per MoE block (pyramid); 1 = dense")
-    e.add_argument("--expert-interval", type=_positive_int, default=2, help="every n-th block is an MoE block")
-    e.add_argument("--mlp-type", choices=("standard", "residual"), default="standard",
-                   help="residual = PR-MoE (a dense MLP beside the routed experts)")
+    e.add_argument(
+        "--num-experts",
+        type=_positive_int,
+        nargs="+",
+        default=[1],
+        help="experts per MoE block: one value for all, or one per MoE block (pyramid); 1 = dense",
+    )
+    e.add_argument(
+        "--expert-interval", type=_positive_int, default=2, help="every n-th block is an MoE block"
+    )
+    e.add_argument(
+        "--mlp-type",
+        choices=("standard", "residual"),
+        default="standard",
+        help="residual = PR-MoE (a dense MLP beside the routed experts)",
+    )
     e.add_argument("--topk", type=_positive_int, default=1)
     e.add_argument("--moe-expert-parallel-size", "--ep-size", dest="ep_size", type=_positive_int, default=1)
     e.add_argument("--moe-train-capacity-factor", type=_positive_float, default=1.0)
@@ -79,12 +98,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--moe-min-capacity", type=_nonnegative_int, default=4)
     e.add_argument("--disable-moe-token-dropping", action="store_true")
     e.add_argument("--disable-moe-top2-2nd-expert-sampling", action="store_true")
-    e.add_argument("--moe-loss-coeff", type=_nonnegative_float, default=0.01,
-                   help="weight of the summed aux (load-balancing) losses")
-    e.add_argument("--create-moe-param-group", action="store_true",
-                   help="accepted for Megatron-DeepSpeed scripts; expert params always get their own groups here")
+    e.add_argument(
+        "--moe-loss-coeff",
+        type=_nonnegative_float,
+        default=0.01,
+        help="weight of the summed aux (load-balancing) losses",
+    )
+    e.add_argument(
+        "--create-moe-param-group",
+        action="store_true",
+        help="accepted for Megatron-DeepSpeed scripts; expert params always get their own groups here",
+    )
     k = p.add_argument_group("mixture of students (distillation)")
-    k.add_argument("--mos", action="store_true", help="train this (smaller) model as a student of --load-teacher")
+    k.add_argument(
+        "--mos", action="store_true", help="train this (smaller) model as a student of --load-teacher"
+    )
     k.add_argument("--kd", action="store_true", help="same as --mos")
     k.add_argument("--load-teacher", default=None, help="checkpoint folder of the trained teacher")
     k.add_argument("--num-layers-teacher", type=_positive_int, default=None)
@@ -93,9 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--num-experts-teacher", type=_positive_int, nargs="+", default=None)
     k.add_argument("--kd-temp", type=_positive_float, default=1.0)
     k.add_argument("--kd-alpha-ce", type=_nonnegative_float, default=1.0, help="weight of the LM loss")
-    k.add_argument("--kd-beta-ce", type=_nonnegative_float, default=1.0, help="weight of the distillation loss")
-    k.add_argument("--kd-stop-iter", type=_nonnegative_int, default=None,
-                   help="staged KD: LM loss only from this iteration on")
+    k.add_argument(
+        "--kd-beta-ce", type=_nonnegative_float, default=1.0, help="weight of the distillation loss"
+    )
+    k.add_argument(
+        "--kd-stop-iter",
+        type=_nonnegative_int,
+        default=None,
+        help="staged KD: LM loss only from this iteration on",
+    )
     t = p.add_argument_group("training")
     t.add_argument("--train-iters", type=_nonnegative_int, default=600)
     t.add_argument("--micro-batch-size", type=_positive_int, default=32, help="sequences per rank and step")
@@ -112,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--num-topics", type=_positive_int, default=16)
     d.add_argument("--num-words", type=_positive_int, default=64)
     d.add_argument("--task-noise", type=_nonnegative_float, default=0.1)
-    d.add_argument("--nproc", type=_positive_int, default=1, help="processes to spawn (ignored under torchrun)")
+    d.add_argument(
+        "--nproc", type=_positive_int, default=1, help="processes to spawn (ignored under torchrun)"
+    )
     d.add_argument("--threads", type=_positive_int, default=None, help="torch threads per process")
     d.add_argument("--log-json", default=None, help="write the loss curve and figures here (rank 0)")
     d.add_argument("--log-interval", type=_positive_int, default=50)
@@ -128,20 +164,35 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> Any:
     from deepnvme.moe.gpt import GPTConfig
 
     return GPTConfig(
-        vocab_size=vocab_size, seq_length=args.seq_length, num_layers=args.num_layers,
-        hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size or 0, num_experts=tuple(args.num_experts),
-        expert_interval=args.expert_interval, mlp_type=args.mlp_type, topk=args.topk, ep_size=args.ep_size,
-        capacity_factor=args.moe_train_capacity_factor, eval_capacity_factor=args.moe_eval_capacity_factor,
-        min_capacity=args.moe_min_capacity, drop_tokens=not args.disable_moe_token_dropping,
-        top2_2nd_expert_sampling=not args.disable_moe_top2_2nd_expert_sampling)
+        vocab_size=vocab_size,
+        seq_length=args.seq_length,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size or 0,
+        num_experts=tuple(args.num_experts),
+        expert_interval=args.expert_interval,
+        mlp_type=args.mlp_type,
+        topk=args.topk,
+        ep_size=args.ep_size,
+        capacity_factor=args.moe_train_capacity_factor,
+        eval_capacity_factor=args.moe_eval_capacity_factor,
+        min_capacity=args.moe_min_capacity,
+        drop_tokens=not args.disable_moe_token_dropping,
+        top2_2nd_expert_sampling=not args.disable_moe_top2_2nd_expert_sampling,
+    )
 
 
 def task_from_args(args: argparse.Namespace) -> Any:
     from deepnvme.moe.synthetic import TopicTask
 
-    return TopicTask(num_topics=args.num_topics, num_words=args.num_words, seq_length=args.seq_length,
-                     noise=args.task_noise, seed=args.seed)
+    return TopicTask(
+        num_topics=args.num_topics,
+        num_words=args.num_words,
+        seq_length=args.seq_length,
+        noise=args.task_noise,
+        seed=args.seed,
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -158,8 +209,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"argument {FLAG_OF_FIELD[field]}: {text}" if field else text)
     world = _world_size(args)
     if world % args.ep_size:
-        parser.error(f"argument --moe-expert-parallel-size: {args.ep_size} must divide the number of "
-                     f"processes ({world})")
+        parser.error(
+            f"argument --moe-expert-parallel-size: {args.ep_size} must divide the number of "
+            f"processes ({world})"
+        )
     args.mos = args.mos or args.kd
     if args.mos and not args.load_teacher:
         parser.error("argument --load-teacher: required with --mos/--kd")

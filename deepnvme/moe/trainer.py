@@ -1,10 +1,9 @@
 """The recipe's training loop on one rank: data, model, DP + EP gradient reduction, eval, MoS, checkpoints.
 
-What DeepSpeed's engine does for an MoE model is done here in plain torch.distributed, so the recipe runs on
-any gloo/NCCL setup: expert-parallel groups via each MoE layer's set_deepspeed_parallelism(); dense gradients
-averaged over all ranks; expert gradients summed over their expert-data-parallel group (the ranks holding
-the same experts) and divided by the full data-parallel size, since the all-to-all's backward has already
-summed every rank's tokens into them.
+What DeepSpeed's engine does for an MoE model is done here with plain torch.distributed, so the recipe runs on
+any gloo/NCCL setup: deepnvme.moe's layers create their expert-parallel groups when built (after
+init_process_group), and allreduce_moe_gradients averages dense gradients over all ranks and expert
+gradients over the ranks holding the same experts.
 """
 
 from __future__ import annotations
@@ -20,68 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from deepnvme.moe.checkpoint import load_moe_checkpoint, read_client_state, save_moe_checkpoint
 from deepnvme.moe.distill import mos_loss
 from deepnvme.moe.gpt import GPT, GPTConfig, count_parameters
 from deepnvme.moe.synthetic import TopicTask
 from deepnvme.moe.train import model_config, task_from_args
-
-_EDP_GROUPS: dict[int, Any] = {}
-
-
-def expert_data_parallel_group(ep_size: int) -> Any:
-    """This rank's group of ranks that hold the same experts (stride ep_size: DeepSpeed's default layout).
-
-    Every rank must call it with the same ep sizes in the same order (group creation is collective).
-    """
-    if ep_size not in _EDP_GROUPS:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        for first in range(ep_size):
-            ranks = list(range(first, world, ep_size))
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                _EDP_GROUPS[ep_size] = group
-    return _EDP_GROUPS[ep_size]
-
-
-def setup_expert_parallel(model: nn.Module) -> None:
-    """Hand every MoE layer its process groups, as deepspeed.initialize does."""
-    for module in model.modules():
-        if hasattr(module, "set_deepspeed_parallelism"):
-            module.set_deepspeed_parallelism()
-
-
-def reduce_gradients(model: nn.Module) -> None:
-    """Average gradients over data parallelism: dense params over all ranks, expert params over their EDP group."""
-    from deepnvme.moe import is_moe_param
-
-    world = dist.get_world_size()
-    dense: list[torch.Tensor] = []
-    expert: dict[int, list[torch.Tensor]] = {}
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        if p.grad is None:  # an expert that got no token this step still takes part in the reduction
-            p.grad = torch.zeros_like(p)
-        if is_moe_param(p):
-            expert.setdefault(int(p.group_name.rsplit("_", 1)[1]), []).append(p.grad)
-        else:
-            dense.append(p.grad)
-    buckets = [(dense, None)] + [(grads, expert_data_parallel_group(ep)) for ep, grads in sorted(expert.items())]
-    for grads, group in buckets:
-        if not grads:
-            continue
-        if world > 1 and (group is None or dist.get_world_size(group) > 1):
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-        for g in grads:
-            g.div_(world)
 
 
 def _lr(args: argparse.Namespace, it: int) -> float:
@@ -95,11 +38,7 @@ def _lr(args: argparse.Namespace, it: int) -> float:
 
 def build_model(cfg: GPTConfig, seed: int) -> GPT:
     """The GPT of `cfg` on this rank: its share of the experts, groups set up (needs an initialised group)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    model = GPT(cfg, seed=seed, ep_rank=rank % cfg.ep_size)
-    if dist.is_initialized():
-        setup_expert_parallel(model)
-    return model
+    return GPT(cfg, seed=seed)
 
 
 def _teacher(args: argparse.Namespace, ep_size: int) -> GPT:
@@ -108,14 +47,20 @@ def _teacher(args: argparse.Namespace, ep_size: int) -> GPT:
     if "gpt_config" not in saved:
         raise ValueError(f"--load-teacher {args.load_teacher}: the checkpoint holds no gpt_config")
     cfg_dict = dict(saved["gpt_config"])
-    for flag, field in (("num_layers_teacher", "num_layers"), ("hidden_size_teacher", "hidden_size"),
-                        ("num_attention_heads_teacher", "num_attention_heads"),
-                        ("num_experts_teacher", "num_experts")):
+    for flag, field in (
+        ("num_layers_teacher", "num_layers"),
+        ("hidden_size_teacher", "hidden_size"),
+        ("num_attention_heads_teacher", "num_attention_heads"),
+        ("num_experts_teacher", "num_experts"),
+    ):
         wanted = getattr(args, flag)
-        if wanted is not None and list(wanted if isinstance(wanted, list) else [wanted]) != \
-                list(cfg_dict[field] if isinstance(cfg_dict[field], list) else [cfg_dict[field]]):
-            raise ValueError(f"--{flag.replace('_', '-')} {wanted} does not match the teacher checkpoint's "
-                             f"{field}={cfg_dict[field]}")
+        if wanted is not None and list(wanted if isinstance(wanted, list) else [wanted]) != list(
+            cfg_dict[field] if isinstance(cfg_dict[field], list) else [cfg_dict[field]]
+        ):
+            raise ValueError(
+                f"--{flag.replace('_', '-')} {wanted} does not match the teacher checkpoint's "
+                f"{field}={cfg_dict[field]}"
+            )
     cfg_dict["ep_size"] = ep_size
     cfg = GPTConfig(**cfg_dict)
     teacher = build_model(cfg, seed=0)
@@ -142,7 +87,9 @@ def evaluate(model: GPT, batches: list[torch.Tensor]) -> float:
     return float(total[0] / total[1])
 
 
-def validation_batches(task: TopicTask, args: argparse.Namespace, rank: int, world: int) -> list[torch.Tensor]:
+def validation_batches(
+    task: TopicTask, args: argparse.Namespace, rank: int, world: int
+) -> list[torch.Tensor]:
     """This rank's share of one fixed validation set (the same set at every world size that divides it)."""
     g = torch.Generator().manual_seed(args.seed + 7919)
     table = task.table()
@@ -160,12 +107,14 @@ def run_worker(rank: int, world: int, args: argparse.Namespace, init_method: str
     try:
         return _train(rank, world, args)
     finally:
+        from deepnvme.moe.groups import reset_groups
+
         dist.destroy_process_group()
-        _EDP_GROUPS.clear()
+        reset_groups()
 
 
 def _train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
-    from deepnvme.moe import split_params_into_different_moe_groups_for_optimizer
+    from deepnvme.moe import allreduce_moe_gradients, split_params_into_different_moe_groups_for_optimizer
 
     task = task_from_args(args)
     cfg = model_config(args, task.vocab_size)
@@ -176,7 +125,8 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         load_moe_checkpoint(model, args.load)
     teacher = _teacher(args, cfg.ep_size) if args.mos else None
     groups = split_params_into_different_moe_groups_for_optimizer(
-        [{"params": [p for p in model.parameters() if p.requires_grad], "name": "dense"}])
+        [{"params": [p for p in model.parameters() if p.requires_grad], "name": "dense"}]
+    )
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
 
     table = task.table()
@@ -191,14 +141,21 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         if world > 1:
             dist.all_reduce(running)
         steps = max(1.0, float(running[2]))
-        point = {"iter": it, "val_loss": evaluate(model, val), "elapsed_s": time.perf_counter() - start,
-                 "train_loss": float(running[0]) / steps if running[2] else float("nan"),
-                 "aux_loss": float(running[1]) / steps if running[2] else float("nan")}
+        point = {
+            "iter": it,
+            "val_loss": evaluate(model, val),
+            "elapsed_s": time.perf_counter() - start,
+            "train_loss": float(running[0]) / steps if running[2] else float("nan"),
+            "aux_loss": float(running[1]) / steps if running[2] else float("nan"),
+        }
         curve.append(point)
         running = torch.zeros(3, dtype=torch.float64)
         if rank == 0:
-            print(f"iter {it:5d}  train {point['train_loss']:.4f}  val {point['val_loss']:.4f}  "
-                  f"aux {point['aux_loss']:.3f}  {point['elapsed_s']:.0f} s", flush=True)
+            print(
+                f"iter {it:5d}  train {point['train_loss']:.4f}  val {point['val_loss']:.4f}  "
+                f"aux {point['aux_loss']:.3f}  {point['elapsed_s']:.0f} s",
+                flush=True,
+            )
 
     record(0)
     model.train()
@@ -212,22 +169,37 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         if teacher is not None and (args.kd_stop_iter is None or it < args.kd_stop_iter):
             with torch.no_grad():
                 teacher_logits, _ = teacher(batch[:, :-1])
-            loss = args.kd_alpha_ce * lm + args.kd_beta_ce * mos_loss(logits, teacher_logits, args.kd_temp) \
+            loss = (
+                args.kd_alpha_ce * lm
+                + args.kd_beta_ce * mos_loss(logits, teacher_logits, args.kd_temp)
                 + args.moe_loss_coeff * aux
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        reduce_gradients(model)
+        allreduce_moe_gradients(model)
         optimizer.step()
         running += torch.tensor([lm.item(), aux.item(), 1.0], dtype=torch.float64)
         if (it + 1) % args.eval_interval == 0 or it + 1 == args.train_iters:
             record(it + 1)
 
-    results = {"config": cfg.to_dict(), "task": asdict(task), "world_size": world, "params": count_parameters(model),
-               "loss_floor": task.loss_floor(), "curve": curve, "final_val_loss": curve[-1]["val_loss"],
-               "mos": bool(args.mos), "train_s": time.perf_counter() - start}
+    results = {
+        "config": cfg.to_dict(),
+        "task": asdict(task),
+        "world_size": world,
+        "params": count_parameters(model),
+        "loss_floor": task.loss_floor(),
+        "curve": curve,
+        "final_val_loss": curve[-1]["val_loss"],
+        "mos": bool(args.mos),
+        "train_s": time.perf_counter() - start,
+    }
     if args.save:
-        save_moe_checkpoint(model, args.save, f"global_step{args.train_iters}",
-                            {"gpt_config": cfg.to_dict(), "task": asdict(task), "iteration": args.train_iters})
+        save_moe_checkpoint(
+            model,
+            args.save,
+            f"global_step{args.train_iters}",
+            {"gpt_config": cfg.to_dict(), "task": asdict(task), "iteration": args.train_iters},
+        )
     if rank == 0 and args.log_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
         with open(args.log_json, "w") as f:
