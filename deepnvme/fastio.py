@@ -1,8 +1,8 @@
-"""torch.save and torch.load through an aio_handle: a file-like writer that streams via locked buffers.
+"""The first interface to torch.save/torch.load through an aio_handle, kept for its callers (ds_io).
 
-torch.save writes its archive in many small pieces; a plain file sends each through the page cache. Here
-the pieces fill a locked buffer that the handle writes with O_DIRECT while the next one fills (two
-buffers, so serialisation and I/O overlap). Loading reads the whole file through the handle first.
+save() and load() now go to deepnvme.save / deepnvme.load (atomic, payloads written and read in place);
+HandleWriter (a stream that copies everything through two locked buffers) remains for the legacy non-zip
+format, which deepnvme.save does not write, and for code that uses it directly.
 """
 
 from __future__ import annotations
@@ -136,11 +136,17 @@ class MemoryReader(io.RawIOBase):
 
 def save(obj: Any, path: str, handle: Any, chunk: int = 64 << 20, legacy: bool = False,
          fsync: bool = True, buffers: list | None = None) -> None:
-    """torch.save(obj) to `path` through `handle`; fsync so the archive's buffered edges reach the drive."""
+    """torch.save(obj) to `path` through `handle`: deepnvme.save (atomic, fsynced), or with `legacy` the
+    non-zip format streamed through HandleWriter's `chunk`-byte buffers (or the caller's `buffers`)."""
     import torch
 
+    if not legacy:
+        from deepnvme.serialization import save as save_archive
+
+        save_archive(obj, path, handle=handle)
+        return
     with HandleWriter(handle, path, chunk, buffers) as writer:
-        torch.save(obj, writer, _use_new_zipfile_serialization=not legacy)
+        torch.save(obj, writer, _use_new_zipfile_serialization=False)
     if fsync:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -150,10 +156,7 @@ def save(obj: Any, path: str, handle: Any, chunk: int = 64 << 20, legacy: bool =
 
 
 def load(path: str, handle: Any, **kwargs: Any) -> Any:
-    """torch.load(path), with the file's bytes read in one handle request (O_DIRECT) rather than buffered."""
-    import torch
+    """deepnvme.load(path, handle=handle, **kwargs): each payload read by the handle into its tensor."""
+    from deepnvme.serialization import load as load_archive
 
-    data = torch.empty(os.path.getsize(path), dtype=torch.uint8)
-    handle.sync_pread(data, path)
-    kwargs.setdefault("weights_only", True)
-    return torch.load(MemoryReader(data), **kwargs)
+    return load_archive(path, handle=handle, **kwargs)
