@@ -8,7 +8,8 @@ MoE layers are numbered 0, 1, ... in named_modules() order; inside an expert fil
 expert id (DeepSpeed's renaming), so a model built at any expert-parallel size that divides the experts loads
 the same files: each rank reads the experts it holds and renames them to its local slots. Every tensor is
 cloned before it is written, so a file holds its own expert only (DeepSpeed #2389). Only the ranks that are
-first in their expert-data-parallel group write experts, and only rank 0 writes the main file.
+first in their expert-data-parallel group write experts, and only rank 0 writes the main file. Files are
+written with deepnvme.save (torch's format: torch.load and DeepSpeed read them), read with deepnvme.load.
 """
 
 from __future__ import annotations
@@ -33,23 +34,10 @@ def expert_file(layer: int, expert: int) -> str:
 
 
 def _write(obj: Any, path: str) -> None:
-    """Write one checkpoint file atomically with deepnvme's writer (torch.save where it has none yet)."""
+    """Write one checkpoint file with deepnvme's checkpoint writer (atomic, payloads straight from memory)."""
     import deepnvme
 
-    save = getattr(deepnvme, "save", None)
-    if save is not None:
-        save(obj, path)
-        return
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    deepnvme.save(obj, path)
 
 
 def _read(path: str) -> Any:
@@ -58,10 +46,7 @@ def _read(path: str) -> Any:
 
     if not os.path.isfile(path):
         raise FileNotFoundError(errno.ENOENT, "checkpoint file missing", path)
-    load = getattr(deepnvme, "load", None)
-    if load is not None:
-        return load(path, map_location="cpu", weights_only=True)
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return deepnvme.load(path, map_location="cpu", weights_only=True)
 
 
 def _moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
