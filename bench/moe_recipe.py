@@ -9,6 +9,9 @@ One run after another, the same task, seeds, batch and schedule for every model,
   pr-moe-4-8   PR-MoE: residual MLP type, pyramid 4 then 8 experts (its checkpoint is the MoS teacher)
   student      a shallower PR-MoE (one block fewer), trained alone
   mos-student  the same student distilled from pr-moe-4-8 (Mixture-of-Students), KD stopped at 3/4 of training
+
+`--only LABEL...` reruns some models and reads the others' JSON from --out (a MoS rerun needs --teacher-dir
+of an earlier run); `--only` with no label just redraws.
 """
 
 from __future__ import annotations
@@ -27,97 +30,48 @@ if str(REPO) not in sys.path:
 
 from deepnvme.moe.curves import plot_curves, results_table  # noqa: E402
 
-# The task and model every run shares; chosen so the dense baseline is capacity-bound within a few minutes.
-COMMON = [
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--num-topics",
-    "32",
-    "--num-words",
-    "96",
-    "--micro-batch-size",
-    "32",
-    "--moe-train-capacity-factor",
-    "1.25",
-    "--moe-eval-capacity-factor",
-    "2",
-    "--moe-loss-coeff",
-    "0.01",
-    "--seed",
-    "1234",
-]
+# The task and model every run shares: small enough for a few minutes per run on 2 busy cores, with more
+# topic facts than the dense baseline's MLPs learn in that time.
+COMMON = ("--hidden-size 32 --num-attention-heads 4 --seq-length 32 --num-topics 16 --num-words 64 "
+          "--micro-batch-size 32 --moe-train-capacity-factor 1.25 --moe-eval-capacity-factor 2 "
+          "--moe-loss-coeff 0.01 --seed 1234").split()
 
 
 def runs(iters: int, nproc: int, teacher: str) -> list[tuple[str, list[str]]]:
-    """(label, extra flags) of each run, in the order they must run (the teacher before its student)."""
-    ep = ["--moe-expert-parallel-size", str(nproc)]
-    student = ["--num-layers", "3", "--num-experts", "8", "--mlp-type", "residual"] + ep
+    """(label, flags) of each run, in the order they must run (the teacher before its student)."""
+    ep = f"--moe-expert-parallel-size {nproc}".split()
+    student = "--num-layers 3 --num-experts 8 --mlp-type residual".split() + ep
+    pr_moe = "--num-layers 4 --num-experts 4 8 --mlp-type residual".split() + ep
     return [
-        ("dense", ["--num-layers", "4", "--num-experts", "1"]),
-        ("moe-8", ["--num-layers", "4", "--num-experts", "8"] + ep),
-        (
-            "pr-moe-4-8",
-            ["--num-layers", "4", "--num-experts", "4", "8", "--mlp-type", "residual", "--save", teacher]
-            + ep,
-        ),
+        ("dense", "--num-layers 4 --num-experts 1".split()),
+        ("moe-8", "--num-layers 4 --num-experts 8".split() + ep),
+        ("pr-moe-4-8", pr_moe + ["--save", teacher]),
         ("student", student),
-        (
-            "mos-student",
-            student
-            + [
-                "--mos",
-                "--load-teacher",
-                teacher,
-                "--kd-temp",
-                "1.0",
-                "--kd-beta-ce",
-                "1.0",
-                "--kd-stop-iter",
-                str(iters * 3 // 4),
-            ],
-        ),
+        ("mos-student", student + ["--mos", "--load-teacher", teacher,
+                                   "--kd-stop-iter", str(3 * iters // 4)]),
     ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run every model, then draw and tabulate; the JSON of each run is kept beside the figures."""
+    """Run every model, then draw and tabulate; each run's JSON is kept beside the figures."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--iters", type=int, default=600)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
-    p.add_argument(
-        "--only", nargs="*", default=None, help="labels to (re)run; the others are read from --out"
-    )
+    p.add_argument("--teacher-dir", default=None, help="where the MoS teacher is saved (default: a temp dir)")
+    p.add_argument("--only", nargs="*", default=None, help="labels to (re)run; the rest are read from --out")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     results = {}
     with tempfile.TemporaryDirectory(prefix="moe_recipe_") as scratch:
-        teacher = (
-            os.path.join(args.out, "moe_recipe_teacher") if args.only else os.path.join(scratch, "teacher")
-        )
+        teacher = args.teacher_dir or os.path.join(scratch, "teacher")
         for label, flags in runs(args.iters, args.nproc, teacher):
             log = os.path.join(args.out, f"moe_recipe_{label}.json")
             if args.only is None or label in args.only:
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "deepnvme.moe.train",
-                    "--nproc",
-                    str(args.nproc),
-                    "--train-iters",
-                    str(args.iters),
-                    "--eval-interval",
-                    str(max(1, args.iters // 12)),
-                    "--log-json",
-                    log,
-                    *COMMON,
-                    *flags,
-                ]
+                cmd = [sys.executable, "-m", "deepnvme.moe.train", "--nproc", str(args.nproc),
+                       "--train-iters", str(args.iters), "--eval-interval", str(max(1, args.iters // 12)),
+                       "--log-json", log, *COMMON, *flags]
                 print(f"== {label}: {' '.join(cmd[1:])}", flush=True)
                 subprocess.run(cmd, check=True, env=env)
             with open(log) as f:

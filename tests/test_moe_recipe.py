@@ -336,7 +336,8 @@ def test_plot_and_table(tmp_path: Path) -> None:
     data = Path(path).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     table = results_table(runs, baseline="dense")
-    assert "| moe-8 | 40.0 k | 5.0 k | 1.5000 | 0.5000 | 0.33× | 3 s |" in table
+    assert "| moe-8 | 40.0 k | 5.0 k | 2.5000 (iter 10) | 1.5000 | 0.5000 | 0.33× | iter 10 | 3 s |" in table
+    assert "| dense | 5.0 k | 5.0 k | 3.0000 (iter 10) | 2.5000 | 1.5000 | 1.00× | iter 20 | 3 s |" in table
     with pytest.raises(ValueError, match="empty"):
         plot_curves({}, str(tmp_path / "e.png"))
     with pytest.raises(ValueError, match="png"):

@@ -58,17 +58,23 @@ def _millions(n: int) -> str:
     return f"{n / 1e6:.3f} M" if n >= 1e5 else f"{n / 1e3:.1f} k"
 
 
-def results_table(runs: Mapping[str, Mapping[str, Any]], baseline: str | None = None) -> str:
-    """A markdown table: parameters (total, active per token), final validation loss, gap to the floor, time.
+def _first_iter_at_or_below(run: Mapping[str, Any], loss: float) -> int | None:
+    return next((p["iter"] for p in run["curve"] if p["val_loss"] <= loss), None)
 
-    With `baseline` (a label of `runs`), a column gives each run's distance to the floor relative to it.
+
+def results_table(runs: Mapping[str, Mapping[str, Any]], baseline: str | None = None) -> str:
+    """A markdown table: parameters (total, active per token), validation loss half-way and at the end,
+    distance to the task's floor, train time.
+
+    With `baseline` (a label of `runs`): each run's distance to the floor relative to the baseline's, and the
+    first iteration at which the run's validation loss reached the baseline's final one.
     """
     _label_check(runs)
     if baseline is not None and baseline not in runs:
         raise ValueError(f"baseline {baseline!r} is not one of the runs {list(runs)}")
-    head = ["run", "total params", "active params", "final val loss", "above floor"]
+    head = ["run", "total params", "active params", "val loss half-way", "final val loss", "above floor"]
     if baseline:
-        head.append(f"gap vs {baseline}")
+        head += [f"vs {baseline} (above floor)", f"reaches {baseline}'s final loss at"]
     head.append("train time")
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
 
@@ -76,16 +82,16 @@ def results_table(runs: Mapping[str, Mapping[str, Any]], baseline: str | None = 
         return run["final_val_loss"] - run.get("loss_floor", 0.0)
 
     for label, run in runs.items():
-        row = [
-            label,
-            _millions(run["params"]["total"]),
-            _millions(run["params"]["active"]),
-            f"{run['final_val_loss']:.4f}",
-            f"{gap(run):.4f}",
-        ]
+        curve = run["curve"]
+        half = min(curve, key=lambda p: abs(p["iter"] - curve[-1]["iter"] / 2))
+        row = [label, _millions(run["params"]["total"]), _millions(run["params"]["active"]),
+               f"{half['val_loss']:.4f} (iter {half['iter']})", f"{run['final_val_loss']:.4f}",
+               f"{gap(run):.4f}"]
         if baseline:
             base = gap(runs[baseline])
             row.append(f"{gap(run) / base:.2f}×" if base > 0 and not math.isnan(base) else "n/a")
+            reached = _first_iter_at_or_below(run, runs[baseline]["final_val_loss"])
+            row.append("never" if reached is None else f"iter {reached}")
         row.append(f"{run.get('train_s', float('nan')):.0f} s")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
