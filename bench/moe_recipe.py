@@ -32,9 +32,9 @@ from deepnvme.moe.curves import plot_curves, results_table  # noqa: E402
 
 # The task and model every run shares: small enough for a few minutes per run on 2 busy cores, with more
 # topic facts than the dense baseline's MLPs learn in that time.
-COMMON = ("--hidden-size 32 --num-attention-heads 4 --seq-length 32 --num-topics 16 --num-words 64 "
+COMMON = ("--hidden-size 32 --num-attention-heads 4 --seq-length 32 --num-topics 32 --num-words 64 "
           "--micro-batch-size 32 --moe-train-capacity-factor 1.25 --moe-eval-capacity-factor 2 "
-          "--moe-loss-coeff 0.01 --seed 1234").split()
+          "--moe-loss-coeff 0.1 --seed 1234").split()
 
 
 def runs(iters: int, nproc: int, teacher: str) -> list[tuple[str, list[str]]]:

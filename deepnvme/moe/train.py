@@ -101,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--moe-loss-coeff",
         type=_nonnegative_float,
-        default=0.01,
-        help="weight of the summed aux (load-balancing) losses",
+        default=0.1,
+        help="weight of the summed aux (load-balancing) losses (Megatron-DeepSpeed's default; its scripts use 0.01)",
     )
     e.add_argument(
         "--create-moe-param-group",
