@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--moe-loss-coeff",
         type=_nonnegative_float,
         default=0.1,
-        help="weight of the summed aux (load-balancing) losses (Megatron-DeepSpeed's default; its scripts use 0.01)",
+        help="weight of the summed aux losses (Megatron-DeepSpeed's default; its example scripts use 0.01)",
     )
     e.add_argument(
         "--create-moe-param-group",
