@@ -15,36 +15,13 @@ from deepnvme.moe import checkpoint as ckpt
 from deepnvme.moe.distill import mos_loss
 from deepnvme.moe.gpt import GPT, GPTConfig
 from deepnvme.moe.synthetic import TopicTask
-from deepnvme.moe.train import main, parse_args
+from deepnvme.moe.train import main, model_config, parse_args
 
 # A model small enough that a step takes milliseconds; eval capacity high enough that nothing is dropped at
 # eval, so outputs do not depend on how tokens are split over ranks.
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "16",
-    "--num-attention-heads",
-    "2",
-    "--seq-length",
-    "16",
-    "--num-topics",
-    "4",
-    "--num-words",
-    "12",
-    "--micro-batch-size",
-    "4",
-    "--eval-iters",
-    "1",
-    "--eval-interval",
-    "2",
-    "--moe-eval-capacity-factor",
-    "16",
-    "--lr-warmup-iters",
-    "1",
-    "--threads",
-    "1",
-]
+TINY = ("--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 16 --num-topics 4 "
+        "--num-words 12 --micro-batch-size 4 --eval-iters 1 --eval-interval 2 --moe-eval-capacity-factor 16 "
+        "--lr-warmup-iters 1 --threads 1").split()
 
 
 def _error_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -55,71 +32,41 @@ def _error_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_num_experts_int_or_pyramid_list() -> None:
-    args = parse_args(["--num-layers", "4", "--num-experts", "4", "8", "--mlp-type", "residual"])
+    args = parse_args("--num-layers 4 --num-experts 4 8 --mlp-type residual".split())
     assert args.num_experts == [4, 8] and args.mlp_type == "residual"
     cfg = GPTConfig(vocab_size=10, seq_length=8, num_layers=4, num_experts=[4, 8])
     assert cfg.experts_per_layer() == [1, 4, 1, 8]
-    assert (
-        GPTConfig(vocab_size=10, seq_length=8, num_layers=6, num_experts=8).experts_per_layer() == [1, 8] * 3
-    )
-    assert GPTConfig(
-        vocab_size=10, seq_length=8, num_layers=6, num_experts=[2, 4, 8], expert_interval=2
-    ).experts_per_layer() == [1, 2, 1, 4, 1, 8]
-    args = parse_args(
-        [
-            "--moe-train-capacity-factor",
-            "1.25",
-            "--moe-eval-capacity-factor",
-            "2",
-            "--moe-min-capacity",
-            "0",
-            "--disable-moe-token-dropping",
-            "--topk",
-            "2",
-            "--num-experts",
-            "4",
-            "--ep-size",
-            "2",
-            "--nproc",
-            "2",
-            "--moe-loss-coeff",
-            "0.1",
-        ]
-    )
-    assert (args.moe_train_capacity_factor, args.moe_eval_capacity_factor, args.moe_min_capacity) == (
-        1.25,
-        2,
-        0,
-    )
-    assert (
-        args.disable_moe_token_dropping
-        and args.topk == 2
-        and args.ep_size == 2
-        and args.moe_loss_coeff == 0.1
-    )
+    cfg = GPTConfig(vocab_size=10, seq_length=8, num_layers=6, num_experts=8)
+    assert cfg.experts_per_layer() == [1, 8] * 3
+    cfg = GPTConfig(vocab_size=10, seq_length=8, num_layers=6, num_experts=[2, 4, 8], expert_interval=2)
+    assert cfg.experts_per_layer() == [1, 2, 1, 4, 1, 8]
+    args = parse_args(("--moe-train-capacity-factor 1.25 --moe-eval-capacity-factor 2 --moe-min-capacity 0 "
+                       "--disable-moe-token-dropping --topk 2 --num-experts 4 --ep-size 2 --nproc 2 "
+                       "--moe-loss-coeff 0.01").split())
+    assert args.disable_moe_token_dropping and (args.topk, args.ep_size, args.moe_loss_coeff) == (2, 2, 0.01)
+    cfg = model_config(args, vocab_size=10)
+    assert (cfg.capacity_factor, cfg.eval_capacity_factor, cfg.min_capacity) == (1.25, 2, 0)
+    assert not cfg.drop_tokens
 
 
-@pytest.mark.parametrize(
-    "argv, flag",
-    [
-        (["--num-layers", "6", "--num-experts", "4", "8"], "--num-experts"),  # 3 MoE blocks, 2 values
-        (["--num-experts", "0"], "--num-experts"),
-        (["--num-experts", "four"], "--num-experts"),
-        (["--num-experts", "3", "--ep-size", "2", "--nproc", "2"], "--moe-expert-parallel-size"),
-        (["--num-experts", "4", "--ep-size", "2", "--nproc", "3"], "--moe-expert-parallel-size"),
-        (["--num-experts", "4", "--topk", "5"], "--topk"),
-        (["--mlp-type", "pyramid"], "--mlp-type"),
-        (["--moe-train-capacity-factor", "-1"], "--moe-train-capacity-factor"),
-        (["--moe-eval-capacity-factor", "0"], "--moe-eval-capacity-factor"),
-        (["--moe-min-capacity", "-2"], "--moe-min-capacity"),
-        (["--moe-loss-coeff", "nan"], "--moe-loss-coeff"),
-        (["--hidden-size", "30", "--num-attention-heads", "4"], "--hidden-size"),
-        (["--mos"], "--load-teacher"),
-        (["--kd-temp", "0"], "--kd-temp"),
-    ],
-)
-def test_bad_flags_name_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert flag in _error_of(argv, capsys)
+@pytest.mark.parametrize("argv, flag", [
+    ("--num-layers 6 --num-experts 4 8", "--num-experts"),  # 3 MoE blocks, 2 values
+    ("--num-experts 0", "--num-experts"),
+    ("--num-experts four", "--num-experts"),
+    ("--num-experts 3 --ep-size 2 --nproc 2", "--moe-expert-parallel-size"),
+    ("--num-experts 4 --ep-size 2 --nproc 3", "--moe-expert-parallel-size"),
+    ("--num-experts 4 --topk 5", "--topk"),
+    ("--mlp-type pyramid", "--mlp-type"),
+    ("--moe-train-capacity-factor -1", "--moe-train-capacity-factor"),
+    ("--moe-eval-capacity-factor 0", "--moe-eval-capacity-factor"),
+    ("--moe-min-capacity -2", "--moe-min-capacity"),
+    ("--moe-loss-coeff nan", "--moe-loss-coeff"),
+    ("--hidden-size 30 --num-attention-heads 4", "--hidden-size"),
+    ("--mos", "--load-teacher"),
+    ("--kd-temp 0", "--kd-temp"),
+])
+def test_bad_flags_name_the_flag(argv: str, flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert flag in _error_of(argv.split(), capsys)
 
 
 def test_config_errors_are_value_errors() -> None:
@@ -170,16 +117,13 @@ def test_mos_loss() -> None:
 def _logits_at_ep2(rank: int, world: int, save: str, batch_path: str, out_dir: str, port: int) -> None:
     """Child: train a few steps at ep 2 and save; rebuild at ep 2, load, keep the logits of its half batch."""
     from deepnvme.moe.groups import reset_groups
-    from deepnvme.moe.trainer import build_model, run_worker
+    from deepnvme.moe.trainer import build_model, train
 
-    args = parse_args(
-        TINY + ["--nproc", "2", "--num-experts", "4", "--ep-size", "2", "--train-iters", "3", "--save", save]
-    )
-    run_worker(rank, world, args, f"tcp://127.0.0.1:{port}")
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port + 1}", rank=rank, world_size=world
-    )
+    args = parse_args(TINY + "--nproc 2 --num-experts 4 --ep-size 2 --train-iters 3 --save".split() + [save])
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=world)
     try:
+        train(rank, world, args)
         saved = ckpt.read_client_state(save)
         model = build_model(GPTConfig(**saved["gpt_config"]), seed=99)  # other weights until loaded
         ckpt.load_moe_checkpoint(model, save)
@@ -206,7 +150,7 @@ def test_checkpoint_saved_at_ep2_loads_at_ep1_with_identical_outputs(tmp_path: P
     tag = ckpt.latest_tag(save)
     names = sorted(os.listdir(os.path.join(save, tag)))
     assert names == sorted([ckpt.MAIN_FILE] + [ckpt.expert_file(0, e) for e in range(4)])
-    # Each expert file holds one expert under its global id, and nothing shares storage with the rest.
+    # Each expert file holds one expert under its global id; the main file holds no expert.
     expert3 = torch.load(os.path.join(save, tag, ckpt.expert_file(0, 3)), weights_only=True)
     assert all(".deepspeed_experts.3." in k for k in expert3) and expert3
     main_file = torch.load(os.path.join(save, tag, ckpt.MAIN_FILE), weights_only=True)
@@ -245,76 +189,25 @@ def test_checkpoint_errors_name_the_file(tmp_path: Path) -> None:
 
 def test_prmoe_teacher_then_mos_student(tmp_path: Path) -> None:
     teacher = str(tmp_path / "teacher")
-    log_t, log_s = str(tmp_path / "t.json"), str(tmp_path / "s.json")
-    assert (
-        main(
-            TINY
-            + [
-                "--num-layers",
-                "4",
-                "--num-experts",
-                "2",
-                "4",
-                "--mlp-type",
-                "residual",
-                "--train-iters",
-                "2",
-                "--save",
-                teacher,
-                "--log-json",
-                log_t,
-            ]
-        )
-        == 0
-    )
-    assert (
-        main(
-            TINY
-            + [
-                "--num-layers",
-                "2",
-                "--num-experts",
-                "4",
-                "--mlp-type",
-                "residual",
-                "--mos",
-                "--load-teacher",
-                teacher,
-                "--num-layers-teacher",
-                "4",
-                "--kd-temp",
-                "2",
-                "--kd-stop-iter",
-                "1",
-                "--train-iters",
-                "2",
-                "--log-json",
-                log_s,
-            ]
-        )
-        == 0
-    )
-    for path in (log_t, log_s):
+    log = {name: str(tmp_path / f"{name}.json") for name in ("teacher", "reload", "student")}
+    pr_moe = "--num-layers 4 --num-experts 2 4 --mlp-type residual".split()
+    assert main(TINY + pr_moe + ["--train-iters", "2", "--save", teacher, "--log-json", log["teacher"]]) == 0
+    # The CLI's --load with no training evaluates the saved weights: the teacher's final loss again.
+    assert main(TINY + pr_moe + ["--train-iters", "0", "--load", teacher, "--log-json", log["reload"]]) == 0
+    student = ("--num-layers 2 --num-experts 4 --mlp-type residual --mos --num-layers-teacher 4 --kd-temp 2 "
+               "--kd-stop-iter 1 --train-iters 2").split()
+    assert main(TINY + student + ["--load-teacher", teacher, "--log-json", log["student"]]) == 0
+    runs = {}
+    for name, path in log.items():
         with open(path) as f:
-            run = json.load(f)
-        assert [p["iter"] for p in run["curve"]] == [0, 2]
-        assert all(math.isfinite(p["val_loss"]) for p in run["curve"])
-    assert json.load(open(log_s))["mos"] is True
+            runs[name] = json.load(f)
+        assert all(math.isfinite(p["val_loss"]) for p in runs[name]["curve"])
+    assert [p["iter"] for p in runs["student"]["curve"]] == [0, 2] and runs["student"]["mos"] is True
+    assert runs["reload"]["final_val_loss"] == pytest.approx(runs["teacher"]["final_val_loss"], abs=1e-6)
+    assert runs["reload"]["curve"][0]["val_loss"] != runs["teacher"]["curve"][0]["val_loss"]
     with pytest.raises(ValueError, match="--num-experts-teacher"):
-        main(
-            TINY
-            + [
-                "--num-experts",
-                "4",
-                "--mos",
-                "--load-teacher",
-                teacher,
-                "--num-experts-teacher",
-                "8",
-                "--train-iters",
-                "1",
-            ]
-        )
+        main(TINY + "--num-experts 4 --mos --num-experts-teacher 8 --train-iters 1 --load-teacher".split()
+             + [teacher])
 
 
 def test_plot_and_table(tmp_path: Path) -> None:

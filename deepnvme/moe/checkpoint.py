@@ -100,13 +100,16 @@ def save_moe_checkpoint(
         main["module"] = {k: v for k, v in state.items() if EXPERT_KEY.match(k) is None}
         main["num_experts"] = [int(layer.num_experts) for _, layer in layers]
         _write(main, os.path.join(folder, MAIN_FILE))
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed:
+        dist.barrier()  # every file of the tag is written before `latest` names it
     if rank == 0:
         latest = os.path.join(save_dir, LATEST_FILE)
         with open(f"{latest}.tmp", "w") as f:
             f.write(tag)
         os.replace(f"{latest}.tmp", latest)
+    if distributed:
+        dist.barrier()  # and no rank returns (and maybe reads `latest`) before it is there
     return folder
 
 

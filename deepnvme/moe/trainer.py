@@ -105,7 +105,7 @@ def run_worker(rank: int, world: int, args: argparse.Namespace, init_method: str
     else:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
-        return _train(rank, world, args)
+        return train(rank, world, args)
     finally:
         from deepnvme.moe.groups import reset_groups
 
@@ -113,7 +113,8 @@ def run_worker(rank: int, world: int, args: argparse.Namespace, init_method: str
         reset_groups()
 
 
-def _train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Train on this rank of an initialised process group; rank 0 writes --log-json; returns the results."""
     from deepnvme.moe import allreduce_moe_gradients, split_params_into_different_moe_groups_for_optimizer
 
     task = task_from_args(args)
@@ -140,22 +141,21 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         nonlocal running
         if world > 1:
             dist.all_reduce(running)
-        steps = max(1.0, float(running[2]))
+        steps = float(running[2])
         point = {
             "iter": it,
             "val_loss": evaluate(model, val),
             "elapsed_s": time.perf_counter() - start,
-            "train_loss": float(running[0]) / steps if running[2] else float("nan"),
-            "aux_loss": float(running[1]) / steps if running[2] else float("nan"),
+            # means since the last point (none before the first step)
+            "train_loss": float(running[0]) / steps if steps else None,
+            "aux_loss": float(running[1]) / steps if steps else None,
         }
         curve.append(point)
         running = torch.zeros(3, dtype=torch.float64)
         if rank == 0:
-            print(
-                f"iter {it:5d}  train {point['train_loss']:.4f}  val {point['val_loss']:.4f}  "
-                f"aux {point['aux_loss']:.3f}  {point['elapsed_s']:.0f} s",
-                flush=True,
-            )
+            train_part = f"train {point['train_loss']:.4f}  aux {point['aux_loss']:.3f}  " if steps else ""
+            print(f"iter {it:5d}  val {point['val_loss']:.4f}  {train_part}{point['elapsed_s']:.0f} s",
+                  flush=True)
 
     record(0)
     model.train()
