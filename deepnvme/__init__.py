@@ -7,7 +7,8 @@ from typing import Any
 from deepnvme._version import __version__
 
 # Resolved from op_builder on first access, so `import deepnvme` stays free of torch, probes and compilers.
-_FROM_OP_BUILDER = ("AsyncIOBuilder", "GDSBuilder", "PinMemoryBuilder", "OpBuilder", "ALL_OPS", "register")
+_FROM_OP_BUILDER = ("AsyncIOBuilder", "GDSBuilder", "MoEBuilder", "PinMemoryBuilder", "OpBuilder", "ALL_OPS",
+                    "register")
 # Checkpoints in torch's format (deepnvme.serialization), imported on first access for the same reason.
 _FROM_SERIALIZATION = ("save", "load", "CheckpointFormatError")
 
@@ -16,6 +17,7 @@ __all__ = [
     "AsyncIOBuilder",
     "CheckpointFormatError",
     "GDSBuilder",
+    "MoEBuilder",
     "OpBuilder",
     "PinMemoryBuilder",
     "__version__",

@@ -11,11 +11,12 @@ from typing import Any
 from .async_io import AsyncIOBuilder
 from .builder import CUDAOpBuilder, OpBuilder, TorchCPUOpBuilder
 from .gds import GDSBuilder
+from .moe import MoEBuilder
 from .pin_memory import PinMemoryBuilder
 from .registry import register
 
-__all__ = ["ALL_OPS", "AsyncIOBuilder", "CUDAOpBuilder", "GDSBuilder", "OpBuilder", "PinMemoryBuilder",
-           "TorchCPUOpBuilder", "register"]
+__all__ = ["ALL_OPS", "AsyncIOBuilder", "CUDAOpBuilder", "GDSBuilder", "MoEBuilder", "OpBuilder",
+           "PinMemoryBuilder", "TorchCPUOpBuilder", "register"]
 
 
 def __getattr__(name: str) -> Any:

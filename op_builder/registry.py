@@ -26,9 +26,11 @@ def _instantiate(obj: Any) -> OpBuilder:
 def _builtins() -> dict[str, OpBuilder]:
     from .async_io import AsyncIOBuilder
     from .gds import GDSBuilder
+    from .moe import MoEBuilder
     from .pin_memory import PinMemoryBuilder
 
-    return {"async_io": AsyncIOBuilder(), "gds": GDSBuilder(), "pin_memory": PinMemoryBuilder()}
+    return {"async_io": AsyncIOBuilder(), "gds": GDSBuilder(), "pin_memory": PinMemoryBuilder(),
+            "moe": MoEBuilder()}
 
 
 def _entry_points() -> list[metadata.EntryPoint]:

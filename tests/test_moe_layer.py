@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from deepnvme.moe import (
@@ -137,6 +139,31 @@ def test_matches_dense_reference_and_gradients(k: int, drop: bool) -> None:
     assert g_ours[1].abs().sum() > 0  # the gate learns through the combine weights
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    tokens=st.integers(1, 40),
+    experts=st.sampled_from([1, 2, 4, 8]),
+    k=st.integers(1, 3),
+    factor=st.sampled_from([0.25, 0.5, 1.0, 1.25, 2.0]),
+    min_capacity=st.integers(0, 5),
+    drop=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_gating_matches_dense_reference_everywhere(
+    tokens: int, experts: int, k: int, factor: float, min_capacity: int, drop: bool, seed: int
+) -> None:
+    k = min(k, experts)
+    moe = make(
+        seed, num_experts=experts, k=k, capacity_factor=factor, min_capacity=min_capacity, drop_tokens=drop
+    )
+    x = torch.randn(tokens, M, generator=torch.Generator().manual_seed(seed))
+    out, l_aux, counts = moe(x)
+    ref, ref_aux, ref_counts = dense_reference(moe, x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(l_aux, ref_aux)
+    assert counts.tolist() == ref_counts.tolist()
+
+
 def test_import_is_lazy() -> None:
     code = "import sys, deepnvme, deepnvme.moe; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
@@ -162,14 +189,27 @@ def test_few_tokens_below_min_capacity() -> None:
     assert out.shape == (2, M) and int(counts.sum()) == 2
 
 
-def test_used_token_masks_tokens_out() -> None:
-    moe = make(k=1)
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("drop", [True, False])
+def test_no_tokens(k: int, drop: bool) -> None:
+    moe = make(k=k, drop_tokens=drop)
+    x = torch.randn(0, M, requires_grad=True)
+    out, l_aux, counts = moe(x)
+    assert out.shape == (0, M) and l_aux.detach().item() == 0.0 and counts.tolist() == [0, 0, 0, 0]
+    (out.sum() + l_aux).backward()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_used_token_masks_tokens_out(k: int) -> None:
+    moe = make(k=k)  # DeepSpeed honours used_token for k=1 only
     x = torch.randn(16, M)
     used = torch.ones(16)
     used[::2] = 0
     out, _, counts = moe(x, used)
-    assert int(counts.sum()) == 8
+    assert int(counts.sum()) == 8 * k
     assert torch.count_nonzero(out[::2]) == 0 and torch.count_nonzero(out[1::2]) > 0
+    routes = moe.deepspeed_moe.gate.route(x, used)
+    assert bool((routes.slot[::2] == -1).all()) and bool((routes.slot[1::2] >= 0).all())
 
 
 def test_eval_routing_is_deterministic_and_training_is_random() -> None:

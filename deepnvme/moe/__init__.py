@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# public name -> submodule that defines it
+# public name -> submodule that defines it; each MoE part adds its own lines here.
 _WHERE = {
     "MoE": "layer",
     "MOELayer": "moe_layer",
@@ -42,6 +42,10 @@ _WHERE = {
     "get_expert_data_parallel_group": "groups",
     "expert_group_name": "groups",
     "allreduce_moe_gradients": "grads",
+    "broadcast_moe_parameters": "broadcast",
+    "assign_slots": "routing",
+    "dispatch": "routing",
+    "combine": "routing",
 }
 
 __all__ = sorted(_WHERE)

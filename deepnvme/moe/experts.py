@@ -1,5 +1,5 @@
-"""Experts: the local expert modules of one MoE layer, tagged so optimisers and reducers can tell them
-apart."""
+"""Experts: the local expert modules of one MoE layer, tagged so optimisers and reducers can tell them apart.
+"""
 
 from __future__ import annotations
 

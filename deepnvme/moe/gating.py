@@ -28,94 +28,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from deepnvme.moe.routing import assign_slots
+
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 JITTER_EPSILON = 1e-2  # DeepSpeed's multiplicative jitter range: input * U(1-eps, 1+eps)
-
-# Routing primitives (slot assignment, index dispatch/combine) come from deepnvme.moe.routing when it exists;
-# until then the private pure-torch versions below, which follow the same contract, stand in.
-try:  # pragma: no cover - depends on which branch is merged
-    from deepnvme.moe.routing import assign_slots, combine, dispatch
-except ImportError:  # pragma: no cover
-    assign_slots = None  # type: ignore[assignment]
-
-
-def _positions(flat_expert: Tensor, num_buckets: int) -> Tensor:
-    """Rank of every entry among the entries with the same expert id, in flat order."""
-    order = torch.argsort(flat_expert, stable=True)
-    counts = torch.bincount(flat_expert, minlength=num_buckets)
-    starts = torch.cumsum(counts, 0) - counts
-    sorted_expert = flat_expert[order]
-    pos = torch.empty_like(flat_expert)
-    pos[order] = torch.arange(flat_expert.numel(), device=flat_expert.device) - starts[sorted_expert]
-    return pos
-
-
-def _assign_slots(
-    expert_idx: Tensor, num_experts: int, capacity: int | None, priority: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """Slot of each route in its expert's buffer (-1 = dropped) and routed tokens per expert before dropping.
-
-    Order is choice-major (all first choices in token order, then all second choices, ...). With ``priority``
-    the kept set per expert is its ``capacity`` highest-priority routes; kept routes still get slots in
-    choice-major order.
-    """
-    s, k = expert_idx.shape
-    flat = expert_idx.t().reshape(-1)
-    counts = torch.bincount(flat, minlength=num_experts)
-    if capacity is None or priority is None:
-        pos = _positions(flat, num_experts)
-        if capacity is not None:
-            pos = torch.where(pos < capacity, pos, torch.full_like(pos, -1))
-    else:
-        prio = priority.t().reshape(-1)
-        by_priority = torch.argsort(prio, descending=True, stable=True)
-        order = by_priority[torch.argsort(flat[by_priority], stable=True)]
-        starts = torch.cumsum(counts, 0) - counts
-        rank = torch.empty_like(flat)
-        rank[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
-        keep = rank < capacity
-        pos = _positions(flat.masked_fill(~keep, num_experts), num_experts + 1)
-        pos = torch.where(keep, pos, torch.full_like(pos, -1))
-    return pos.view(k, s).t(), counts
-
-
-def _dispatch(x: Tensor, expert_idx: Tensor, slot: Tensor, num_experts: int, capacity: int) -> Tensor:
-    """Gather tokens into an ``[E, C, M]`` buffer; empty slots read a zero row."""
-    s, m = x.shape
-    kept = slot >= 0
-    dest = (expert_idx * capacity + slot)[kept]
-    token = torch.arange(s, device=x.device).unsqueeze(1).expand_as(slot)[kept]
-    source = torch.full((num_experts * capacity,), s, dtype=torch.long, device=x.device)
-    source[dest] = token
-    padded = torch.cat([x, x.new_zeros(1, m)])
-    return padded.index_select(0, source).view(num_experts, capacity, m)
-
-
-def _combine(y: Tensor, expert_idx: Tensor, slot: Tensor, weight: Tensor) -> Tensor:
-    """Sum over kept routes of ``weight[s, j] * y[e, slot]``, accumulated in fp32, returned in y's dtype."""
-    e, c, m = y.shape
-    s, k = slot.shape
-    flat_slot = torch.where(slot >= 0, expert_idx * c + slot, torch.full_like(slot, e * c))
-    padded = torch.cat([y.reshape(e * c, m), y.new_zeros(1, m)])
-    picked = padded.index_select(0, flat_slot.reshape(-1)).view(s, k, m)
-    return (picked.float() * weight.float().unsqueeze(-1)).sum(1).to(y.dtype)
-
-
-if assign_slots is None:  # pragma: no cover
-    assign_slots, dispatch, combine = _assign_slots, _dispatch, _combine
-
 
 @dataclass
 class Routes:
     """Where every token goes: the gate's answer for one batch.
 
     ``expert_idx`` [S, k] int64 global expert ids; ``slot`` [S, k] int64 position in the expert's buffer, -1
-    when
-    the route was dropped; ``weight`` [S, k] fp32 combine weights (0 for dropped routes, differentiable
-    w.r.t. the
-    gate); ``capacity`` C as a Python int; ``l_aux`` scalar fp32 aux loss; ``exp_counts`` [E] int64 routed
-    tokens
-    per expert on this rank before dropping (detached).
+    when the route was dropped; ``weight`` [S, k] fp32 combine weights (0 for dropped routes, differentiable
+    w.r.t. the gate); ``capacity`` C as a Python int; ``l_aux`` scalar fp32 aux loss; ``exp_counts`` [E] int64
+    routed tokens per expert on this rank before dropping (detached).
     """
 
     expert_idx: Tensor
@@ -128,8 +53,7 @@ class Routes:
 
 
 def capacity(num_tokens: int, num_experts: int, factor: float, min_capacity: int) -> int:
-    """DeepSpeed's C = max(ceil(S / E * factor), min_capacity), computed in the same (default-dtype)
-    arithmetic."""
+    """DeepSpeed's C = max(ceil(S / E * factor), min_capacity), in its (default-dtype) arithmetic."""
     raw = torch.ceil((num_tokens / num_experts) * torch.tensor(factor))
     return max(int(raw), int(min_capacity))
 
@@ -151,9 +75,13 @@ def _gumbel(shape: torch.Size, device: torch.device) -> Tensor:
     return -torch.log(-torch.log(u))
 
 
+def _used(used_token: Tensor | None) -> Tensor | None:
+    """The ``used_token`` mask as a flat bool tensor (nonzero = used), or None."""
+    return None if used_token is None else used_token.reshape(-1) != 0
+
+
 def _normalised(weight: Tensor) -> Tensor:
-    """Renormalise surviving route weights per token to sum to 1 (0 if none survive), as DeepSpeed's
-    top-2/k."""
+    """Scale each token's surviving route weights to sum to 1 (0 if none survive), as DeepSpeed's top-2/k."""
     denom = torch.clamp(weight.sum(dim=1, keepdim=True), min=torch.finfo(weight.dtype).eps)
     return weight / denom
 
@@ -171,14 +99,10 @@ def top1gating(
     """Top-1 (Switch) gating.
 
     The choice is argmax of the softmax (or of logits + Gumbel noise with ``RSample``); the combine weight is
-    the
-    raw probability of the chosen expert. ``used_token`` (any dtype; nonzero = used) removes tokens from
-    routing.
-    When an expert is over capacity, the survivors are chosen as DeepSpeed does: a uniformly random subset
-    with
-    ``use_rts`` (callers pass it only in training), otherwise ``torch.topk`` over the 0/1 assignment mask,
-    whose
-    choice among tied tokens is torch's (kept for bit-for-bit parity with DeepSpeed).
+    the raw probability of the chosen expert. ``used_token`` (any dtype; nonzero = used) removes tokens from
+    routing. When an expert is over capacity, the survivors are chosen as DeepSpeed does: a uniformly random
+    subset with ``use_rts`` (callers pass it only in training), otherwise ``torch.topk`` over the 0/1
+    assignment mask, whose choice among tied tokens is torch's (kept for bit-for-bit parity with DeepSpeed).
     """
     s, e = logits.shape
     gates = F.softmax(logits, dim=1)
@@ -187,9 +111,8 @@ def top1gating(
     else:
         chosen = torch.argmax(gates, dim=1)
     mask = F.one_hot(chosen, num_classes=e)
-    used = None
-    if used_token is not None:
-        used = used_token.reshape(-1) != 0
+    used = _used(used_token)
+    if used is not None:
         mask = mask * used.unsqueeze(1)
     exp_counts = mask.sum(dim=0).detach()
     l_aux = torch.sum(gates.mean(dim=0) * mask.float().mean(dim=0)) * e
@@ -209,14 +132,7 @@ def top1gating(
         priority = survivors.sum(dim=1, keepdim=True).float()
 
     expert_idx = chosen.unsqueeze(1)
-    limit = cap if drop_tokens else None
-    if used is None:
-        slot, _ = assign_slots(expert_idx, e, limit, priority)
-    else:
-        rows = used.nonzero().squeeze(1)
-        sub_slot, _ = assign_slots(expert_idx[rows], e, limit, None if priority is None else priority[rows])
-        slot = torch.full_like(expert_idx, -1)
-        slot[rows] = sub_slot
+    slot, _ = assign_slots(expert_idx, e, cap if drop_tokens else None, priority, active=used)
     weight = gates.gather(1, expert_idx) * (slot >= 0)
     return Routes(expert_idx, slot, weight, cap, e, l_aux, exp_counts)
 
@@ -228,16 +144,15 @@ def top2gating(
     drop_tokens: bool = True,
     ep_group: Any = None,
     top2_2nd_expert_sampling: bool = True,
+    used_token: Tensor | None = None,
 ) -> Routes:
     """Top-2 (GShard) gating.
 
     First expert = argmax of the softmax; second = argmax over the other experts' logits, with Gumbel noise
-    added
-    first when ``top2_2nd_expert_sampling`` (callers pass it only in training). Every first choice outranks
-    every
-    second choice for a slot (then token order); C uses ``2 * capacity_factor``. Weights of the surviving
-    routes
-    are renormalised to sum to 1. The aux loss uses first choices only, as DeepSpeed's.
+    added first when ``top2_2nd_expert_sampling`` (callers pass it only in training). Every first choice
+    outranks every second choice for a slot (then token order); C uses ``2 * capacity_factor``. Weights of the
+    surviving routes are renormalised to sum to 1. The aux loss uses first choices only, as DeepSpeed's.
+    ``used_token`` removes tokens from routing as in top-1 (DeepSpeed ignores it for k > 1).
     """
     s, e = logits.shape
     gates = F.softmax(logits, dim=1)
@@ -246,14 +161,19 @@ def top2gating(
     second_logits = logits + _gumbel(logits.shape, logits.device) if top2_2nd_expert_sampling else logits
     second = torch.argmax(second_logits.masked_fill(first_mask.bool(), float("-inf")), dim=1)
     expert_idx = torch.stack([first, second], dim=1)
-    exp_counts = torch.bincount(expert_idx.reshape(-1), minlength=e).detach()
+    used = _used(used_token)
+    if used is None:
+        exp_counts = torch.bincount(expert_idx.reshape(-1), minlength=e).detach()
+    else:
+        first_mask = first_mask * used.unsqueeze(1)
+        exp_counts = torch.bincount(expert_idx[used].reshape(-1), minlength=e).detach()
     l_aux = torch.mean(gates.mean(dim=0) * first_mask.float().mean(dim=0)) * e * e
 
     if drop_tokens:
         cap = agree_on_capacity(capacity(s, e, capacity_factor * 2, min_capacity), ep_group, logits.device)
     else:
         cap = agree_on_capacity(int(exp_counts.max()) if s else 0, ep_group, logits.device)
-    slot, _ = assign_slots(expert_idx, e, cap if drop_tokens else None)
+    slot, _ = assign_slots(expert_idx, e, cap if drop_tokens else None, active=used)
     weight = _normalised(gates.gather(1, expert_idx) * (slot >= 0))
     return Routes(expert_idx, slot, weight, cap, e, l_aux, exp_counts)
 
@@ -265,28 +185,30 @@ def topkgating(
     min_capacity: int,
     drop_tokens: bool = True,
     ep_group: Any = None,
+    used_token: Tensor | None = None,
 ) -> Routes:
     """Top-k gating for k >= 3 (DeepSpeed's ``topkgating`` with its ``'probs'`` drop policy).
 
     Over capacity, an expert keeps the routes with the highest gate probability (choice rank gives no
-    priority);
-    C uses ``k * capacity_factor``; aux loss ``E * sum(me * ce) / k`` with ``ce`` over all k choices;
-    surviving
-    weights are renormalised to sum to 1.
+    priority); C uses ``k * capacity_factor``; aux loss ``E * sum(me * ce) / k`` with ``ce`` over all k
+    choices; surviving weights are renormalised to sum to 1. ``used_token`` as in top-2.
     """
     s, e = logits.shape
     gates = F.softmax(logits, dim=1)
     top_gate, expert_idx = torch.topk(gates, k=k, dim=1)
     mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, expert_idx, True)
+    used = _used(used_token)
+    if used is not None:
+        mask &= used.unsqueeze(1)
     exp_counts = mask.sum(dim=0).detach()
     l_aux = torch.mean(gates.mean(dim=0) * mask.float().mean(dim=0)) * e * e / k
 
     if drop_tokens:
         cap = agree_on_capacity(capacity(s, e, capacity_factor * k, min_capacity), ep_group, logits.device)
-        slot, _ = assign_slots(expert_idx, e, cap, top_gate.detach())
+        slot, _ = assign_slots(expert_idx, e, cap, top_gate.detach(), active=used)
     else:
         cap = agree_on_capacity(int(exp_counts.max()) if s else 0, ep_group, logits.device)
-        slot, _ = assign_slots(expert_idx, e, None)
+        slot, _ = assign_slots(expert_idx, e, None, active=used)
     weight = _normalised(top_gate * (slot >= 0))
     return Routes(expert_idx, slot, weight, cap, e, l_aux, exp_counts)
 
@@ -302,7 +224,8 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 
 def _check_factor(name: str, value: Any) -> float:
     """Return ``value`` as float if it is a finite positive number; otherwise raise ValueError naming
-    ``name``."""
+    ``name``.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if not (value > 0 and value != float("inf")):
@@ -334,12 +257,9 @@ class TopKGate(nn.Module):
     """The gate: ``wg = Linear(model_dim, num_experts, bias=False)`` plus the routing maths above.
 
     Same constructor as DeepSpeed's ``TopKGate`` (note its ``min_capacity`` default is 8, the ``MoE`` default
-    4).
-    Gating runs in fp32 whatever the input dtype. ``noisy_gate_policy``: ``'Jitter'`` multiplies the gate
-    input by
-    U(1-0.01, 1+0.01) in training (any k); ``'RSample'`` adds Gumbel noise to the top-1 choice in training
-    (it has
-    no effect for k > 1, as in DeepSpeed).
+    4). Gating runs in fp32 whatever the input dtype. ``noisy_gate_policy``: ``'Jitter'`` multiplies the gate
+    input by U(1-0.01, 1+0.01) in training (any k); ``'RSample'`` adds Gumbel noise to the top-1 choice in
+    training (it has no effect for k > 1, as in DeepSpeed).
     """
 
     def __init__(
@@ -391,6 +311,13 @@ class TopKGate(nn.Module):
             x = x * (1.0 - JITTER_EPSILON + 2 * JITTER_EPSILON * torch.rand(x.shape, device=x.device))
         logits = F.linear(x, self.wg.weight.float())
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        routes = self._gate(logits, factor, used_token)
+        if input.shape[0] == 0:  # no tokens: l_aux 0 (not an empty mean's NaN), still in the graph
+            routes.l_aux = logits.sum() * 0.0
+        return routes
+
+    def _gate(self, logits: Tensor, factor: float, used_token: Tensor | None) -> Routes:
+        """Run the gating function for this gate's k."""
         if self.k == 1:
             noise = self.noisy_gate_policy if self.training else None
             return top1gating(
@@ -411,8 +338,11 @@ class TopKGate(nn.Module):
                 self.drop_tokens,
                 self.ep_group,
                 self.top2_2nd_expert_sampling and self.training,
+                used_token,
             )
-        return topkgating(logits, self.k, factor, self.min_capacity, self.drop_tokens, self.ep_group)
+        return topkgating(
+            logits, self.k, factor, self.min_capacity, self.drop_tokens, self.ep_group, used_token
+        )
 
     def forward(
         self,

@@ -18,20 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from deepnvme.moe.groups import create_expert_and_data_parallel_groups, groups_named
+from deepnvme.moe.groups import edp_group_of
 from deepnvme.moe.utils import is_moe_param
-
-
-def _ep_size_of(group_name: str) -> int:
-    """The ep size encoded in a DeepSpeed group name ``ep_size_{ep}``."""
-    prefix = "ep_size_"
-    if (
-        not isinstance(group_name, str)
-        or not group_name.startswith(prefix)
-        or not group_name[len(prefix) :].isdigit()
-    ):
-        raise ValueError(f"expert parameter group_name must look like 'ep_size_<n>', got {group_name!r}")
-    return int(group_name[len(prefix) :])
 
 
 def _allreduce_scaled(grads: list[torch.Tensor], group: Any, scale: float) -> None:
@@ -76,5 +64,4 @@ def allreduce_moe_gradients(model: nn.Module, dp_group: Any = None, include_dens
     if dense:
         _allreduce_scaled(dense, dp_group, 1.0 / dp_size)
     for name in sorted(experts):
-        groups = groups_named(name) or create_expert_and_data_parallel_groups(_ep_size_of(name))
-        _allreduce_scaled(experts[name], groups.edp_group, 1.0 / dp_size)
+        _allreduce_scaled(experts[name], edp_group_of(name), 1.0 / dp_size)

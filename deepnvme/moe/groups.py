@@ -10,9 +10,8 @@ Rank layout (DeepSpeed's legacy layout, no tensor or pipeline parallelism), worl
 Within an EP group, rank r (its index in the group) holds global experts ``r*E_local … (r+1)*E_local-1``.
 Groups are cached per name ``ep_size_{ep}`` (DeepSpeed's name, also the ``group_name`` tag of expert
 parameters and the optimiser group name), so every MoE layer with the same ep shares them.
-``torch.distributed.new_group``
-is collective: every rank must create the groups in the same order, which happens naturally when every rank
-builds the same model.
+``torch.distributed.new_group`` is collective: every rank must create the groups in the same order, which
+happens naturally when every rank builds the same model.
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ def expert_group_name(ep_size: int) -> str:
 
 @dataclass(frozen=True)
 class ExpertGroups:
-    """The groups this rank belongs to for one ep size; ``None`` stands for 'just this rank' (no
-    communication)."""
+    """This rank's groups for one ep size; ``None`` means 'just this rank' (no communication)."""
 
     ep_size: int
     ep_group: Any
@@ -41,6 +39,15 @@ class ExpertGroups:
 
 
 _GROUPS: dict[str, ExpertGroups] = {}
+_WORLD: list[Any] = [None]  # the default process group the cached groups belong to
+
+
+def _drop_stale() -> None:
+    """Forget cached groups once their default process group was destroyed or replaced."""
+    live = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if live is not _WORLD[0]:
+        _GROUPS.clear()
+        _WORLD[0] = live
 
 
 def ranks_layout(
@@ -69,6 +76,7 @@ def create_expert_and_data_parallel_groups(
     Without an initialised torch.distributed only ep_size 1 is possible and both groups are ``None``.
     """
     name = expert_group_name(ep_size)
+    _drop_stale()
     found = _GROUPS.get(name)
     if found is not None:
         if found.data_before_expert != bool(use_data_before_expert_parallel):
@@ -101,11 +109,13 @@ def create_expert_and_data_parallel_groups(
 
 def groups_named(name: str) -> ExpertGroups | None:
     """The groups already created under ``name``, or None."""
+    _drop_stale()
     return _GROUPS.get(name)
 
 
 def get_expert_parallel_group(name: str) -> Any:
     """The EP group registered under ``name`` (``ep_size_{ep}``); KeyError names it if it does not exist."""
+    _drop_stale()
     if name not in _GROUPS:
         raise KeyError(
             f"no expert-parallel groups named {name!r}; build an MoE layer with that ep_size first"
@@ -115,6 +125,7 @@ def get_expert_parallel_group(name: str) -> Any:
 
 def get_expert_data_parallel_group(name: str) -> Any:
     """The EDP group registered under ``name``; ``None`` means this rank alone (no torch.distributed)."""
+    _drop_stale()
     if name not in _GROUPS:
         raise KeyError(
             f"no expert-data-parallel groups named {name!r}; build an MoE layer with that ep_size first"
@@ -122,6 +133,20 @@ def get_expert_data_parallel_group(name: str) -> Any:
     return _GROUPS[name].edp_group
 
 
+def _ep_size_of(group_name: str) -> int:
+    """The ep size encoded in a DeepSpeed group name ``ep_size_{ep}``."""
+    prefix = "ep_size_"
+    if not isinstance(group_name, str) or not group_name.startswith(prefix) or not group_name[8:].isdigit():
+        raise ValueError(f"expert parameter group_name must look like 'ep_size_<n>', got {group_name!r}")
+    return int(group_name[len(prefix):])
+
+
+def edp_group_of(group_name: str) -> Any:
+    """The expert-data-parallel group for expert parameters tagged ``group_name`` (created if needed)."""
+    groups = groups_named(group_name) or create_expert_and_data_parallel_groups(_ep_size_of(group_name))
+    return groups.edp_group
+
+
 def reset_groups() -> None:
-    """Forget the cached groups (after ``destroy_process_group``, before a new ``init_process_group``)."""
+    """Forget the cached groups (done by itself when the default process group is replaced)."""
     _GROUPS.clear()

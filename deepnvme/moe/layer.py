@@ -28,45 +28,48 @@ def _one_layer_count(num_experts: Any) -> Any:
 
 
 class MoE(nn.Module):
-    """Mixture-of-Experts layer with DeepSpeed's constructor, attribute names, state-dict keys and forward
-    contract.
+    """Mixture-of-Experts layer with DeepSpeed's constructor, attributes, state-dict keys and forward call.
 
     ``forward(hidden_states, used_token=None) -> (output, l_aux, exp_counts)``: ``output`` has the input's
     shape; ``l_aux`` is the fp32 load-balancing loss (1.0 at perfect balance) that the caller scales (e.g. by
-    0.01)
-    and
-    adds to its loss; ``exp_counts`` [E] holds the tokens routed to each expert on this rank before dropping.
+    0.01) and adds to its loss; ``exp_counts`` [E] holds the tokens routed to each expert on this rank before
+    dropping.
 
     Args (as DeepSpeed's): ``hidden_size`` model width M; ``expert`` any module mapping ``[..., M] -> [...,
     M]`` (deep-copied ``num_experts / ep_size`` times); ``num_experts`` E; ``ep_size`` expert-parallel degree;
     ``k`` experts per token (1, 2 or more); ``capacity_factor`` / ``eval_capacity_factor`` slots per expert
     relative to an even split, in train / eval mode; ``min_capacity`` floor for the capacity; ``use_residual``
     PR-MoE: ``y = moe(x)·c0 + mlp(x)·c1`` with ``c = softmax(coefficient(x))`` and ``mlp`` the given
-    ``expert`` itself; ``noisy_gate_policy`` None | 'None' | 'Jitter' | 'RSample'; ``drop_tokens`` False
-    means no capacity limit; ``use_rts`` random token selection when top-1 drops; ``use_tutel`` accepted and
-    ignored (index dispatch is built in); ``enable_expert_tensor_parallelism`` accepted, no effect (there is
-    no tensor parallelism here, as
-    in DeepSpeed without an mpu); ``top2_2nd_expert_sampling`` Gumbel-sample the second expert (k=2).
+    ``expert`` itself; ``noisy_gate_policy`` None | 'None' | 'Jitter' | 'RSample'; ``drop_tokens`` False means
+    no capacity limit; ``use_rts`` random token selection when top-1 drops; ``use_tutel`` accepted and ignored
+    (index dispatch is built in); ``enable_expert_tensor_parallelism`` accepted, no effect (there is no tensor
+    parallelism here, as in DeepSpeed without an mpu); ``top2_2nd_expert_sampling`` Gumbel-sample the second
+    expert (k=2).
 
     Keyword-only additions: ``distinct_experts`` (default True) re-initialises every expert copy from its own
     seed (``reset_parameters()`` of its submodules), derived from one draw of the global RNG plus the global
     expert id, so experts differ at init and expert g is the same whatever ``ep_size`` is; False keeps
     DeepSpeed's identical copies (needed for bit-for-bit parity with DeepSpeed, or to upcycle a trained dense
-    MLP). ``use_data_before_expert_parallel`` picks the rank layout of :mod:`deepnvme.moe.groups`.
+    MLP). With one expert the copy keeps the given weights. ``use_data_before_expert_parallel`` picks the rank
+    layout of :mod:`deepnvme.moe.groups`.
 
     Where DeepSpeed misbehaves, this layer differs (see also :mod:`deepnvme.moe.gating`):
 
     * ``num_experts`` as a list: DeepSpeed raises TypeError although its tutorial passes a list. A one-element
       list means that count; a longer list is a per-layer list and raises ValueError naming ``num_experts``.
     * ``drop_tokens=False`` never hangs across ranks: the capacity is agreed (MAX) over the expert-parallel
-    group.
+      group and not clamped to the local token count afterwards (DeepSpeed #6809). With dropping on, C is
+      agreed too, so ranks with different token counts still meet in the all-to-all (one 8-byte all-reduce).
+    * No ``tokens >= min_capacity`` assertion (a 1–3 token decode step works).
     * Experts start different (``distinct_experts``), and routing is deterministic in eval mode.
+    * ``used_token`` is honoured for every k (DeepSpeed honours it for k=1 only).
     * Bad arguments raise ValueError naming the argument instead of asserting.
 
     Expert parallelism: with ``ep_size > 1`` torch.distributed must be initialised before the layer is built;
-    the
-    layer creates the ``ep_size_{ep}`` groups itself. After backward, call
-    :func:`deepnvme.moe.allreduce_moe_gradients` (what DeepSpeed's engine does) instead of DDP.
+    the layer creates the ``ep_size_{ep}`` groups itself and ``ep_rank`` tells which experts it holds (local
+    expert i is global expert ``ep_rank * num_local_experts + i``). Ranks seeded differently call
+    :func:`deepnvme.moe.broadcast_moe_parameters` once; after each backward, call
+    :func:`deepnvme.moe.allreduce_moe_gradients` (both what DeepSpeed's engine does) instead of using DDP.
     """
 
     def __init__(
@@ -134,15 +137,16 @@ class MoE(nn.Module):
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
 
-        ep_rank = 0
+        # This rank's index in its EP group: local expert i is global expert ep_rank * num_local_experts + i.
+        self.ep_rank = 0
         if ep_size > 1 or (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            ep_rank = self.set_deepspeed_parallelism(self._data_before_expert)
+            self.ep_rank = self.set_deepspeed_parallelism(self._data_before_expert)
         if distinct_experts and self.num_experts > 1:
             # One draw of the global RNG (identical on ranks seeded alike), after the gate and coefficient
             # took
             # theirs, so those match DeepSpeed's initialisation for the same seed.
             base = int(torch.randint(0, 2**31 - 1, (1,)).item())
-            first = ep_rank * self.num_local_experts
+            first = self.ep_rank * self.num_local_experts
             done = [reinitialise(e, base + first + i) for i, e in enumerate(experts.deepspeed_experts)]
             if not all(done):
                 warnings.warn(

@@ -7,7 +7,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from deepnvme.moe.comm import all_to_all
-from deepnvme.moe.gating import TopKGate, combine, dispatch
+from deepnvme.moe.gating import TopKGate
+from deepnvme.moe.routing import combine, dispatch
 
 
 class MOELayer(nn.Module):
@@ -50,8 +51,9 @@ class MOELayer(nn.Module):
         self.gate._set_ep_group(ep_group)
 
     def forward(self, *input: Tensor, **kwargs: Any) -> Tensor:
-        """``input[0]``: tokens ``[..., M]``; ``input[1]`` (optional): used_token mask. Returns
-        ``input[0]``'s shape."""
+        """``input[0]``: tokens ``[..., M]``; ``input[1]`` (optional): used_token mask. Returns ``input[0]``'s
+        shape.
+        """
         x = input[0]
         used_token = input[1] if len(input) > 1 else None
         if self.ep_size > 1 and self.ep_group is None:
@@ -67,6 +69,6 @@ class MOELayer(nn.Module):
         buffer = dispatch(tokens, routes.expert_idx, routes.slot, routes.num_experts, c)
         buffer = all_to_all(buffer, self.ep_group)
         out = self.experts(buffer.reshape(self.ep_size, self.num_local_experts, c, d_model))
-        out = all_to_all(out.reshape(self.ep_size * self.num_local_experts, c, -1), self.ep_group)
+        out = all_to_all(out.reshape(self.ep_size * self.num_local_experts, c, out.shape[-1]), self.ep_group)
         combined = combine(out, routes.expert_idx, routes.slot, routes.weight)
         return combined.reshape(x.shape[:-1] + combined.shape[-1:])

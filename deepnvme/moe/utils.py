@@ -61,8 +61,8 @@ def split_params_into_different_moe_groups_for_optimizer(
     For every original group and every expert ``group_name`` it adds a copy of the group's hyper-parameters
     with ``name = group_name`` and ``moe = True`` holding those expert parameters; the original group keeps
     the rest. With ``max_group_size`` (elements), an MoE group is cut greedily into several groups of at most
-    that size. Differences from DeepSpeed: a group without a ``'name'`` key works (DeepSpeed raises
-    KeyError), and no empty group is emitted when a single parameter exceeds ``max_group_size``.
+    that size. Differences from DeepSpeed: a group without a ``'name'`` key works (DeepSpeed raises KeyError),
+    and no empty group is emitted when a single parameter exceeds ``max_group_size``.
     """
     if isinstance(param_groups, dict):
         groups = [param_groups]

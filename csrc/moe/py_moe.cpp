@@ -1,0 +1,156 @@
+// Python binding of the moe op: checks tensors (TypeError/ValueError naming the argument) and hands raw
+// data to the routing code. The only moe file that includes torch/extension.h.
+#include <torch/extension.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "gather.h"
+#include "routes.h"
+#include "slots.h"
+
+namespace dnv::moe {
+namespace {
+
+void check_cpu(const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+}
+
+// [S, k] int64/int32 indices as a contiguous int64 tensor.
+at::Tensor index_tensor(const at::Tensor& t, const char* name) {
+    check_cpu(t, name);
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name,
+                     " must be an int64 or int32 tensor, got ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.dim() == 2, name, " must be 2-D [S, k], got ", t.sizes());
+    return t.to(at::kLong).contiguous();
+}
+
+void check_data(const at::Tensor& t, const char* name, int64_t dim) {
+    check_cpu(t, name);
+    const auto st = t.scalar_type();
+    TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, name,
+                     " must be float32, bfloat16 or float16, got ", st);
+    TORCH_CHECK_VALUE(t.dim() == dim, name, " must be ", dim, "-D, got ", t.sizes());
+}
+
+at::Tensor weight_tensor(const at::Tensor& w, const at::Tensor& idx) {
+    check_cpu(w, "weight");
+    TORCH_CHECK_TYPE(at::isFloatingType(w.scalar_type()), "weight must be a floating tensor, got ", w.scalar_type());
+    TORCH_CHECK_VALUE(w.sizes() == idx.sizes(), "weight must have expert_idx's shape ", idx.sizes(), ", got ",
+                      w.sizes());
+    return w.to(at::kFloat).contiguous();
+}
+
+RouteRows rows_of(const at::Tensor& idx, const at::Tensor& slot, int64_t num_experts, int64_t capacity) {
+    TORCH_CHECK_VALUE(slot.sizes() == idx.sizes(), "slot must have expert_idx's shape ", idx.sizes(), ", got ",
+                      slot.sizes());
+    return route_rows(idx.const_data_ptr<int64_t>(), slot.const_data_ptr<int64_t>(), idx.size(0), idx.size(1),
+                      num_experts, capacity);
+}
+
+std::tuple<at::Tensor, at::Tensor> py_assign_slots(const at::Tensor& expert_idx, int64_t num_experts,
+                                                   int64_t capacity, const std::optional<at::Tensor>& priority,
+                                                   const std::optional<at::Tensor>& active, bool choice_major) {
+    const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
+    TORCH_CHECK_VALUE(num_experts >= 1, "num_experts must be >= 1, got ", num_experts);
+    TORCH_CHECK_VALUE(capacity >= -1, "capacity must be >= 0 (or -1 for none), got ", capacity);
+    SlotRequest req;
+    req.expert_idx = idx.const_data_ptr<int64_t>();
+    req.tokens = idx.size(0);
+    req.k = idx.size(1);
+    req.num_experts = num_experts;
+    req.capacity = capacity;
+    req.choice_major = choice_major;
+    at::Tensor prio, act;
+    if (priority.has_value()) {
+        check_cpu(*priority, "priority");
+        TORCH_CHECK_TYPE(at::isFloatingType(priority->scalar_type()), "priority must be a floating tensor, got ",
+                         priority->scalar_type());
+        TORCH_CHECK_VALUE(priority->sizes() == idx.sizes(), "priority must have expert_idx's shape ", idx.sizes(),
+                          ", got ", priority->sizes());
+        prio = priority->to(at::kFloat).contiguous();
+        req.priority = prio.const_data_ptr<float>();
+    }
+    if (active.has_value()) {
+        check_cpu(*active, "active");
+        TORCH_CHECK_TYPE(active->scalar_type() == at::kBool, "active must be a bool tensor, got ",
+                         active->scalar_type());
+        TORCH_CHECK_VALUE(active->sizes() == idx.sizes(), "active must have expert_idx's shape ", idx.sizes(),
+                          ", got ", active->sizes());
+        act = active->contiguous();
+        req.active = act.const_data_ptr<bool>();
+    }
+    at::Tensor slot = at::empty(idx.sizes(), idx.options());
+    at::Tensor counts = at::empty({num_experts}, idx.options());
+    assign_slots(req, slot.mutable_data_ptr<int64_t>(), counts.mutable_data_ptr<int64_t>());
+    return {slot, counts};
+}
+
+at::Tensor py_dispatch_forward(const at::Tensor& x, const at::Tensor& expert_idx, const at::Tensor& slot,
+                               int64_t num_experts, int64_t capacity) {
+    check_data(x, "x", 2);
+    const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
+    const at::Tensor sl = index_tensor(slot, "slot");
+    TORCH_CHECK_VALUE(num_experts >= 1, "num_experts must be >= 1, got ", num_experts);
+    TORCH_CHECK_VALUE(capacity >= 0, "capacity must be >= 0, got ", capacity);
+    TORCH_CHECK_VALUE(idx.size(0) == x.size(0), "expert_idx must have ", x.size(0), " rows (one per token), got ",
+                      idx.size(0));
+    const RouteRows routes = rows_of(idx, sl, num_experts, capacity);
+    return dispatch_forward(x.contiguous(), routes, idx.size(1), num_experts, capacity);
+}
+
+at::Tensor py_dispatch_backward(const at::Tensor& grad, const at::Tensor& expert_idx, const at::Tensor& slot) {
+    check_data(grad, "grad", 3);
+    const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
+    const at::Tensor sl = index_tensor(slot, "slot");
+    const RouteRows routes = rows_of(idx, sl, grad.size(0), grad.size(1));
+    return dispatch_backward(grad.contiguous(), routes, idx.size(0), idx.size(1));
+}
+
+at::Tensor py_combine_forward(const at::Tensor& y, const at::Tensor& expert_idx, const at::Tensor& slot,
+                              const at::Tensor& weight) {
+    check_data(y, "y", 3);
+    const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
+    const at::Tensor sl = index_tensor(slot, "slot");
+    const at::Tensor w = weight_tensor(weight, idx);
+    const RouteRows routes = rows_of(idx, sl, y.size(0), y.size(1));
+    return combine_forward(y.contiguous(), routes, w);
+}
+
+std::tuple<at::Tensor, at::Tensor> py_combine_backward(const at::Tensor& grad, const at::Tensor& y,
+                                                       const at::Tensor& expert_idx, const at::Tensor& slot,
+                                                       const at::Tensor& weight, bool need_y, bool need_weight) {
+    check_data(y, "y", 3);
+    check_data(grad, "grad", 2);
+    TORCH_CHECK_TYPE(grad.scalar_type() == y.scalar_type(), "grad must have y's dtype ", y.scalar_type(), ", got ",
+                     grad.scalar_type());
+    const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
+    const at::Tensor sl = index_tensor(slot, "slot");
+    const at::Tensor w = weight_tensor(weight, idx);
+    TORCH_CHECK_VALUE(grad.size(0) == idx.size(0) && grad.size(1) == y.size(2), "grad must have shape [",
+                      idx.size(0), ", ", y.size(2), "], got ", grad.sizes());
+    const RouteRows routes = rows_of(idx, sl, y.size(0), y.size(1));
+    auto [grad_y, grad_w] = combine_backward(grad.contiguous(), y.contiguous(), routes, w, need_y, need_weight);
+    if (grad_w.defined() && grad_w.scalar_type() != weight.scalar_type()) grad_w = grad_w.to(weight.scalar_type());
+    return {grad_y, grad_w};
+}
+
+}  // namespace
+}  // namespace dnv::moe
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    using namespace dnv::moe;
+    namespace py = pybind11;
+    m.doc() = "deepnvme moe: capacity slots, index dispatch and combine of Mixture-of-Experts routes (CPU)";
+    m.def("assign_slots", &py_assign_slots, py::arg("expert_idx"), py::arg("num_experts"), py::arg("capacity"),
+          py::arg("priority"), py::arg("active"), py::arg("choice_major"),
+          "(slot[S,k] int64 with -1 for dropped, exp_counts[E]); capacity -1 keeps every route");
+    m.def("dispatch_forward", &py_dispatch_forward, py::arg("x"), py::arg("expert_idx"), py::arg("slot"),
+          py::arg("num_experts"), py::arg("capacity"));
+    m.def("dispatch_backward", &py_dispatch_backward, py::arg("grad"), py::arg("expert_idx"), py::arg("slot"));
+    m.def("combine_forward", &py_combine_forward, py::arg("y"), py::arg("expert_idx"), py::arg("slot"),
+          py::arg("weight"));
+    m.def("combine_backward", &py_combine_backward, py::arg("grad"), py::arg("y"), py::arg("expert_idx"),
+          py::arg("slot"), py::arg("weight"), py::arg("need_y"), py::arg("need_weight"));
+}
