@@ -139,14 +139,14 @@ def _logits_at_ep2(rank: int, world: int, save: str, batch_path: str, out_dir: s
 
 def test_checkpoint_saved_at_ep2_loads_at_ep1_with_identical_outputs(tmp_path: Path) -> None:
     from deepnvme.moe.routing import op_available
-    from deepnvme.moe.train import _free_port
+    from deepnvme.moe.train import free_port
 
     save = str(tmp_path / "ckpt")
     task = TopicTask(num_topics=4, num_words=12, seq_length=16)
     batch = task.batch(8, torch.Generator().manual_seed(3))[:, :-1]
     torch.save(batch, tmp_path / "batch.pt")
     op_available()  # a first-time JIT build of the routing op happens here, not under the ranks' timeouts
-    port = _free_port()
+    port = free_port()
     mp.spawn(_logits_at_ep2, args=(2, save, str(tmp_path / "batch.pt"), str(tmp_path), port), nprocs=2)
 
     tag = ckpt.latest_tag(save)
@@ -189,7 +189,7 @@ def test_checkpoint_errors_name_the_file(tmp_path: Path) -> None:
         ckpt.save_moe_checkpoint(model, str(tmp_path), "a/b")
 
 
-def test_prmoe_teacher_then_mos_student(tmp_path: Path) -> None:
+def test_prmoe_teacher_then_mos_student(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     teacher = str(tmp_path / "teacher")
     log = {name: str(tmp_path / f"{name}.json") for name in ("teacher", "reload", "student")}
     pr_moe = "--num-layers 4 --num-experts 2 4 --mlp-type residual".split()
@@ -207,9 +207,11 @@ def test_prmoe_teacher_then_mos_student(tmp_path: Path) -> None:
     assert [p["iter"] for p in runs["student"]["curve"]] == [0, 2] and runs["student"]["mos"] is True
     assert runs["reload"]["final_val_loss"] == pytest.approx(runs["teacher"]["final_val_loss"], abs=1e-6)
     assert runs["reload"]["curve"][0]["val_loss"] != runs["teacher"]["curve"][0]["val_loss"]
-    with pytest.raises(ValueError, match="--num-experts-teacher"):
-        main(TINY + "--num-experts 4 --mos --num-experts-teacher 8 --train-iters 1 --load-teacher".split()
-             + [teacher])
+    # Teacher flags are checked against the checkpoint before any process starts.
+    argv = TINY + "--num-experts 4 --mos --num-experts-teacher 8 --train-iters 1 --load-teacher".split()
+    assert "--num-experts-teacher" in _error_of(argv + [teacher], capsys)
+    assert "--load-teacher" in _error_of(argv + [str(tmp_path / "none")], capsys)
+    assert "--load" in _error_of(TINY + ["--load", str(tmp_path / "none")], capsys)
 
 
 def test_plot_and_table(tmp_path: Path) -> None:

@@ -150,8 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc", type=_positive_int, default=1, help="processes to spawn (ignored under torchrun)"
     )
     d.add_argument("--threads", type=_positive_int, default=None, help="torch threads per process")
-    d.add_argument("--log-json", default=None, help="write the loss curve and figures here (rank 0)")
-    d.add_argument("--log-interval", type=_positive_int, default=50)
+    d.add_argument("--log-json", default=None, help="write the loss curve and figures here as JSON (rank 0)")
     return p
 
 
@@ -184,6 +183,7 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> Any:
 
 
 def task_from_args(args: argparse.Namespace) -> Any:
+    """The synthetic task the flags describe."""
     from deepnvme.moe.synthetic import TopicTask
 
     return TopicTask(
@@ -193,6 +193,40 @@ def task_from_args(args: argparse.Namespace) -> Any:
         noise=args.task_noise,
         seed=args.seed,
     )
+
+
+# --<flag>-teacher -> the field of the teacher's saved GPTConfig it must match
+TEACHER_FLAGS = {"num_layers_teacher": "num_layers", "hidden_size_teacher": "hidden_size",
+                 "num_attention_heads_teacher": "num_attention_heads", "num_experts_teacher": "num_experts"}
+
+
+def teacher_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The teacher's GPTConfig (as a dict) from its checkpoint, at this run's ep size.
+
+    Raises ValueError starting with the flag at fault; the --*-teacher flags must match the checkpoint.
+    """
+    from deepnvme.moe.checkpoint import read_client_state
+    from deepnvme.moe.gpt import GPTConfig
+
+    try:
+        saved = read_client_state(args.load_teacher)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--load-teacher: cannot read a checkpoint in {args.load_teacher!r}: {exc}") from exc
+    if "gpt_config" not in saved:
+        raise ValueError(f"--load-teacher: the checkpoint in {args.load_teacher!r} holds no gpt_config")
+    cfg = dict(saved["gpt_config"])
+    for flag, field in TEACHER_FLAGS.items():
+        wanted = getattr(args, flag)
+        if wanted is not None and (wanted if isinstance(wanted, list) else [wanted]) != (
+                cfg[field] if isinstance(cfg[field], list) else [cfg[field]]):
+            raise ValueError(f"--{flag.replace('_', '-')}: {wanted} does not match the teacher checkpoint's "
+                             f"{field}={cfg[field]}")
+    cfg["ep_size"] = args.ep_size
+    try:
+        GPTConfig(**cfg)
+    except ValueError as exc:
+        raise ValueError(f"--load-teacher: the teacher cannot run at this ep size: {exc}") from exc
+    return cfg
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -216,12 +250,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.mos = args.mos or args.kd
     if args.mos and not args.load_teacher:
         parser.error("argument --load-teacher: required with --mos/--kd")
+    if args.mos:
+        try:
+            args.teacher_config = teacher_config(args)
+        except ValueError as exc:
+            flag, _, text = str(exc).partition(": ")
+            parser.error(f"argument {flag}: {text}")
+    if args.load:
+        from deepnvme.moe.checkpoint import latest_tag
+
+        try:
+            latest_tag(args.load)
+        except OSError as exc:
+            parser.error(f"argument --load: {exc}")
     if args.min_lr > args.lr:
         parser.error(f"argument --min-lr: {args.min_lr} is above --lr {args.lr}")
     return args
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for the process group's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -230,21 +278,16 @@ def _free_port() -> int:
 def main(argv: list[str] | None = None) -> int:
     """Parse, then run here (one process or under torchrun) or spawn --nproc gloo processes."""
     args = parse_args(argv)
-    if "WORLD_SIZE" in os.environ:
-        from deepnvme.moe.trainer import run_worker
-
-        run_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
-        return 0
-    if args.nproc == 1:
-        from deepnvme.moe.trainer import run_worker
-
-        run_worker(0, 1, args, f"tcp://127.0.0.1:{_free_port()}")
-        return 0
-    import torch.multiprocessing as mp
-
     from deepnvme.moe.trainer import run_worker
 
-    mp.spawn(run_worker, args=(args.nproc, args, f"tcp://127.0.0.1:{_free_port()}"), nprocs=args.nproc)
+    if "WORLD_SIZE" in os.environ:
+        run_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
+    elif args.nproc == 1:
+        run_worker(0, 1, args, f"tcp://127.0.0.1:{free_port()}")
+    else:
+        import torch.multiprocessing as mp
+
+        mp.spawn(run_worker, args=(args.nproc, args, f"tcp://127.0.0.1:{free_port()}"), nprocs=args.nproc)
     return 0
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from deepnvme.moe.checkpoint import load_moe_checkpoint, read_client_state, save_moe_checkpoint
+from deepnvme.moe.checkpoint import load_moe_checkpoint, save_moe_checkpoint
 from deepnvme.moe.distill import mos_loss
 from deepnvme.moe.gpt import GPT, GPTConfig, count_parameters
 from deepnvme.moe.synthetic import TopicTask
@@ -41,29 +41,9 @@ def build_model(cfg: GPTConfig, seed: int) -> GPT:
     return GPT(cfg, seed=seed)
 
 
-def _teacher(args: argparse.Namespace, ep_size: int) -> GPT:
-    """The trained teacher of MoS, rebuilt from the config saved in its checkpoint at this run's ep size."""
-    saved = read_client_state(args.load_teacher)
-    if "gpt_config" not in saved:
-        raise ValueError(f"--load-teacher {args.load_teacher}: the checkpoint holds no gpt_config")
-    cfg_dict = dict(saved["gpt_config"])
-    for flag, field in (
-        ("num_layers_teacher", "num_layers"),
-        ("hidden_size_teacher", "hidden_size"),
-        ("num_attention_heads_teacher", "num_attention_heads"),
-        ("num_experts_teacher", "num_experts"),
-    ):
-        wanted = getattr(args, flag)
-        if wanted is not None and list(wanted if isinstance(wanted, list) else [wanted]) != list(
-            cfg_dict[field] if isinstance(cfg_dict[field], list) else [cfg_dict[field]]
-        ):
-            raise ValueError(
-                f"--{flag.replace('_', '-')} {wanted} does not match the teacher checkpoint's "
-                f"{field}={cfg_dict[field]}"
-            )
-    cfg_dict["ep_size"] = ep_size
-    cfg = GPTConfig(**cfg_dict)
-    teacher = build_model(cfg, seed=0)
+def _teacher(args: argparse.Namespace) -> GPT:
+    """The trained teacher of MoS, at this run's ep size (parse_args read and checked its config)."""
+    teacher = build_model(GPTConfig(**args.teacher_config), seed=0)
     load_moe_checkpoint(teacher, args.load_teacher)
     teacher.eval()
     for p in teacher.parameters():
@@ -124,7 +104,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(cfg, args.seed)
     if args.load:
         load_moe_checkpoint(model, args.load)
-    teacher = _teacher(args, cfg.ep_size) if args.mos else None
+    teacher = _teacher(args) if args.mos else None
     groups = split_params_into_different_moe_groups_for_optimizer(
         [{"params": [p for p in model.parameters() if p.requires_grad], "name": "dense"}]
     )
