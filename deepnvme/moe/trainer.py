@@ -95,7 +95,11 @@ def run_worker(rank: int, world: int, args: argparse.Namespace, init_method: str
 
 def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     """Train on this rank of an initialised process group; rank 0 writes --log-json; returns the results."""
-    from deepnvme.moe import allreduce_moe_gradients, split_params_into_different_moe_groups_for_optimizer
+    from deepnvme.moe import (
+        allreduce_moe_gradients,
+        broadcast_moe_parameters,
+        split_params_into_different_moe_groups_for_optimizer,
+    )
 
     task = task_from_args(args)
     cfg = model_config(args, task.vocab_size)
@@ -104,6 +108,8 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(cfg, args.seed)
     if args.load:
         load_moe_checkpoint(model, args.load)
+    # The init is already the same on every rank (seeded by name); the broadcast is DeepSpeed's guarantee.
+    broadcast_moe_parameters(model)
     teacher = _teacher(args) if args.mos else None
     groups = split_params_into_different_moe_groups_for_optimizer(
         [{"params": [p for p in model.parameters() if p.requires_grad], "name": "dense"}]
