@@ -212,6 +212,8 @@ def test_prmoe_teacher_then_mos_student(tmp_path: Path, capsys: pytest.CaptureFi
     assert "--num-experts-teacher" in _error_of(argv + [teacher], capsys)
     assert "--load-teacher" in _error_of(argv + [str(tmp_path / "none")], capsys)
     assert "--load" in _error_of(TINY + ["--load", str(tmp_path / "none")], capsys)
+    other_task = TINY + "--num-experts 4 --mos --task-seed 5 --load-teacher".split() + [teacher]
+    assert "another task" in _error_of(other_task, capsys)
 
 
 def test_plot_and_table(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import sys
+from dataclasses import asdict
 from typing import Any
 
 # GPTConfig field -> the flag that sets it, so a config error names what the user typed.
@@ -137,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--min-lr", type=_nonnegative_float, default=3e-4)
     t.add_argument("--lr-warmup-iters", type=_nonnegative_int, default=50)
     t.add_argument("--weight-decay", type=_nonnegative_float, default=0.0)
-    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--seed", type=int, default=1234, help="weights, training batches and routing noise")
     t.add_argument("--eval-interval", type=_positive_int, default=50)
     t.add_argument("--eval-iters", type=_positive_int, default=8, help="validation batches per rank")
     t.add_argument("--save", default=None, help="checkpoint folder to write at the end")
@@ -146,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--num-topics", type=_positive_int, default=16)
     d.add_argument("--num-words", type=_positive_int, default=64)
     d.add_argument("--task-noise", type=_nonnegative_float, default=0.1)
+    d.add_argument("--task-seed", type=int, default=1234, help="the task's facts and the validation set")
     d.add_argument(
         "--nproc", type=_positive_int, default=1, help="processes to spawn (ignored under torchrun)"
     )
@@ -191,7 +193,7 @@ def task_from_args(args: argparse.Namespace) -> Any:
         num_words=args.num_words,
         seq_length=args.seq_length,
         noise=args.task_noise,
-        seed=args.seed,
+        seed=args.task_seed,
     )
 
 
@@ -214,6 +216,9 @@ def teacher_config(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--load-teacher: cannot read a checkpoint in {args.load_teacher!r}: {exc}") from exc
     if "gpt_config" not in saved:
         raise ValueError(f"--load-teacher: the checkpoint in {args.load_teacher!r} holds no gpt_config")
+    ours = asdict(task_from_args(args))
+    if saved.get("task") != ours:
+        raise ValueError(f"--load-teacher: the teacher learnt another task ({saved.get('task')}), not {ours}")
     cfg = dict(saved["gpt_config"])
     for flag, field in TEACHER_FLAGS.items():
         wanted = getattr(args, flag)

@@ -71,7 +71,7 @@ def validation_batches(
     task: TopicTask, args: argparse.Namespace, rank: int, world: int
 ) -> list[torch.Tensor]:
     """This rank's share of one fixed validation set (the same set at every world size that divides it)."""
-    g = torch.Generator().manual_seed(args.seed + 7919)
+    g = torch.Generator().manual_seed(args.task_seed + 7919)
     table = task.table()
     every = [task.batch(args.micro_batch_size, g, table) for _ in range(args.eval_iters * world)]
     return every[rank::world]
