@@ -52,6 +52,32 @@ def runs(iters: int, nproc: int, teacher: str) -> list[tuple[str, list[str]]]:
     ]
 
 
+def _train(label: str, flags: list[str], log: str, args: argparse.Namespace, env: dict[str, str]) -> None:
+    cmd = [sys.executable, "-m", "deepnvme.moe.train", "--nproc", str(args.nproc), "--train-iters",
+           str(args.iters), "--eval-interval", str(max(1, args.iters // 12)), "--log-json", log,
+           *COMMON, *flags]
+    print(f"== {label}: {' '.join(cmd[1:])}", flush=True)
+    subprocess.run(cmd, check=True, env=env)
+
+
+def _student_seeds(args: argparse.Namespace, env: dict[str, str], teacher: str) -> str:
+    """The student alone and with MoS at each of --mos-seeds (training seeds; same task and teacher)."""
+    finals: dict[str, list[float]] = {"student": [], "mos-student": []}
+    for seed in args.mos_seeds:
+        for label, flags in runs(args.iters, args.nproc, teacher)[3:]:
+            log = os.path.join(args.out, f"moe_recipe_seeds_{label}_{seed}.json")
+            if not os.path.exists(log):
+                _train(f"{label} seed {seed}", [*flags, "--seed", str(seed)], log, args, env)
+            with open(log) as f:
+                finals[label].append(json.load(f)["final_val_loss"])
+    lines = ["| training seed | " + " | ".join(str(s) for s in args.mos_seeds) + " | mean |",
+             "|" + " --- |" * (len(args.mos_seeds) + 2)]
+    for label, values in finals.items():
+        cells = " | ".join(f"{v:.4f}" for v in values)
+        lines.append(f"| {label} final val loss | {cells} | {sum(values) / len(values):.4f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every model, then draw and tabulate; each run's JSON is kept beside the figures."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -60,22 +86,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     p.add_argument("--teacher-dir", default=None, help="where the MoS teacher is saved (default: a temp dir)")
     p.add_argument("--only", nargs="*", default=None, help="labels to (re)run; the rest are read from --out")
+    p.add_argument("--mos-seeds", type=int, nargs="*", default=[],
+                   help="also train student and MoS student at these seeds (runs found in --out are reused)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     results = {}
+    seeds_table = ""
     with tempfile.TemporaryDirectory(prefix="moe_recipe_") as scratch:
         teacher = args.teacher_dir or os.path.join(scratch, "teacher")
         for label, flags in runs(args.iters, args.nproc, teacher):
             log = os.path.join(args.out, f"moe_recipe_{label}.json")
             if args.only is None or label in args.only:
-                cmd = [sys.executable, "-m", "deepnvme.moe.train", "--nproc", str(args.nproc),
-                       "--train-iters", str(args.iters), "--eval-interval", str(max(1, args.iters // 12)),
-                       "--log-json", log, *COMMON, *flags]
-                print(f"== {label}: {' '.join(cmd[1:])}", flush=True)
-                subprocess.run(cmd, check=True, env=env)
+                _train(label, flags, log, args, env)
             with open(log) as f:
                 results[label] = json.load(f)
+        if args.mos_seeds:
+            seeds_table = _student_seeds(args, env, teacher)
     title = f"synthetic topic task, {args.nproc} gloo processes (CPU), {args.iters} iterations"
     png = plot_curves(results, os.path.join(args.out, "moe_recipe.png"), title=title)
     table = results_table(results, baseline="dense")
@@ -84,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         f.write(f"{title}; `python3 bench/moe_recipe.py --iters {args.iters} --nproc {args.nproc}`.\n"
                 f"Validation loss in nats per token; the task's floor (true distribution) is {floor:.4f}. "
                 "Train time is wall time on a shared machine, not a speed comparison.\n\n" + table)
-    print(table)
+        if seeds_table:
+            f.write("\nStudent alone and distilled (MoS) from the same teacher, other training seeds "
+                    f"(`--mos-seeds {' '.join(map(str, args.mos_seeds))}`):\n\n" + seeds_table)
+    print(table + seeds_table)
     print(f"curves: {png}")
     return 0
 
