@@ -445,8 +445,8 @@ def test_plugin_ops_get_rows(plugin_path: Path, tmp_path: Path) -> None:
         r"^ \[WARNING\] broken_probe: is_compatible raised RuntimeError: probe exploded", out, re.MULTILINE
     ), out
     rows = [ln.split()[0] for ln in out.splitlines() if re.match(r"\S+ \.+ \[(YES|NO)\] \.+ ", ln)]
-    assert rows[:3] == ["async_io", "gds", "pin_memory"]
-    assert set(rows[3:]) == {"unobtainium", "broken_probe"}
+    assert rows[:4] == ["async_io", "gds", "pin_memory", "moe"]
+    assert set(rows[4:]) == {"unobtainium", "broken_probe"}
     # A plugin that cannot build does not change the verdict on async_io.
     doc = json.loads(run_report("--json", "--dir", str(tmp_path), extra_env=extra).stdout)
     assert proc.returncode == (0 if doc["async_io_usable"] else 1)
