@@ -8,7 +8,6 @@ format, which deepnvme.save does not write, and for code that uses it directly.
 from __future__ import annotations
 
 import io
-import os
 from typing import Any
 
 from deepnvme.files import fsync_path
