@@ -60,7 +60,7 @@ STORAGE_ALIGNMENT = 4096
 # Each of the two staging buffers for the small records between payloads.
 STAGING_BYTES = 4 << 20
 # A payload read is split into chunks of this size so that checking one overlaps reading the next.
-READ_CHUNK_BYTES = 16 << 20
+READ_CHUNK_BYTES = 4 << 20
 TEMP_SUFFIX = ".deepnvme-tmp"
 # What stock torch.save's legacy (non-zip) format starts with: pickle protocol 2 and its magic number.
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"

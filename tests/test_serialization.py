@@ -396,3 +396,31 @@ def test_mmap_is_torch_loads_memory_mapped_path(tmp_path: Path, handle: Any) -> 
     path = tmp_path / "a.pt"
     deepnvme.save(obj, path, handle=handle)
     assert _same(obj, deepnvme.load(path, mmap=True, handle=handle))
+
+
+def test_file_system_refusing_o_direct_falls_back_to_buffered_io(tmp_path: Path, handle: Any) -> None:
+    """ramfs refuses O_DIRECT (EINVAL), as tmpfs did before Linux 6.6: save, load and FastFileWriter
+    then write and read through the page cache, with the same results."""
+    import subprocess
+
+    from deepnvme.io import FastFileWriter, FastFileWriterConfig
+    from deepnvme.pagecache import o_direct_works
+
+    mnt = tmp_path / "ram"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting ramfs needs root")
+    done = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount ramfs here: {done.stderr.strip()}")
+    try:
+        assert not o_direct_works(str(mnt))
+        obj = {"w": torch.randn(BIG // 4 + 5), "s": torch.arange(7)}
+        deepnvme.save(obj, mnt / "c.pt", handle=handle)
+        assert _same(obj, deepnvme.load(mnt / "c.pt", handle=handle))
+        staging = torch.empty(1 << 20, dtype=torch.uint8)
+        with FastFileWriter(str(mnt / "f.pt"), FastFileWriterConfig(handle, staging)) as w:
+            torch.save(obj, w)
+        assert _same(obj, torch.load(mnt / "f.pt", weights_only=True))
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
