@@ -263,7 +263,12 @@ class AioModel(RuleBasedStateMachine):
         batch.counted += self.h.wait()
         if batch.errors:
             raise batch.errors[0]
-        assert batch.counted == batch.submitted, "every async request is reported complete exactly once"
+        # The thread contract (README, Guarantees): a call counts every async request it covered, so a request
+        # covered by two concurrent calls counts in both; only one thread alone gives an exact count.
+        if len(plans) == 1:
+            assert batch.counted == batch.submitted, "every async request is reported complete exactly once"
+        else:
+            assert batch.counted >= batch.submitted, "every async request is reported complete"
         for buf, expect in batch.reads:
             assert buf.numpy().tobytes() == expect
 
