@@ -374,9 +374,9 @@ def test_import_stays_light_and_report_lists_the_op() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[0] == "False" and "assign_slots" in proc.stdout
     import op_builder
-    from deepnvme import report
+    from deepnvme.tools.report.collect import gather_ops
 
-    rows = report.gather_ops({"moe": op_builder.ALL_OPS["moe"]}, {}, {"version": "x", "cuda": None}, None)
+    rows = gather_ops({"moe": op_builder.ALL_OPS["moe"]}, {}, {"version": "x", "cuda": None}, None)
     assert [r.name for r in rows] == ["moe"]
 
 
