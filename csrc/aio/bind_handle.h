@@ -13,6 +13,22 @@
 
 namespace dnv {
 
+// A request for the host engine from a binding: prepared off the GIL (open() can block on a slow file system),
+// its one-time warning raised before any I/O (a warning the filters turn into an error drops the request
+// untouched), then queued. Returns its id in io.pipeline().
+inline uint64_t enqueue_host(IoHandle& io, const at::Tensor& buffer, const Target& target, bool write,
+                             bool validate, bool async, int64_t file_offset) {
+    IoHandle::Params p = host_params(buffer, target, write, validate, async, file_offset);
+    std::string warning;
+    std::shared_ptr<Request> req;
+    {
+        py::gil_scoped_release nogil;
+        req = io.prepare(std::move(p), warning);
+    }
+    if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
+    return io.enqueue(std::move(req));
+}
+
 // Ctrl-C: Python's signal handlers run only with the GIL, on the main thread; a long wait polls them.
 inline bool signal_pending() {
     py::gil_scoped_acquire gil;

@@ -29,16 +29,7 @@ public:
                int64_t file_offset) {
         if (file_offset < 0) throw ArgError("file_offset must be >= 0, got " + std::to_string(file_offset));
         if (target.fd < -1) throw ArgError("fd must be a non-negative file descriptor");
-        IoHandle::Params p = host_params(buffer, target, write, validate, async, file_offset);
-        std::string warning;
-        std::shared_ptr<Request> req;
-        {
-            py::gil_scoped_release nogil;  // open() can block on a slow file system
-            req = core_->prepare(std::move(p), warning);
-        }
-        // Before any I/O: a warning that the filters turn into an error drops the request untouched.
-        if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
-        uint64_t id = core_->enqueue(std::move(req));
+        uint64_t id = enqueue_host(*core_, buffer, target, write, validate, async, file_offset);
         return async ? 0 : collect(core_->pipeline(), id);
     }
 

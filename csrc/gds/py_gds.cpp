@@ -70,16 +70,7 @@ public:
             }
             id = core_->submit_device(std::move(p), warning);
         } else {
-            IoHandle::Params p = host_params(buffer, target, write, validate, async, file_offset);
-            std::shared_ptr<Request> req;
-            {
-                py::gil_scoped_release nogil;  // open() can block on a slow file system
-                req = core_->host().prepare(std::move(p), warning);
-            }
-            // Before any I/O, as in aio_handle: a warning the filters turn into an error drops the request.
-            if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
-            warning.clear();
-            id = core_->host().enqueue(std::move(req));
+            id = enqueue_host(core_->host(), buffer, target, write, validate, async, file_offset);
         }
         if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
         return async ? 0 : collect(core_->pipeline(), id);
