@@ -81,11 +81,18 @@ size_t Pipeline::wait(uint64_t own, Handed& out, const std::function<bool()>& in
     auto all_done = [](const Handed& rs) {
         return std::all_of(rs.begin(), rs.end(), [](const auto& r) { return r->done; });
     };
+    // Returns how many of `rs` no other call had handed over: a concurrent call covering the same request
+    // gets it too (for its error), but each request is counted by one call only.
     auto hand_over = [&](const Handed& rs) {
-        for (const auto& r : rs) r->reported = true;
+        size_t first = 0;
+        for (const auto& r : rs) {
+            first += r->reported ? 0 : 1;
+            r->reported = true;
+        }
         pending_.erase(std::remove_if(pending_.begin(), pending_.end(), [](const auto& r) { return r->reported; }),
                        pending_.end());
         out.insert(out.end(), rs.begin(), rs.end());
+        return first;
     };
     if (interrupted) {
         while (!cv_.wait_for(lock, kPollInterval, [&] { return all_done(covered); })) {
@@ -113,8 +120,7 @@ size_t Pipeline::wait(uint64_t own, Handed& out, const std::function<bool()>& in
                                      [own](const auto& r) { return r->id != own && (r->failed() || r->validate); }),
                       covered.end());
     }
-    hand_over(covered);
-    return covered.size();
+    return hand_over(covered);
 }
 
 void Pipeline::drain(Handed& out) {

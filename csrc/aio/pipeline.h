@@ -79,7 +79,8 @@ public:
 
     // The thread contract (see README, "Guarantees"). A call covers `own` (0 for none) and every async request
     // pending when it starts, whoever submitted it; it returns once all of them have completed and hands them
-    // over in `out`, returning how many it hands over:
+    // over in `out`. It returns how many of them it was the first to hand over, so that every request is
+    // counted by exactly one call however the calls overlap:
     //  - wait() (own == 0) hands over everything it covered (another wait() covering the same requests at the
     //    same time gets them too: each raises their error);
     //  - a sync call (own != 0) hands over its own request and the covered async ones that completed cleanly;
