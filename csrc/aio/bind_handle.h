@@ -1,12 +1,92 @@
-// DeepSpeed's handle API as pybind11 methods, written once for every handle binding (aio_handle, gds_handle).
+// DeepSpeed's handle API as pybind11 methods, written once for every handle binding (aio_handle, gds_handle),
+// and the end of every request's way through a binding: collect() and the handle's close.
 // H provides: io(tensor, Target, write, validate, async, file_offset), wait(), config(), engine().
 #pragma once
 
+#include <Python.h>
+
+#include <memory>
 #include <string>
 
+#include "pipeline.h"
 #include "tensor_glue.h"
 
 namespace dnv {
+
+// A request for the host engine from a binding: prepared off the GIL (open() can block on a slow file system),
+// its one-time warning raised before any I/O (a warning the filters turn into an error drops the request
+// untouched), then queued. Returns its id in io.pipeline().
+inline uint64_t enqueue_host(IoHandle& io, const at::Tensor& buffer, const Target& target, bool write,
+                             bool validate, bool async, int64_t file_offset) {
+    IoHandle::Params p = host_params(buffer, target, write, validate, async, file_offset);
+    std::string warning;
+    std::shared_ptr<Request> req;
+    {
+        py::gil_scoped_release nogil;
+        req = io.prepare(std::move(p), warning);
+    }
+    if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
+    return io.enqueue(std::move(req));
+}
+
+// Ctrl-C: Python's signal handlers run only with the GIL, on the main thread; a long wait polls them.
+inline bool signal_pending() {
+    py::gil_scoped_acquire gil;
+    return PyErr_CheckSignals() != 0;  // leaves the handler's exception (KeyboardInterrupt) set
+}
+
+// Waits for `own` (0 for none) and what the call covers (Pipeline::wait), validates what asked for it, and
+// raises: the first failure as OSError, else a validation mismatch, else a read whose tensor was given
+// another storage meanwhile. Returns how many requests the call covered.
+inline int64_t collect(Pipeline& pipeline, uint64_t own) {
+    Handed done;  // released after the GIL is back
+    size_t n = 0;
+    bool interrupted = false;
+    std::string mismatch;
+    {
+        py::gil_scoped_release nogil;
+        try {
+            n = pipeline.wait(own, done, signal_pending);
+        } catch (const Pipeline::Interrupted&) {
+            interrupted = true;
+        }
+        for (auto& r : done) {
+            if (interrupted || !r->validate || r->failed() || !mismatch.empty()) continue;
+            try {
+                mismatch = r->verify();
+            } catch (const std::exception& e) {
+                mismatch = std::string("validation could not read the file back: ") + e.what();
+            }
+        }
+    }
+    if (interrupted) {
+        done.clear();
+        throw py::error_already_set();  // the KeyboardInterrupt (or whatever the handler raised)
+    }
+    const PendingRequest* bad = first_failure(done);
+    int err = bad ? bad->error() : 0;
+    std::string what = bad ? bad->error_text() : std::string();
+    std::string path = bad ? bad->file.path() : std::string();
+    std::string replaced;  // a sync call reports only its own request's
+    for (const auto& r : done)
+        if (replaced.empty() && (own == 0 || r->id == own)) replaced = replaced_buffer_error(*r);
+    done.clear();  // drops the tensor references, with the GIL held
+    if (bad) throw IoError(err, what, path);
+    if (!mismatch.empty()) raise_runtime(mismatch);
+    if (!replaced.empty()) raise_runtime(replaced);
+    return static_cast<int64_t>(n);
+}
+
+// A binding's destructor: requests still in flight finish first, then `core` (its threads) goes; the
+// requests' tensors are released afterwards, with the GIL held.
+template <class Core>
+void close_core(std::unique_ptr<Core>& core) {
+    Handed rest;
+    without_gil_unless_finalizing([&] {
+        core->pipeline().drain(rest);
+        core.reset();
+    });
+}
 
 template <class H>
 void bind_handle_api(py::class_<H>& c) {

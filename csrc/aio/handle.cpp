@@ -1,7 +1,6 @@
 #include "handle.h"
 
 #include <fcntl.h>
-#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,7 +9,6 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
-#include <set>
 
 #include "error.h"
 #include "tunables.h"
@@ -21,15 +19,6 @@ namespace {
 // Longest single engine operation. io_uring takes a 32-bit length and the kernel moves at most ~2 GiB per
 // read/write call, so a larger block is issued in pieces of this size (a multiple of any device alignment).
 constexpr size_t kMaxOpBytes = size_t(1) << 30;
-
-// Forks this process has made; a handle made before the latest one belongs to an ancestor.
-std::atomic<unsigned> g_forks{0};
-
-unsigned fork_generation() {
-    static std::once_flag once;
-    std::call_once(once, [] { ::pthread_atfork(nullptr, nullptr, [] { g_forks.fetch_add(1); }); });
-    return g_forks.load();
-}
 
 std::string where(const Request& r, size_t rel, size_t len) {
     return std::string(r.write ? "write" : "read") + " of " + std::to_string(len) + " bytes at file offset " +
@@ -66,25 +55,7 @@ void transfer_edge(Request& r, size_t begin, size_t end) {
     if (!r.write) r.copier->from_host(begin, tmp.data(), len);
 }
 
-struct WarnedDevices {
-    std::mutex mu;
-    std::set<std::string> file_systems;  // device + mount point: a remount is a new file system
-};
-
-WarnedDevices& warned_devices() {
-    static WarnedDevices w;
-    return w;
-}
-
 }  // namespace
-
-void Request::fail(int err, const std::string& what) {
-    std::lock_guard<std::mutex> lock(err_mu_);
-    if (failed_.load(std::memory_order_relaxed)) return;
-    err_ = err;
-    err_what_ = what;
-    failed_.store(true, std::memory_order_relaxed);
-}
 
 // ---------------------------------------------------------------------------------------------------------
 // Worker
@@ -369,7 +340,8 @@ void Worker::finish_slice(Slice* s) {
 // ---------------------------------------------------------------------------------------------------------
 // IoHandle
 
-IoHandle::IoHandle(const HandleConfig& cfg) : cfg_(cfg), fork_generation_(fork_generation()) {
+IoHandle::IoHandle(const HandleConfig& cfg, std::shared_ptr<Pipeline> pipeline)
+    : cfg_(cfg), pipeline_(pipeline ? std::move(pipeline) : std::make_shared<Pipeline>("aio handle")) {
     if (cfg.block_size == 0) throw ArgError("block_size must be positive");
     if (cfg.queue_depth == 0) throw ArgError("queue_depth must be positive");
     if (cfg.parallelism == 0) throw ArgError("intra_op_parallelism must be positive");
@@ -382,30 +354,20 @@ IoHandle::IoHandle(const HandleConfig& cfg) : cfg_(cfg), fork_generation_(fork_g
 }
 
 IoHandle::~IoHandle() {
-    if (inherited()) {
+    if (pipeline_->inherited()) {
         // A forked child has none of these threads: joining them would hang, destroying a joinable
         // std::thread would abort. Their memory stays with the child until it exits.
         for (auto& w : workers_) (void)w.release();
-        for (auto& r : pending_) new std::shared_ptr<Request>(std::move(r));  // workers may point into them
+        pipeline_->abandon();  // workers may point into the requests
         return;
     }
-    std::vector<std::shared_ptr<Request>> rest;
-    drain(rest);
+    Handed rest;
+    pipeline_->drain(rest);
     workers_.clear();  // joins the threads
 }
 
-bool IoHandle::inherited() const noexcept { return g_forks.load() != fork_generation_; }
-
-namespace {
-void refuse_if_inherited(const IoHandle& h) {
-    if (h.inherited())
-        throw UnsupportedError("this aio handle was made before fork() and its worker threads stayed in the parent: "
-                               "make a new handle in the child process");
-}
-}  // namespace
-
 std::shared_ptr<Request> IoHandle::prepare(Params p, std::string& warning) {
-    refuse_if_inherited(*this);
+    pipeline_->refuse_if_inherited();
     auto r = std::make_shared<Request>();
     r->write = p.write;
     r->is_async = p.is_async;
@@ -415,21 +377,14 @@ std::shared_ptr<Request> IoHandle::prepare(Params p, std::string& warning) {
     r->nbytes = p.nbytes;
     r->offset = p.offset;
     r->keepalive = std::move(p.keepalive);
-    r->file = p.fd >= 0 ? TargetFile::from_fd(p.fd, p.write) : TargetFile::open_path(p.path, p.write);
+    r->open_target(p.path, p.fd);
     if (r->file.o_direct_refused()) {
+        // Once per file system: device and mount point (a remount is a new file system).
         std::string mount = mount_point_of(r->file.buffered_fd());
-        WarnedDevices& w = warned_devices();
-        std::lock_guard<std::mutex> lock(w.mu);
-        if (w.file_systems.insert(std::to_string(r->file.device()) + " " + mount).second)
+        if (first_notice("no O_DIRECT on " + std::to_string(r->file.device()) + " " + mount))
             warning = "O_DIRECT is not supported by the file system " +
                       (mount.empty() ? std::string() : "mounted at " + mount + " ") + "(first seen with " +
                       r->file.path() + "); deepnvme uses buffered I/O there: correct, but through the page cache";
-    }
-    if (!p.write) {
-        uint64_t size = r->file.size();
-        if (p.nbytes > 0 && p.offset + p.nbytes > size)
-            throw ArgError("read past end of file " + r->file.path() + ": file_offset " + std::to_string(p.offset) +
-                           " + buffer nbytes " + std::to_string(p.nbytes) + " > file size " + std::to_string(size));
     }
     r->direct = r->file.direct_fd() >= 0;
     RequestPlan plan = plan_request(reinterpret_cast<uintptr_t>(r->mem), r->nbytes, r->offset, r->direct,
@@ -448,25 +403,15 @@ std::shared_ptr<Request> IoHandle::prepare(Params p, std::string& warning) {
 }
 
 uint64_t IoHandle::enqueue(std::shared_ptr<Request> r) {
-    refuse_if_inherited(*this);
+    pipeline_->refuse_if_inherited();
     Request* raw = r.get();
     // Once pending, the request can complete and be freed by another thread's wait() as soon as its last
     // slice is queued: nothing of it is read after that.
     Slice* const slices = raw->slices.data();
     const size_t nslices = raw->slices.size();
-    uint64_t id;
-    unsigned first_worker;
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        id = raw->id = ++next_id_;
-        first_worker = next_worker_;
-        next_worker_ = static_cast<unsigned>((next_worker_ + nslices) % workers_.size());
-        if (nslices == 0) {
-            raw->file.close();
-            raw->done = true;
-        }
-        pending_.push_back(std::move(r));
-    }
+    const unsigned first_worker = next_worker_.fetch_add(static_cast<unsigned>(nslices), std::memory_order_relaxed);
+    if (nslices == 0) raw->file.close();
+    uint64_t id = pipeline_->add(std::move(r), nslices == 0);
     for (size_t i = 0; i < nslices; ++i) workers_[(first_worker + i) % workers_.size()]->enqueue(&slices[i]);
     return id;
 }
@@ -477,75 +422,7 @@ void IoHandle::request_done(Request* r) {
     // Free descriptors now, not at wait(): thousands of queued files must not pile up. A caller's descriptor
     // (our duplicate of it) stays open until validation has read the file back through it.
     if (!(r->validate && r->file.user_fd() >= 0)) r->file.close();
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        r->done = true;
-    }
-    cv_.notify_all();
-}
-
-size_t IoHandle::wait(uint64_t own, std::vector<std::shared_ptr<Request>>& out,
-                      const std::function<bool()>& interrupted) {
-    refuse_if_inherited(*this);
-    std::unique_lock<std::mutex> lock(mu_);
-    std::vector<std::shared_ptr<Request>> covered;
-    for (const auto& r : pending_)
-        if (r->is_async || r->id == own) covered.push_back(r);
-    auto all_done = [](const std::vector<std::shared_ptr<Request>>& rs) {
-        return std::all_of(rs.begin(), rs.end(), [](const auto& r) { return r->done; });
-    };
-    auto hand_over = [&](const std::vector<std::shared_ptr<Request>>& rs) {
-        for (const auto& r : rs) r->reported = true;
-        pending_.erase(std::remove_if(pending_.begin(), pending_.end(), [](const auto& r) { return r->reported; }),
-                       pending_.end());
-        out.insert(out.end(), rs.begin(), rs.end());
-    };
-    if (interrupted) {
-        while (!cv_.wait_for(lock, kPollInterval, [&] { return all_done(covered); })) {
-            lock.unlock();
-            bool stop = interrupted();
-            lock.lock();
-            if (!stop) continue;
-            std::vector<std::shared_ptr<Request>> cancel;
-            for (const auto& r : covered)
-                if (own == 0 || r->id == own) cancel.push_back(r);
-            // Workers stop issuing a failed request's blocks; the ones in flight finish normally. Requests
-            // already complete keep their result (a concurrent wait() covering them may report it).
-            for (const auto& r : cancel)
-                if (!r->done) r->fail(ECANCELED, "cancelled by an interruption (KeyboardInterrupt)");
-            cv_.wait(lock, [&] { return all_done(cancel); });
-            hand_over(cancel);
-            throw Interrupted{};
-        }
-    } else {
-        cv_.wait(lock, [&] { return all_done(covered); });
-    }
-    if (own != 0) {
-        // A sync call reports only its own error: failed or unvalidated async requests wait for a wait().
-        covered.erase(std::remove_if(covered.begin(), covered.end(),
-                                     [own](const auto& r) { return r->id != own && (r->failed() || r->validate); }),
-                      covered.end());
-    }
-    hand_over(covered);
-    return covered.size();
-}
-
-void IoHandle::drain(std::vector<std::shared_ptr<Request>>& out) {
-    if (inherited()) return;  // the destructor keeps them: no thread of this process works on them
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return std::all_of(pending_.begin(), pending_.end(), [](const auto& r) { return r->done; }); });
-    for (auto& r : pending_) {
-        r->reported = true;
-        out.push_back(std::move(r));
-    }
-    pending_.clear();
-}
-
-const Request* first_failure(const std::vector<std::shared_ptr<Request>>& reqs) {
-    const Request* best = nullptr;
-    for (const auto& r : reqs)
-        if (r->failed() && (best == nullptr || r->id < best->id)) best = r.get();
-    return best;
+    pipeline_->complete(r);
 }
 
 std::string compare_with_file(const TargetFile& file, uint64_t offset, size_t nbytes, size_t chunk,
@@ -577,12 +454,12 @@ std::string compare_with_file(const TargetFile& file, uint64_t offset, size_t nb
     return {};
 }
 
-std::string verify_request(Request& r) {
+std::string Request::verify() {
     constexpr size_t kChunk = 1u << 20;
-    std::vector<char> host(r.copier ? std::min(kChunk, r.nbytes) : 0);
-    return compare_with_file(r.file, r.offset, r.nbytes, kChunk, [&](size_t at, size_t len) -> const char* {
-        if (!r.copier) return r.mem + at;
-        r.copier->to_host(host.data(), at, len);
+    std::vector<char> host(copier ? std::min(kChunk, nbytes) : 0);
+    return compare_with_file(file, offset, nbytes, kChunk, [&](size_t at, size_t len) -> const char* {
+        if (!copier) return mem + at;
+        copier->to_host(host.data(), at, len);
         return host.data();
     });
 }

@@ -1,4 +1,5 @@
-// io_handle: worker threads, each feeding its own engine; requests, their completion and their errors.
+// io_handle: worker threads, each feeding its own engine; how a request is planned, moved and checked. Its id,
+// waiting and handing over are the shared request pipeline's (pipeline.h).
 // Plain C++ (no torch): the binding hands it raw memory, or a Copier for memory it cannot touch directly.
 #pragma once
 
@@ -17,6 +18,7 @@
 
 #include "engine.h"
 #include "file.h"
+#include "pipeline.h"
 #include "plan.h"
 #include "staging.h"
 
@@ -51,40 +53,18 @@ struct Slice {
     bool finished = false;
 };
 
-// One tensor transfer. Shared by the handle (until a call reports it) and every wait() that covers it; the
-// last holder destroys it.
-class Request {
+// One tensor transfer through the engine: where its memory is, how it was planned, and its slices.
+class Request final : public PendingRequest {
 public:
-    uint64_t id = 0;
-    bool write = false;
-    bool is_async = false;
-    bool validate = false;
     char* mem = nullptr;                     // host memory, or null when copier is set
     std::shared_ptr<const Copier> copier;
-    size_t nbytes = 0;
-    uint64_t offset = 0;
-    TargetFile file;
     int body_fd = -1;
     bool direct = false;
     bool staged = false;
     std::vector<Slice> slices;
-    std::shared_ptr<void> keepalive;          // the binding's tensor references; released by the claimer
-
-    // First failure wins; later ones are dropped (they are usually consequences of the first).
-    void fail(int err, const std::string& what);
-    bool failed() const noexcept { return failed_.load(std::memory_order_relaxed); }
-    int error() const noexcept { return err_; }
-    const std::string& error_text() const noexcept { return err_what_; }
-
     std::atomic<unsigned> slices_left{0};
-    bool done = false;      // guarded by the handle's mutex
-    bool reported = false;  // a call has handed it over (and left the handle's pending list); same mutex
 
-private:
-    std::atomic<bool> failed_{false};
-    std::mutex err_mu_;
-    int err_ = 0;
-    std::string err_what_;
+    std::string verify() override;
 };
 
 class IoHandle;
@@ -136,14 +116,12 @@ private:
 
 class IoHandle {
 public:
-    explicit IoHandle(const HandleConfig& cfg);
+    // Requests go to `pipeline` when given (gds_handle shares one between its cuFile side and this engine),
+    // else to the handle's own.
+    explicit IoHandle(const HandleConfig& cfg, std::shared_ptr<Pipeline> pipeline = nullptr);
     ~IoHandle();
     IoHandle(const IoHandle&) = delete;
     IoHandle& operator=(const IoHandle&) = delete;
-
-    // Thrown by wait() when `interrupted` said stop: the requests it cancelled have finished and were handed
-    // over in `out`; the caller raises whatever the interruption was (KeyboardInterrupt).
-    struct Interrupted {};
 
     struct Params {
         bool write = false;
@@ -167,27 +145,8 @@ public:
     // prepare() then enqueue().
     uint64_t submit(Params p, std::string& warning);
 
-    // The thread contract (see README, "Guarantees"). A call covers `own` (0 for none) and every async request
-    // pending when it starts, whoever submitted it; it returns once all of them have completed and hands them
-    // over in `out`, returning how many it hands over:
-    //  - wait() (own == 0) hands over everything it covered (another wait() covering the same requests at the
-    //    same time gets them too: each raises their error);
-    //  - a sync call (own != 0) hands over its own request and the covered async ones that completed cleanly;
-    //    a failed async request, or one still to be validated, stays pending for a wait() to report.
-    // `interrupted`, if set, is polled every kPollInterval while waiting; when it returns true the call
-    // cancels (wait()) what it covers or (sync call) its own request, waits for the blocks already in flight,
-    // hands the cancelled requests over and throws Interrupted.
-    size_t wait(uint64_t own, std::vector<std::shared_ptr<Request>>& out,
-                const std::function<bool()>& interrupted = {});
-    static constexpr std::chrono::milliseconds kPollInterval{50};
-
-    // Waits for everything still pending and hands it over (for destruction). In a process forked from the
-    // handle's creator it waits for nothing: the workers are the parent's.
-    void drain(std::vector<std::shared_ptr<Request>>& out);
-
-    // True in a child forked after the handle was made: it has none of the handle's threads, so the handle
-    // refuses work (UnsupportedError) and its destructor leaves the parent's workers alone.
-    bool inherited() const noexcept;
+    // Where requests wait, are handed over and drained (see pipeline.h).
+    Pipeline& pipeline() noexcept { return *pipeline_; }
 
     const HandleConfig& config() const noexcept { return cfg_; }
     const std::string& engine_name() const noexcept { return engine_; }
@@ -200,22 +159,13 @@ private:
     std::string engine_;
     std::shared_ptr<EngineShared> shared_;
     std::vector<std::unique_ptr<Worker>> workers_;
-    std::mutex mu_;
-    std::condition_variable cv_;
-    std::vector<std::shared_ptr<Request>> pending_;
-    uint64_t next_id_ = 0;
-    unsigned next_worker_ = 0;
-    unsigned fork_generation_ = 0;  // forks this process had seen when the handle was made
+    std::shared_ptr<Pipeline> pipeline_;
+    std::atomic<unsigned> next_worker_{0};
 };
 
-// Reads the request's file range back and compares it with the memory; "" when equal, else what differs.
-std::string verify_request(Request& r);
-
-// The comparison itself: `memory(at, len)` yields the buffer's bytes [at, at+len) in host memory.
+// Reads a file range back and compares it with a buffer, "" when equal, else what differs: `memory(at, len)`
+// yields the buffer's bytes [at, at+len) in host memory. Every request's verify() is this.
 std::string compare_with_file(const TargetFile& file, uint64_t offset, size_t nbytes, size_t chunk,
                               const std::function<const char*(size_t at, size_t len)>& memory);
-
-// The first failed request among `reqs` (submission order), or null.
-const Request* first_failure(const std::vector<std::shared_ptr<Request>>& reqs);
 
 }  // namespace dnv

@@ -23,83 +23,22 @@ public:
         core_ = std::make_unique<IoHandle>(cfg);
     }
 
-    ~AioHandle() {
-        // Requests still in flight finish first; their tensors are released with the GIL held.
-        std::vector<std::shared_ptr<Request>> rest;
-        without_gil_unless_finalizing([&] {
-            core_->drain(rest);
-            core_.reset();
-        });
-    }
+    ~AioHandle() { close_core(core_); }
 
     int64_t io(const at::Tensor& buffer, const Target& target, bool write, bool validate, bool async,
                int64_t file_offset) {
         if (file_offset < 0) throw ArgError("file_offset must be >= 0, got " + std::to_string(file_offset));
         if (target.fd < -1) throw ArgError("fd must be a non-negative file descriptor");
-        IoHandle::Params p = host_params(buffer, target, write, validate, async, file_offset);
-        std::string warning;
-        std::shared_ptr<Request> req;
-        {
-            py::gil_scoped_release nogil;  // open() can block on a slow file system
-            req = core_->prepare(std::move(p), warning);
-        }
-        // Before any I/O: a warning that the filters turn into an error drops the request untouched.
-        if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
-        uint64_t id = core_->enqueue(std::move(req));
-        return async ? 0 : collect(id);
+        uint64_t id = enqueue_host(*core_, buffer, target, write, validate, async, file_offset);
+        return async ? 0 : collect(core_->pipeline(), id);
     }
 
-    int64_t wait() { return collect(0); }
+    int64_t wait() { return collect(core_->pipeline(), 0); }
 
     const HandleConfig& config() const { return core_->config(); }
     const std::string& engine() const { return core_->engine_name(); }
 
 private:
-    // Ctrl-C: Python's signal handlers run only with the GIL, on the main thread; a long wait polls them.
-    static bool signal_pending() {
-        py::gil_scoped_acquire gil;
-        return PyErr_CheckSignals() != 0;  // leaves the handler's exception (KeyboardInterrupt) set
-    }
-
-    int64_t collect(uint64_t own) {
-        std::vector<std::shared_ptr<Request>> done;  // released after the GIL is back
-        size_t n = 0;
-        bool interrupted = false;
-        std::string mismatch;
-        {
-            py::gil_scoped_release nogil;
-            try {
-                n = core_->wait(own, done, signal_pending);
-            } catch (const IoHandle::Interrupted&) {
-                interrupted = true;
-            }
-            for (auto& r : done) {
-                if (interrupted || !r->validate || r->failed() || !mismatch.empty()) continue;
-                try {
-                    mismatch = verify_request(*r);
-                } catch (const std::exception& e) {
-                    mismatch = std::string("validation could not read the file back: ") + e.what();
-                }
-            }
-        }
-        if (interrupted) {
-            done.clear();
-            throw py::error_already_set();  // the KeyboardInterrupt (or whatever the handler raised)
-        }
-        const Request* bad = first_failure(done);
-        int err = bad ? bad->error() : 0;
-        std::string what = bad ? bad->error_text() : std::string();
-        std::string path = bad ? bad->file.path() : std::string();
-        std::string replaced;  // a sync call reports only its own request's
-        for (const auto& r : done)
-            if (replaced.empty() && (own == 0 || r->id == own)) replaced = replaced_buffer_error(*r);
-        done.clear();  // drops the tensor references, with the GIL held
-        if (bad) throw IoError(err, what, path);
-        if (!mismatch.empty()) raise_runtime(mismatch);
-        if (!replaced.empty()) raise_runtime(replaced);
-        return static_cast<int64_t>(n);
-    }
-
     std::unique_ptr<IoHandle> core_;
 };
 

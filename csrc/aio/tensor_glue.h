@@ -158,7 +158,7 @@ inline BufferArg buffer_arg(const at::Tensor& t, const char* name = "buffer") {
 
 // For a read handed over by wait(): an error text when the caller swapped the tensor's storage while the
 // read was pending (the bytes went to the old storage, which was kept alive for them), else "".
-inline std::string replaced_buffer_error(const Request& r) {
+inline std::string replaced_buffer_error(const PendingRequest& r) {
     if (r.write || !r.keepalive) return {};
     if (!static_cast<const TensorHold*>(r.keepalive.get())->replaced()) return {};
     return "the buffer of the read from " + r.file.path() +

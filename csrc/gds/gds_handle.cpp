@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <set>
 
 #include "device_buffers.h"
 #include "error.h"
@@ -40,16 +39,6 @@ bool stageable(CUfileOpError e) {
     }
 }
 
-struct WarnedDevices {
-    std::mutex mu;
-    std::set<uint64_t> devices;
-};
-
-WarnedDevices& warned_devices() {
-    static WarnedDevices w;
-    return w;
-}
-
 }  // namespace
 
 void CudaCopier::to_host(void* dst, size_t offset, size_t len) const {
@@ -61,14 +50,6 @@ void CudaCopier::from_host(size_t offset, const void* src, size_t len) const {
     set_device(device_);
     check_cuda(cudaMemcpy(const_cast<char*>(ptr_) + offset, src, len, cudaMemcpyHostToDevice),
                "cudaMemcpy host to device");
-}
-
-void DeviceRequest::fail(int err, const std::string& what) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (failed_.load(std::memory_order_relaxed)) return;
-    err_ = err;
-    what_ = what;
-    failed_.store(true, std::memory_order_release);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -112,13 +93,21 @@ void GdsHandle::Worker::run() {
 
 GdsHandle::GdsHandle(const HandleConfig& cfg)
     : driver_(open_driver(DriverSettings{cfg.queue_depth, cfg.parallelism})),
-      host_(std::make_unique<IoHandle>(cfg)) {
+      pipeline_(std::make_shared<Pipeline>("gds handle")),
+      host_(std::make_unique<IoHandle>(cfg, pipeline_)) {
     for (unsigned i = 0; i < cfg.parallelism; ++i) workers_.push_back(std::make_unique<Worker>(*this));
 }
 
 GdsHandle::~GdsHandle() {
-    Completed rest;
-    drain(rest);
+    if (pipeline_->inherited()) {
+        // A forked child has none of these threads (see IoHandle::~IoHandle): leave them, and the requests
+        // they may point into, alone.
+        for (auto& w : workers_) (void)w.release();
+        pipeline_->abandon();
+        return;
+    }
+    Handed rest;
+    pipeline_->drain(rest);
     workers_.clear();  // joins the threads
 }
 
@@ -161,21 +150,13 @@ void GdsHandle::finish(DeviceRequest* r) {
     // (our duplicate of it) stays open until validation has read the file back through it.
     if (!(r->validate && r->file.user_fd() >= 0)) r->file.close();
     r->lease.reset();
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        r->done = true;
-    }
-    cv_.notify_all();
+    pipeline_->complete(r);
 }
 
-Ticket GdsHandle::stage(DeviceParams& p, const std::string& why, uint64_t fs_device, std::string& warning) {
-    {
-        WarnedDevices& w = warned_devices();
-        std::lock_guard<std::mutex> lock(w.mu);
-        if (w.devices.insert(fs_device).second)
-            warning = "cuFile cannot do I/O on the file system of " + (p.fd >= 0 ? "<fd>" : p.path) + " (" + why +
-                      "); deepnvme stages CUDA tensors for it through host memory (correct, but slower)";
-    }
+uint64_t GdsHandle::stage(DeviceParams& p, const std::string& why, uint64_t fs_device, std::string& warning) {
+    if (first_notice("no cuFile on " + std::to_string(fs_device)))
+        warning = "cuFile cannot do I/O on the file system of " + (p.fd >= 0 ? "<fd>" : p.path) + " (" + why +
+                  "); deepnvme stages CUDA tensors for it through host memory (correct, but slower)";
     IoHandle::Params h;
     h.write = p.write;
     h.copier = std::make_shared<CudaCopier>(p.device, p.ptr);
@@ -187,15 +168,16 @@ Ticket GdsHandle::stage(DeviceParams& p, const std::string& why, uint64_t fs_dev
     h.validate = p.validate;
     h.keepalive = std::move(p.keepalive);
     std::string host_warning;
-    Ticket t{true, host_->submit(std::move(h), host_warning)};
+    uint64_t id = host_->submit(std::move(h), host_warning);
     if (warning.empty()) warning = host_warning;
     staged_.fetch_add(1, std::memory_order_relaxed);
-    return t;
+    return id;
 }
 
-Ticket GdsHandle::submit_device(DeviceParams p, std::string& warning) {
+uint64_t GdsHandle::submit_device(DeviceParams p, std::string& warning) {
+    pipeline_->refuse_if_inherited();
     if (p.nbytes > 0 && p.ptr == nullptr) throw ArgError("device buffer has no memory");
-    auto r = std::make_unique<DeviceRequest>();
+    auto r = std::make_shared<DeviceRequest>();
     r->write = p.write;
     r->is_async = p.is_async;
     r->validate = p.validate;
@@ -203,13 +185,7 @@ Ticket GdsHandle::submit_device(DeviceParams p, std::string& warning) {
     r->ptr = p.ptr;
     r->nbytes = p.nbytes;
     r->offset = p.offset;
-    r->file = p.fd >= 0 ? TargetFile::from_fd(p.fd, p.write) : TargetFile::open_path(p.path, p.write);
-    if (!p.write) {
-        uint64_t size = r->file.size();
-        if (p.nbytes > 0 && p.offset + p.nbytes > size)
-            throw ArgError("read past end of file " + r->file.path() + ": file_offset " + std::to_string(p.offset) +
-                           " + buffer nbytes " + std::to_string(p.nbytes) + " > file size " + std::to_string(size));
-    }
+    r->open_target(p.path, p.fd);
     DeviceBuffers::Placement place = DeviceBuffers::instance().place(p.device, p.ptr, p.nbytes);
     r->base = place.base;
     r->buf_off = place.offset;
@@ -249,61 +225,25 @@ Ticket GdsHandle::submit_device(DeviceParams p, std::string& warning) {
             begin = end;
         }
     }
-    DeviceRequest* raw = r.get();
-    raw->chunks_left.store(static_cast<unsigned>(chunks.size()));
-    unsigned first;
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        raw->id = ++next_id_;
-        first = next_worker_;
-        next_worker_ = static_cast<unsigned>((next_worker_ + chunks.size()) % workers_.size());
-        if (chunks.empty()) {
-            raw->file.close();
-            raw->lease.reset();
-            raw->done = true;
-        }
-        pending_.push_back(std::move(r));
+    r->chunks_left.store(static_cast<unsigned>(chunks.size()));
+    const unsigned first =
+        next_worker_.fetch_add(static_cast<unsigned>(chunks.size()), std::memory_order_relaxed);
+    if (chunks.empty()) {
+        r->file.close();
+        r->lease.reset();
     }
+    // Once pending, the request can complete and be freed by another thread's wait(): only `chunks` is used.
+    uint64_t id = pipeline_->add(std::move(r), chunks.empty());
     for (size_t i = 0; i < chunks.size(); ++i) workers_[(first + i) % workers_.size()]->enqueue(chunks[i]);
-    return Ticket{false, raw->id};
+    return id;
 }
 
-size_t GdsHandle::wait(const Ticket* own, Completed& out) {
-    uint64_t own_dev = (own != nullptr && !own->host) ? own->id : 0;
-    uint64_t own_host = (own != nullptr && own->host) ? own->id : 0;
-    size_t n = host_->wait(own_host, out.host);
-    std::unique_lock<std::mutex> lock(mu_);
-    size_t first = out.device.size();
-    auto keep = std::stable_partition(pending_.begin(), pending_.end(), [own_dev](const auto& r) {
-        return !(r->is_async || r->id == own_dev);
-    });
-    for (auto it = keep; it != pending_.end(); ++it) out.device.push_back(std::move(*it));
-    pending_.erase(keep, pending_.end());
-    cv_.wait(lock, [&] {
-        return std::all_of(out.device.begin() + static_cast<std::ptrdiff_t>(first), out.device.end(),
-                           [](const auto& r) { return r->done; });
-    });
-    return n + (out.device.size() - first);
-}
-
-void GdsHandle::drain(Completed& out) {
-    host_->drain(out.host);
-    std::unique_lock<std::mutex> lock(mu_);
-    size_t first = out.device.size();
-    for (auto& r : pending_) out.device.push_back(std::move(r));
-    pending_.clear();
-    cv_.wait(lock, [&] {
-        return std::all_of(out.device.begin() + static_cast<std::ptrdiff_t>(first), out.device.end(),
-                           [](const auto& r) { return r->done; });
-    });
-}
-
-std::string verify_device(DeviceRequest& r) {
-    DeviceGuard guard(r.device);
+std::string DeviceRequest::verify() {
+    DeviceGuard guard(device);
     constexpr size_t kChunk = 4u << 20;
-    std::vector<char> host(std::min(kChunk, r.nbytes));
-    return compare_with_file(r.file, r.offset, r.nbytes, kChunk, [&](size_t at, size_t len) -> const char* {
-        check_cuda(cudaMemcpy(host.data(), r.ptr + at, len, cudaMemcpyDeviceToHost), "validation cudaMemcpy");
+    std::vector<char> host(std::min(kChunk, nbytes));
+    return compare_with_file(file, offset, nbytes, kChunk, [&](size_t at, size_t len) -> const char* {
+        check_cuda(cudaMemcpy(host.data(), ptr + at, len, cudaMemcpyDeviceToHost), "validation cudaMemcpy");
         return host.data();
     });
 }

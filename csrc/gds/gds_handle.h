@@ -17,6 +17,7 @@
 #include "cufile_api.h"
 #include "file.h"
 #include "handle.h"
+#include "pipeline.h"
 
 namespace dnv::gds {
 
@@ -33,47 +34,19 @@ private:
     const char* ptr_;
 };
 
-// One CUDA-tensor transfer through cuFile. Owned by the handle until a wait() claims it.
-class DeviceRequest {
+// One CUDA-tensor transfer through cuFile: what cuFile needs beyond every request's fields (pipeline.h).
+class DeviceRequest final : public PendingRequest {
 public:
-    uint64_t id = 0;
-    bool write = false, is_async = false, validate = false;
     int device = 0;
     char* ptr = nullptr;           // the tensor's bytes
     const void* base = nullptr;    // what cuFile is given: the registered region's base, or ptr
     size_t buf_off = 0;            // ptr - base
-    size_t nbytes = 0;
-    uint64_t offset = 0;           // file offset
-    TargetFile file;
     CUfileHandle_t fh = nullptr;   // cuFile's handle for file's descriptor, while the transfer runs
     std::shared_ptr<const void> lease;  // keeps a registration from being unpinned mid-transfer
-    std::shared_ptr<void> keepalive;    // the binding's tensor references; released by the claimer
     std::atomic<unsigned> chunks_left{0};
-    bool done = false;  // guarded by the handle's mutex
 
-    // First failure wins; later ones are usually its consequences.
-    void fail(int err, const std::string& what);
-    bool failed() const noexcept { return failed_.load(std::memory_order_acquire); }
-    int error() const noexcept { return err_; }
-    const std::string& error_text() const noexcept { return what_; }
-
-private:
-    std::atomic<bool> failed_{false};
-    std::mutex mu_;
-    int err_ = 0;
-    std::string what_;
-};
-
-// Which side a request went to, and its id there.
-struct Ticket {
-    bool host = false;
-    uint64_t id = 0;
-};
-
-// Requests a wait() claimed, from both sides.
-struct Completed {
-    std::vector<std::unique_ptr<DeviceRequest>> device;
-    std::vector<std::shared_ptr<Request>> host;
+    // Reads the file range back and compares it with the device memory; "" when equal.
+    std::string verify() override;
 };
 
 class GdsHandle {
@@ -97,16 +70,14 @@ public:
         std::shared_ptr<void> keepalive;
     };
 
-    // Opens the file, registers it with cuFile and queues the transfer. Throws IoError/ArgError before any I/O
-    // starts. When cuFile cannot serve the file at all, the transfer is staged through host memory by the
-    // host engine instead and `warning` says so (once per file system).
-    Ticket submit_device(DeviceParams p, std::string& warning);
+    // Opens the file, registers it with cuFile and queues the transfer; returns its id in pipeline(). Throws
+    // IoError/ArgError before any I/O starts. When cuFile cannot serve the file at all, the transfer is staged
+    // through host memory by the host engine instead and `warning` says so (once per file system).
+    uint64_t submit_device(DeviceParams p, std::string& warning);
     // Host tensors go to host(): prepare(), then enqueue() once the binding has raised any warning.
 
-    // Waits for `own` (null for none) and every async request not yet claimed, on both sides; hands them
-    // over and returns how many completed (successfully or not).
-    size_t wait(const Ticket* own, Completed& out);
-    void drain(Completed& out);
+    // The one pipeline of both sides (cuFile's requests and the host engine's): ids, wait, drain.
+    Pipeline& pipeline() noexcept { return *pipeline_; }
 
     // The host engine itself, for the binding's prepare / warn / enqueue sequence on host tensors.
     IoHandle& host() noexcept { return *host_; }
@@ -141,20 +112,14 @@ private:
 
     void run_chunk(const Chunk& c);
     void finish(DeviceRequest* r);
-    Ticket stage(DeviceParams& p, const std::string& why, uint64_t fs_device, std::string& warning);
+    uint64_t stage(DeviceParams& p, const std::string& why, uint64_t fs_device, std::string& warning);
 
     const DriverInfo& driver_;
+    std::shared_ptr<Pipeline> pipeline_;
     std::unique_ptr<IoHandle> host_;
     std::vector<std::unique_ptr<Worker>> workers_;
     std::atomic<uint64_t> staged_{0};
-    std::mutex mu_;
-    std::condition_variable cv_;
-    std::vector<std::unique_ptr<DeviceRequest>> pending_;
-    uint64_t next_id_ = 0;
-    unsigned next_worker_ = 0;
+    std::atomic<unsigned> next_worker_{0};
 };
-
-// Reads the request's file range back and compares it with the device memory; "" when equal.
-std::string verify_device(DeviceRequest& r);
 
 }  // namespace dnv::gds

@@ -37,20 +37,13 @@ public:
         core_ = std::make_unique<GdsHandle>(cfg);
     }
 
-    ~PyGdsHandle() {
-        // Requests still in flight finish first; their tensors are released with the GIL held.
-        Completed rest;
-        without_gil_unless_finalizing([&] {
-            core_->drain(rest);
-            core_.reset();
-        });
-    }
+    ~PyGdsHandle() { close_core(core_); }
 
     int64_t io(const at::Tensor& given, const Target& target, bool write, bool validate, bool async,
                int64_t file_offset) {
         if (file_offset < 0) throw ArgError("file_offset must be >= 0, got " + std::to_string(file_offset));
         std::string warning;
-        Ticket t;
+        uint64_t id = 0;
         at::Tensor buffer = resolved_for_io(given, write);  // conjugate/negative views: values, or refused
         if (buffer.defined() && buffer.is_cuda()) {
             if (!buffer.is_contiguous())
@@ -66,7 +59,7 @@ public:
             p.fd = target.fd;
             p.is_async = async;
             p.validate = validate;
-            p.keepalive = std::make_shared<at::Tensor>(buffer);
+            p.keepalive = std::make_shared<TensorHold>(buffer);  // as for host tensors: held and frozen
             cudaStream_t stream = current_stream(p.device);
             py::gil_scoped_release nogil;
             {
@@ -75,24 +68,15 @@ public:
                 DeviceGuard guard(p.device);
                 check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize before cuFile I/O");
             }
-            t = core_->submit_device(std::move(p), warning);
+            id = core_->submit_device(std::move(p), warning);
         } else {
-            IoHandle::Params p = host_params(buffer, target, write, validate, async, file_offset);
-            std::shared_ptr<Request> req;
-            {
-                py::gil_scoped_release nogil;  // open() can block on a slow file system
-                req = core_->host().prepare(std::move(p), warning);
-            }
-            // Before any I/O, as in aio_handle: a warning the filters turn into an error drops the request.
-            if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
-            warning.clear();
-            t = Ticket{true, core_->host().enqueue(std::move(req))};
+            id = enqueue_host(core_->host(), buffer, target, write, validate, async, file_offset);
         }
         if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
-        return async ? 0 : collect(&t);
+        return async ? 0 : collect(core_->pipeline(), id);
     }
 
-    int64_t wait() { return collect(nullptr); }
+    int64_t wait() { return collect(core_->pipeline(), 0); }
 
     bool pin(const at::Tensor& t) {
         require_cuda(t, "tensor");
@@ -145,55 +129,6 @@ public:
     const std::string& engine() const { return core_->engine_name(); }
 
 private:
-    int64_t collect(const Ticket* own) {
-        Completed done;
-        size_t n;
-        std::string mismatch;
-        {
-            py::gil_scoped_release nogil;
-            n = core_->wait(own, done);
-            for (auto& r : done.device) {
-                if (!r->validate || r->failed() || !mismatch.empty()) continue;
-                try {
-                    mismatch = verify_device(*r);
-                } catch (const std::exception& e) {
-                    mismatch = std::string("validation could not read the file back: ") + e.what();
-                }
-            }
-            for (auto& r : done.host) {
-                if (!r->validate || r->failed() || !mismatch.empty()) continue;
-                try {
-                    mismatch = verify_request(*r);
-                } catch (const std::exception& e) {
-                    mismatch = std::string("validation could not read the file back: ") + e.what();
-                }
-            }
-        }
-        // The device side's first failure, else the host side's: both carry the errno, text and file name.
-        int err = 0;
-        std::string what, path;
-        bool bad = false;
-        for (const auto& r : done.device) {
-            if (!r->failed()) continue;
-            err = r->error();
-            what = r->error_text();
-            path = r->file.path();
-            bad = true;
-            break;
-        }
-        if (const Request* h = bad ? nullptr : first_failure(done.host)) {
-            err = h->error();
-            what = h->error_text();
-            path = h->file.path();
-            bad = true;
-        }
-        done.device.clear();  // drops the tensor references, with the GIL held
-        done.host.clear();
-        if (bad) throw IoError(err, what, path);
-        if (!mismatch.empty()) throw std::runtime_error(mismatch);
-        return static_cast<int64_t>(n);
-    }
-
     std::unique_ptr<GdsHandle> core_;
 };
 

@@ -340,6 +340,44 @@ def test_concurrent_callers_on_one_handle(gds_module: ModuleType, work: Path) ->
     assert not errors and all(_as_bytes(b) == data for b in bufs)
 
 
+def test_pending_cuda_read_holds_its_storage(gds_module: ModuleType, work: Path) -> None:
+    """The shared request pipeline holds a CUDA buffer as it holds a host one: until wait() hands the request
+    back its storage cannot be resized (torch raises RuntimeError), then it can again."""
+    h = _handle(gds_module)
+    data = _payload(IO_SIZE, 35)
+    (work / "hold.bin").write_bytes(data)
+    buf = torch.zeros(len(data), dtype=torch.uint8, device="cuda")
+    assert h.async_pread(buf, str(work / "hold.bin")) == 0
+    with pytest.raises(RuntimeError, match="resiz"):
+        buf.untyped_storage().resize_(0)
+    assert h.wait() == 1
+    assert _as_bytes(buf) == data
+    buf.untyped_storage().resize_(len(data))  # handed back: resizable again
+
+
+def test_inherited_handle_refuses_work_in_a_forked_child(gds_module: ModuleType, work: Path) -> None:
+    """A gds_handle made before fork() has no threads in the child: it refuses work with RuntimeError naming
+    fork, and its destructor leaves the parent's threads alone (the child exits normally). The child touches
+    no CUDA: a host tensor goes through the same pipeline check."""
+    h = _handle(gds_module)
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            h.sync_pwrite(torch.zeros(16, dtype=torch.uint8), str(work / "never.bin"))
+        except RuntimeError as e:
+            code = 0 if "fork" in str(e) else 2
+        except BaseException:  # noqa: BLE001 - any other outcome is reported through the exit code
+            code = 4
+        del h
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not (work / "never.bin").exists()
+    t = _device_bytes(_payload(4096, 36))
+    assert h.sync_pwrite(t, str(work / "after.bin")) == 1  # the parent's handle is untouched
+
+
 def test_write_after_kernel_sees_the_kernel_result(gds_module: ModuleType, work: Path) -> None:
     """cuFile is not stream-ordered: the handle must wait for the kernels that produce the buffer."""
     h = _handle(gds_module)

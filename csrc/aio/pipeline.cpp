@@ -1,0 +1,151 @@
+#include "pipeline.h"
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <set>
+
+#include "error.h"
+
+namespace dnv {
+namespace {
+
+// Forks this process has made; a pipeline made before the latest one belongs to an ancestor.
+std::atomic<unsigned> g_forks{0};
+
+unsigned fork_generation() {
+    static std::once_flag once;
+    std::call_once(once, [] { ::pthread_atfork(nullptr, nullptr, [] { g_forks.fetch_add(1); }); });
+    return g_forks.load();
+}
+
+}  // namespace
+
+void PendingRequest::open_target(const std::string& path, int fd) {
+    file = fd >= 0 ? TargetFile::from_fd(fd, write) : TargetFile::open_path(path, write);
+    if (write || nbytes == 0) return;
+    uint64_t size = file.size();
+    if (offset + nbytes > size)
+        throw ArgError("read past end of file " + file.path() + ": file_offset " + std::to_string(offset) +
+                       " + buffer nbytes " + std::to_string(nbytes) + " > file size " + std::to_string(size));
+}
+
+void PendingRequest::fail(int err, const std::string& what) {
+    std::lock_guard<std::mutex> lock(err_mu_);
+    if (failed_.load(std::memory_order_relaxed)) return;
+    err_ = err;
+    err_what_ = what;
+    failed_.store(true, std::memory_order_release);
+}
+
+Pipeline::Pipeline(std::string owner) : owner_(std::move(owner)), fork_generation_(fork_generation()) {}
+
+bool Pipeline::inherited() const noexcept { return g_forks.load() != fork_generation_; }
+
+void Pipeline::refuse_if_inherited() const {
+    if (inherited())
+        throw UnsupportedError("this " + owner_ +
+                               " was made before fork() and its worker threads stayed in the parent: make a new "
+                               "handle in the child process");
+}
+
+void Pipeline::abandon() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& r : pending_) new std::shared_ptr<PendingRequest>(std::move(r));
+    pending_.clear();
+}
+
+uint64_t Pipeline::add(std::shared_ptr<PendingRequest> r, bool finished) {
+    std::lock_guard<std::mutex> lock(mu_);
+    uint64_t id = r->id = ++next_id_;
+    if (finished) r->done = true;
+    pending_.push_back(std::move(r));
+    return id;
+}
+
+void Pipeline::complete(PendingRequest* r) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        r->done = true;
+    }
+    cv_.notify_all();
+}
+
+size_t Pipeline::wait(uint64_t own, Handed& out, const std::function<bool()>& interrupted) {
+    refuse_if_inherited();
+    std::unique_lock<std::mutex> lock(mu_);
+    Handed covered;
+    for (const auto& r : pending_)
+        if (r->is_async || r->id == own) covered.push_back(r);
+    auto all_done = [](const Handed& rs) {
+        return std::all_of(rs.begin(), rs.end(), [](const auto& r) { return r->done; });
+    };
+    // Returns how many of `rs` no other call had handed over: a concurrent call covering the same request
+    // gets it too (for its error), but each request is counted by one call only.
+    auto hand_over = [&](const Handed& rs) {
+        size_t first = 0;
+        for (const auto& r : rs) {
+            first += r->reported ? 0 : 1;
+            r->reported = true;
+        }
+        pending_.erase(std::remove_if(pending_.begin(), pending_.end(), [](const auto& r) { return r->reported; }),
+                       pending_.end());
+        out.insert(out.end(), rs.begin(), rs.end());
+        return first;
+    };
+    if (interrupted) {
+        while (!cv_.wait_for(lock, kPollInterval, [&] { return all_done(covered); })) {
+            lock.unlock();
+            bool stop = interrupted();
+            lock.lock();
+            if (!stop) continue;
+            Handed cancel;
+            for (const auto& r : covered)
+                if (own == 0 || r->id == own) cancel.push_back(r);
+            // Workers stop issuing a failed request's work; what is in flight finishes normally. Requests
+            // already complete keep their result (a concurrent wait() covering them may report it).
+            for (const auto& r : cancel)
+                if (!r->done) r->fail(ECANCELED, "cancelled by an interruption (KeyboardInterrupt)");
+            cv_.wait(lock, [&] { return all_done(cancel); });
+            hand_over(cancel);
+            throw Interrupted{};
+        }
+    } else {
+        cv_.wait(lock, [&] { return all_done(covered); });
+    }
+    if (own != 0) {
+        // A sync call reports only its own error: failed or unvalidated async requests wait for a wait().
+        covered.erase(std::remove_if(covered.begin(), covered.end(),
+                                     [own](const auto& r) { return r->id != own && (r->failed() || r->validate); }),
+                      covered.end());
+    }
+    return hand_over(covered);
+}
+
+void Pipeline::drain(Handed& out) {
+    if (inherited()) return;  // the destructor keeps them: no thread of this process works on them
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return std::all_of(pending_.begin(), pending_.end(), [](const auto& r) { return r->done; }); });
+    for (auto& r : pending_) {
+        r->reported = true;
+        out.push_back(std::move(r));
+    }
+    pending_.clear();
+}
+
+const PendingRequest* first_failure(const Handed& reqs) {
+    const PendingRequest* best = nullptr;
+    for (const auto& r : reqs)
+        if (r->failed() && (best == nullptr || r->id < best->id)) best = r.get();
+    return best;
+}
+
+bool first_notice(const std::string& cause) {
+    static std::mutex mu;
+    static std::set<std::string> seen;
+    std::lock_guard<std::mutex> lock(mu);
+    return seen.insert(cause).second;
+}
+
+}  // namespace dnv
