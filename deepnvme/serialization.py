@@ -352,6 +352,11 @@ def _records(fd: int, path: str) -> dict[int, _Record] | None:
     return records
 
 
+# Where the kernel exposes this process's descriptors: reopening one there gives the file it holds, even
+# after its path was renamed over or unlinked.
+_PROC_FD = "/proc/self/fd/{}"
+
+
 class _ArchiveReader(io.RawIOBase):
     """A seekable reader torch.load reads the archive through; whole members go to _read_member."""
 
@@ -448,14 +453,35 @@ class _ArchiveReader(io.RawIOBase):
         return crc
 
     def _direct(self) -> int:
+        """An O_DIRECT descriptor of the very file `self._fd` holds open, or `self._fd` itself.
+
+        The path may name another file by now (a trainer atomically replacing `latest` while this loads),
+        so the file is reopened through /proc/self/fd, and a reopen by path (no /proc) is used only when
+        it is the same inode. Where neither gives one (O_DIRECT refused, the file replaced and /proc
+        missing), the handle reads through `self._fd`, buffered: slower, never another file's bytes.
+        """
         if self._direct_fd == -1:
+            self._direct_fd = self._fd
+            held = os.fstat(self._fd)
+            flags = os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT
             try:
-                self._direct_fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._direct_fd = self._fd  # O_DIRECT refused here: the handle reads buffered
+                try:
+                    fd = os.open(_PROC_FD.format(self._fd), flags)
+                except FileNotFoundError:
+                    if not _same_file(held, os.stat(self._path)):  # not even opened: it could be a FIFO
+                        return self._direct_fd
+                    fd = os.open(self._path, flags)
+            except OSError:
+                return self._direct_fd
+            if _same_file(held, os.fstat(fd)):
+                self._direct_fd = fd
+            else:
+                os.close(fd)
         return self._direct_fd
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:

@@ -1,0 +1,60 @@
+"""deepnvme.save / deepnvme.load against the file system changing under them and failing early.
+
+- load reads every byte from the file it opened, even when the path is atomically replaced meanwhile
+  (a trainer saving `latest` while an evaluator loads it);
+- save writes through a symbolic link to its target, as torch.save does, and keeps the link;
+- save leaves no temporary file and no open descriptor when it fails before writing anything.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+import deepnvme
+import deepnvme.serialization as serialization
+from deepnvme.io import DIRECT_MIN_BYTES, PAGE
+
+# Several whole pages between a partial first and last page: head, tail and the O_DIRECT middle all read.
+NUMEL = (DIRECT_MIN_BYTES + 5 * PAGE + 123) // 4
+
+
+@pytest.fixture
+def handle(aio_module: ModuleType) -> Any:
+    return aio_module.aio_handle(block_size=1 << 20, queue_depth=32, intra_op_parallelism=2)
+
+
+def _replace_path_once_records_are_read(monkeypatch: pytest.MonkeyPatch, path: Path, other: Path) -> None:
+    """Atomically rename `other` over `path` right after load has opened `path` and read its directory,
+    i.e. before any payload is read: the race of an evaluator loading while a trainer saves."""
+    read_records = serialization._records
+
+    def records_then_replace(fd: int, name: str) -> Any:
+        found = read_records(fd, name)
+        if other.exists():
+            os.replace(other, path)
+        return found
+
+    monkeypatch.setattr(serialization, "_records", records_then_replace)
+
+
+@pytest.mark.parametrize("proc", ["proc", "no-proc"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_load_reads_the_file_it_opened_when_the_path_is_replaced(
+        tmp_path: Path, handle: Any, monkeypatch: pytest.MonkeyPatch, verify: bool, proc: str) -> None:
+    path, newer = tmp_path / "latest.pt", tmp_path / "newer.pt"
+    old = {"w": torch.full((NUMEL,), 1.0)}
+    deepnvme.save(old, path, handle=handle, checksum=verify)
+    deepnvme.save({"w": torch.full((NUMEL,), 2.0)}, newer, handle=handle, checksum=verify)
+    _replace_path_once_records_are_read(monkeypatch, path, newer)
+    if proc == "no-proc":  # as where /proc is not mounted: the reopen by path must notice the other inode
+        monkeypatch.setattr(serialization, "_PROC_FD", str(tmp_path / "no-proc" / "{}"))
+    loaded = deepnvme.load(path, handle=handle, verify=verify)
+    assert not newer.exists()  # the replacement did happen before the payload was read
+    assert torch.equal(loaded["w"], old["w"])
+    assert torch.equal(deepnvme.load(path, handle=handle)["w"], torch.full((NUMEL,), 2.0))
