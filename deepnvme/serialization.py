@@ -99,10 +99,14 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
     storages = _storages_of(obj, pickle_module, pickle_protocol)  # pickling errors surface before any file
     handle = default_handle() if handle is None else handle
     tmp = os.path.join(directory, f".{name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
-    direct_fd, buffered_fd = open_for_write(tmp, os.O_CREAT | os.O_EXCL, 0o666)
-    writer = _AlignedWriter(handle, direct_fd, buffered_fd, [aligned_buffer(STAGING_BYTES) for _ in range(2)])
+    # Allocated before the temporary exists, so a failure here (ENOMEM from the mmap) leaves nothing behind.
+    buffers = [aligned_buffer(STAGING_BYTES) for _ in range(2)]
+    direct_fd = buffered_fd = -1
     try:
+        writer = None
         try:
+            direct_fd, buffered_fd = open_for_write(tmp, os.O_CREAT | os.O_EXCL, 0o666)
+            writer = _AlignedWriter(handle, direct_fd, buffered_fd, buffers)
             stream = _SaveStream(writer, storages)
             with _page_aligned_storages(checksum):
                 torch.save(obj, stream, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
@@ -112,7 +116,8 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
                 os.fchmod(buffered_fd, stat.S_IMODE(os.stat(path).st_mode))  # keep a replaced file's mode
             os.fsync(buffered_fd)
         except BaseException:
-            writer.abandon()  # queued writes read the staging buffers: they must end before anything is freed
+            if writer is not None:  # queued writes read the staging buffers: they must end before those go
+                writer.abandon()
             raise
         finally:
             close_pair(direct_fd, buffered_fd)

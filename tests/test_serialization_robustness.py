@@ -58,3 +58,39 @@ def test_load_reads_the_file_it_opened_when_the_path_is_replaced(
     assert not newer.exists()  # the replacement did happen before the payload was read
     assert torch.equal(loaded["w"], old["w"])
     assert torch.equal(deepnvme.load(path, handle=handle)["w"], torch.full((NUMEL,), 2.0))
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+class _Interrupted(KeyboardInterrupt):
+    """A Ctrl-C arriving at a chosen point (its own class, so that no real one is mistaken for it)."""
+
+
+def _fail(exc: BaseException) -> Any:
+    def raising(*args: Any, **kwargs: Any) -> Any:
+        raise exc
+
+    return raising
+
+
+@pytest.mark.parametrize(("where", "exc"), [
+    ("aligned_buffer", OSError(12, "Cannot allocate memory")),  # what mmap raises for ENOMEM
+    ("aligned_buffer", _Interrupted()),
+    ("_AlignedWriter", _Interrupted()),
+    ("_AlignedWriter", MemoryError()),
+])
+def test_save_failing_before_the_first_write_leaves_no_temporary_and_no_fd(
+        tmp_path: Path, handle: Any, monkeypatch: pytest.MonkeyPatch, where: str, exc: BaseException) -> None:
+    path = tmp_path / "c.pt"
+    before = {"w": torch.arange(10)}
+    deepnvme.save(before, path, handle=handle)  # the handle's own descriptors exist from here on
+    fds = _open_fds()
+    monkeypatch.setattr(serialization, where, _fail(exc))
+    with pytest.raises(type(exc)):
+        deepnvme.save({"w": torch.zeros(NUMEL)}, path, handle=handle)
+    assert _open_fds() == fds
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+    monkeypatch.undo()
+    assert torch.equal(deepnvme.load(path, handle=handle)["w"], before["w"])
