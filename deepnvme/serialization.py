@@ -86,12 +86,15 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
     fails — ENOSPC included — and pickling errors as torch.save does; in every case a file that was at
     `path` before is left as it was. `checksum=False` skips torch's CRC-32 of every record (one core,
     about 2 GB/s, often the bound on a save): stock torch.load still reads the file, but neither zip tools
-    nor deepnvme.load can then check it.
+    nor deepnvme.load can then check it. A symbolic link at `path` is written through, as torch.save
+    does: its target is atomically replaced and the link stays.
     """
     import torch
 
     path = _checked_path(path)
-    directory, name = os.path.split(os.path.abspath(path))
+    # A symbolic link is written through, as torch.save does: its target is replaced and the link kept.
+    target = os.path.realpath(path)
+    directory, name = os.path.split(target)
     if not os.path.isdir(directory):
         raise FileNotFoundError(errno.ENOENT, f"no such directory {directory!r}", path)
     if os.path.isdir(path):
@@ -113,7 +116,7 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
             writer.finish()
             os.ftruncate(buffered_fd, stream.pos)
             with contextlib.suppress(FileNotFoundError):
-                os.fchmod(buffered_fd, stat.S_IMODE(os.stat(path).st_mode))  # keep a replaced file's mode
+                os.fchmod(buffered_fd, stat.S_IMODE(os.stat(target).st_mode))  # keep a replaced file's mode
             os.fsync(buffered_fd)
         except BaseException:
             if writer is not None:  # queued writes read the staging buffers: they must end before those go
@@ -121,7 +124,7 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
             raise
         finally:
             close_pair(direct_fd, buffered_fd)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except OSError as exc:
         _unlink_quietly(tmp)
         raise _with_path(exc, path) from exc

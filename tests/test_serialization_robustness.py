@@ -19,6 +19,7 @@ import torch
 import deepnvme
 import deepnvme.serialization as serialization
 from deepnvme.io import DIRECT_MIN_BYTES, PAGE
+from deepnvme.serialization import TEMP_SUFFIX
 
 # Several whole pages between a partial first and last page: head, tail and the O_DIRECT middle all read.
 NUMEL = (DIRECT_MIN_BYTES + 5 * PAGE + 123) // 4
@@ -94,3 +95,27 @@ def test_save_failing_before_the_first_write_leaves_no_temporary_and_no_fd(
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
     monkeypatch.undo()
     assert torch.equal(deepnvme.load(path, handle=handle)["w"], before["w"])
+
+
+@pytest.mark.parametrize("link", ["absolute", "relative", "chain", "dangling"])
+def test_save_writes_through_a_symbolic_link_as_torch_save(tmp_path: Path, handle: Any, link: str) -> None:
+    store, names = tmp_path / "store", tmp_path / "names"
+    store.mkdir()
+    names.mkdir()
+    target, path = store / "step-100.pt", names / "latest.pt"
+    if link != "dangling":
+        deepnvme.save({"w": torch.arange(5)}, target, handle=handle)
+        os.chmod(target, 0o640)
+    points_to = {"absolute": str(target), "relative": "../store/step-100.pt", "dangling": str(target),
+                 "chain": str(names / "hop.pt")}[link]
+    if link == "chain":
+        os.symlink(target, names / "hop.pt")
+    os.symlink(points_to, path)
+    new = {"w": torch.full((NUMEL,), 3.0)}
+    deepnvme.save(new, path, handle=handle)
+    assert path.is_symlink() and os.readlink(path) == points_to  # the link is kept, pointing where it did
+    assert torch.equal(torch.load(target, weights_only=True)["w"], new["w"])
+    assert torch.equal(deepnvme.load(path, handle=handle)["w"], new["w"])
+    if link != "dangling":
+        assert os.stat(target).st_mode & 0o777 == 0o640
+    assert not [p for d in (store, names) for p in d.iterdir() if p.name.endswith(TEMP_SUFFIX)]
