@@ -61,6 +61,28 @@ def test_load_reads_the_file_it_opened_when_the_path_is_replaced(
     assert torch.equal(deepnvme.load(path, handle=handle)["w"], torch.full((NUMEL,), 2.0))
 
 
+
+def test_payload_pages_are_read_o_direct_from_the_open_file(tmp_path: Path, handle: Any) -> None:
+    """The same-file reopen must not cost the direct path where the file system allows O_DIRECT."""
+    import fcntl
+
+    from deepnvme.pagecache import o_direct_works
+
+    if not o_direct_works(str(tmp_path)):
+        pytest.skip(f"{tmp_path}: the file system refuses O_DIRECT")
+    path = tmp_path / "c.pt"
+    deepnvme.save({"w": torch.ones(NUMEL)}, path, handle=handle)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        records = serialization._records(fd, str(path))
+        assert records is not None
+        with serialization._ArchiveReader(fd, str(path), records, handle, True) as reader:
+            direct = reader._direct()
+            assert direct != fd and fcntl.fcntl(direct, fcntl.F_GETFL) & os.O_DIRECT
+            assert os.path.samestat(os.fstat(direct), os.fstat(fd))
+    finally:
+        os.close(fd)
+
 def _open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
