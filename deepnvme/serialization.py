@@ -86,12 +86,15 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
     fails — ENOSPC included — and pickling errors as torch.save does; in every case a file that was at
     `path` before is left as it was. `checksum=False` skips torch's CRC-32 of every record (one core,
     about 2 GB/s, often the bound on a save): stock torch.load still reads the file, but neither zip tools
-    nor deepnvme.load can then check it.
+    nor deepnvme.load can then check it. A symbolic link at `path` is written through, as torch.save
+    does: its target is atomically replaced and the link stays.
     """
     import torch
 
     path = _checked_path(path)
-    directory, name = os.path.split(os.path.abspath(path))
+    # A symbolic link is written through, as torch.save does: its target is replaced and the link kept.
+    target = os.path.realpath(path)
+    directory, name = os.path.split(target)
     if not os.path.isdir(directory):
         raise FileNotFoundError(errno.ENOENT, f"no such directory {directory!r}", path)
     if os.path.isdir(path):
@@ -99,24 +102,29 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
     storages = _storages_of(obj, pickle_module, pickle_protocol)  # pickling errors surface before any file
     handle = default_handle() if handle is None else handle
     tmp = os.path.join(directory, f".{name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
-    direct_fd, buffered_fd = open_for_write(tmp, os.O_CREAT | os.O_EXCL, 0o666)
-    writer = _AlignedWriter(handle, direct_fd, buffered_fd, [aligned_buffer(STAGING_BYTES) for _ in range(2)])
+    # Allocated before the temporary exists, so a failure here (ENOMEM from the mmap) leaves nothing behind.
+    buffers = [aligned_buffer(STAGING_BYTES) for _ in range(2)]
+    direct_fd = buffered_fd = -1
     try:
+        writer = None
         try:
+            direct_fd, buffered_fd = open_for_write(tmp, os.O_CREAT | os.O_EXCL, 0o666)
+            writer = _AlignedWriter(handle, direct_fd, buffered_fd, buffers)
             stream = _SaveStream(writer, storages)
             with _page_aligned_storages(checksum):
                 torch.save(obj, stream, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
             writer.finish()
             os.ftruncate(buffered_fd, stream.pos)
             with contextlib.suppress(FileNotFoundError):
-                os.fchmod(buffered_fd, stat.S_IMODE(os.stat(path).st_mode))  # keep a replaced file's mode
+                os.fchmod(buffered_fd, stat.S_IMODE(os.stat(target).st_mode))  # keep a replaced file's mode
             os.fsync(buffered_fd)
         except BaseException:
-            writer.abandon()  # queued writes read the staging buffers: they must end before anything is freed
+            if writer is not None:  # queued writes read the staging buffers: they must end before those go
+                writer.abandon()
             raise
         finally:
             close_pair(direct_fd, buffered_fd)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except OSError as exc:
         _unlink_quietly(tmp)
         raise _with_path(exc, path) from exc
@@ -352,6 +360,11 @@ def _records(fd: int, path: str) -> dict[int, _Record] | None:
     return records
 
 
+# Where the kernel exposes this process's descriptors: reopening one there gives the file it holds, even
+# after its path was renamed over or unlinked.
+_PROC_FD = "/proc/self/fd/{}"
+
+
 class _ArchiveReader(io.RawIOBase):
     """A seekable reader torch.load reads the archive through; whole members go to _read_member."""
 
@@ -448,14 +461,35 @@ class _ArchiveReader(io.RawIOBase):
         return crc
 
     def _direct(self) -> int:
+        """An O_DIRECT descriptor of the very file `self._fd` holds open, or `self._fd` itself.
+
+        The path may name another file by now (a trainer atomically replacing `latest` while this loads),
+        so the file is reopened through /proc/self/fd, and a reopen by path (no /proc) is used only when
+        it is the same inode. Where neither gives one (O_DIRECT refused, the file replaced and /proc
+        missing), the handle reads through `self._fd`, buffered: slower, never another file's bytes.
+        """
         if self._direct_fd == -1:
+            self._direct_fd = self._fd
+            held = os.fstat(self._fd)
+            flags = os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT
             try:
-                self._direct_fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._direct_fd = self._fd  # O_DIRECT refused here: the handle reads buffered
+                try:
+                    fd = os.open(_PROC_FD.format(self._fd), flags)
+                except FileNotFoundError:
+                    if not _same_file(held, os.stat(self._path)):  # not even opened: it could be a FIFO
+                        return self._direct_fd
+                    fd = os.open(self._path, flags)
+            except OSError:
+                return self._direct_fd
+            if _same_file(held, os.fstat(fd)):
+                self._direct_fd = fd
+            else:
+                os.close(fd)
         return self._direct_fd
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:

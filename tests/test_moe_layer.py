@@ -280,6 +280,21 @@ def test_experts_start_distinct_unless_asked() -> None:
     assert all(torch.equal(a, b) for a, b in zip(w, expert_weights(make())))
 
 
+@pytest.mark.parametrize("kw", [{}, {"use_residual": True, "k": 2}])
+def test_distinct_experts_leave_the_global_rng_where_deepspeeds_layer_does(kw: dict) -> None:
+    """Only the gate (and coefficient) draw from the global RNG, as in DeepSpeed: a module built after the
+    layer initialises the same with distinct experts as with DeepSpeed's identical copies."""
+
+    def build(distinct: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(5)
+        MoE(M, mlp(), num_experts=4, distinct_experts=distinct, **kw)
+        return torch.get_rng_state(), nn.Linear(M, M).weight
+
+    (state, after), (deepspeed_state, deepspeed_after) = build(True), build(False)
+    assert torch.equal(state, deepspeed_state)
+    assert torch.equal(after, deepspeed_after)
+
+
 def test_num_experts_list() -> None:
     assert make(num_experts=[4]).num_experts == 4
     with pytest.raises(ValueError, match="num_experts"):

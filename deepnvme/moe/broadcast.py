@@ -1,9 +1,9 @@
 """Make replicas start equal: what DeepSpeed's engine does to the model at ``deepspeed.initialize``.
 
-Ranks seeded alike already build equal models (expert initialisation draws from the global RNG and the global
-expert id only). When they are not, call :func:`broadcast_moe_parameters` once after building the model:
-non-expert parameters and buffers come from the first rank of the data-parallel group, expert parameters from
-the first rank of their expert-data-parallel group (the ranks holding the same experts).
+Ranks seeded alike already build equal models (expert initialisation derives from the global RNG state and
+the global expert id only). When they are not, call :func:`broadcast_moe_parameters` once after building the
+model: non-expert parameters and buffers come from the first rank of the data-parallel group, expert
+parameters from the first rank of their expert-data-parallel group (the ranks holding the same experts).
 """
 
 from __future__ import annotations

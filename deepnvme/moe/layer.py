@@ -48,8 +48,9 @@ class MoE(nn.Module):
     expert (k=2).
 
     Keyword-only additions: ``distinct_experts`` (default True) re-initialises every expert copy from its own
-    seed (``reset_parameters()`` of its submodules), derived from one draw of the global RNG plus the global
-    expert id, so experts differ at init and expert g is the same whatever ``ep_size`` is; False keeps
+    seed (``reset_parameters()`` of its submodules), derived from a peek at the global RNG (which is left as
+    it was, so later modules initialise as after DeepSpeed's layer) plus the global expert id, so experts
+    differ at init and expert g is the same whatever ``ep_size`` is; False keeps
     DeepSpeed's identical copies (needed for bit-for-bit parity with DeepSpeed, or to upcycle a trained dense
     MLP). With one expert the copy keeps the given weights. ``use_data_before_expert_parallel`` picks the rank
     layout of :mod:`deepnvme.moe.groups`.
@@ -143,10 +144,11 @@ class MoE(nn.Module):
         if ep_size > 1 or (torch.distributed.is_available() and torch.distributed.is_initialized()):
             self.ep_rank = self.set_deepspeed_parallelism(self._data_before_expert)
         if distinct_experts and self.num_experts > 1:
-            # One draw of the global RNG (identical on ranks seeded alike), after the gate and coefficient
-            # took
-            # theirs, so those match DeepSpeed's initialisation for the same seed.
-            base = int(torch.randint(0, 2**31 - 1, (1,)).item())
+            # A peek at the global CPU RNG (identical on ranks seeded alike), after the gate and coefficient
+            # took their draws; the state is restored, so every module built after this layer initialises
+            # as it would after DeepSpeed's for the same seed.
+            with torch.random.fork_rng(devices=[]):
+                base = int(torch.randint(0, 2**31 - 1, (1,)).item())
             first = self.ep_rank * self.num_local_experts
             done = [reinitialise(e, base + first + i) for i, e in enumerate(experts.deepspeed_experts)]
             if not all(done):
