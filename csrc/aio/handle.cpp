@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <iterator>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -515,6 +516,9 @@ size_t IoHandle::wait(uint64_t own, std::vector<std::shared_ptr<Request>>& out,
                 if (!r->done) r->fail(ECANCELED, "cancelled by an interruption (KeyboardInterrupt)");
             cv_.wait(lock, [&] { return all_done(cancel); });
             hand_over(cancel);
+            // The others stay pending, yet another thread's wait() may have reported them meanwhile, leaving
+            // `covered` their last reference: the caller drops everything in `out` with the GIL held.
+            out.insert(out.end(), std::make_move_iterator(covered.begin()), std::make_move_iterator(covered.end()));
             throw Interrupted{};
         }
     } else {

@@ -176,7 +176,8 @@ public:
     //    a failed async request, or one still to be validated, stays pending for a wait() to report.
     // `interrupted`, if set, is polled every kPollInterval while waiting; when it returns true the call
     // cancels (wait()) what it covers or (sync call) its own request, waits for the blocks already in flight,
-    // hands the cancelled requests over and throws Interrupted.
+    // hands the cancelled requests over and throws Interrupted; `out` then also holds references to the
+    // other covered requests (still pending), for the caller to release with the GIL held and not report.
     size_t wait(uint64_t own, std::vector<std::shared_ptr<Request>>& out,
                 const std::function<bool()>& interrupted = {});
     static constexpr std::chrono::milliseconds kPollInterval{50};
