@@ -39,7 +39,7 @@ def env_flag(name: str) -> bool | None:
 
 def select_ops() -> tuple[list, dict[str, bool], dict | None]:
     """Decide which ops to prebuild: (extensions, installed_ops, torch_info)."""
-    from op_builder import ALL_OPS
+    from op_builder import ALL_OPS, sanitize
 
     default = env_flag("DS_BUILD_OPS")
     wanted: dict[str, tuple[object, bool]] = {}
@@ -51,6 +51,10 @@ def select_ops() -> tuple[list, dict[str, bool], dict | None]:
     installed = {name: False for name in ALL_OPS}
     if not wanted:
         return [], installed, None
+    if sanitize.selected():
+        # A prebuilt op has the op's normal name: a sanitized one would be what every later run loads.
+        sys.exit(f"deepnvme setup: {sanitize.ENV}={os.environ[sanitize.ENV]!r} applies to JIT builds only; "
+                 "unset it to prebuild ops (see op_builder/sanitize.py)")
     try:
         import torch
     except ImportError:

@@ -187,6 +187,11 @@ class OpBuilder(ABC):
 
     def builder(self) -> Any:
         """The setuptools extension that prebuilds this op as :meth:`absolute_name` (portable flags)."""
+        if sanitize.selected():
+            # Installed under the op's normal name, a sanitized module would be loaded by every later run.
+            raise ValueError(f"{sanitize.ENV}={os.environ[sanitize.ENV]!r} applies to JIT builds only: unset "
+                             "it to prebuild ops (sanitized builds are loaded just in time, under a name of "
+                             "their own)")
         from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
         self.jit_mode = False
@@ -234,6 +239,14 @@ class OpBuilder(ABC):
         if not self.jit_mode:
             return []
         return list(self._memo("arch", probe.native_arch_flags))
+
+    def sanitize_compile_flags(self) -> list[str]:
+        """``$DEEPNVME_SANITIZE``'s compiler flags, for JIT builds only: a prebuilt op has the normal name."""
+        return sanitize.compile_flags() if self.jit_mode else []
+
+    def sanitize_link_flags(self) -> list[str]:
+        """``$DEEPNVME_SANITIZE``'s linker flags, for JIT builds only (see :meth:`sanitize_compile_flags`)."""
+        return sanitize.link_flags() if self.jit_mode else []
 
     def jit_key(self) -> str:
         """sha256 over every input of the build (see :func:`jit_cache.jit_key`)."""
@@ -290,10 +303,10 @@ class TorchCPUOpBuilder(OpBuilder):
     """A host-only C++ op built against torch: -O3, hidden visibility, native arch only when JIT."""
 
     def cxx_args(self) -> list[str]:
-        return [*_OPT_FLAGS, *self.arch_flags(), *sanitize.compile_flags()]
+        return [*_OPT_FLAGS, *self.arch_flags(), *self.sanitize_compile_flags()]
 
     def extra_ldflags(self) -> list[str]:
-        return [*super().extra_ldflags(), *sanitize.link_flags()]
+        return [*super().extra_ldflags(), *self.sanitize_link_flags()]
 
 
 class CUDAOpBuilder(OpBuilder):
@@ -321,10 +334,10 @@ class CUDAOpBuilder(OpBuilder):
         return self.cuda_include_dirs()
 
     def cxx_args(self) -> list[str]:
-        return [*_OPT_FLAGS, *self.arch_flags(), *sanitize.compile_flags()]
+        return [*_OPT_FLAGS, *self.arch_flags(), *self.sanitize_compile_flags()]
 
     def nvcc_args(self) -> list[str]:
         return ["-O3"]
 
     def extra_ldflags(self) -> list[str]:
-        return [*self.cuda_ldflags(), *sanitize.link_flags()]
+        return [*self.cuda_ldflags(), *self.sanitize_link_flags()]

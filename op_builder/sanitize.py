@@ -3,7 +3,11 @@
 A sanitized op is compiled with ``-fsanitize=...`` and built as a module of its own name in a folder of its
 own (``deepnvme_async_io_asan_ubsan`` beside ``deepnvme_async_io``), so a sanitized and a normal build never
 overwrite each other, and both can stay cached. A prebuilt (installed) op is never sanitized, so while the
-switch is on only JIT builds are loaded.
+switch is on only JIT builds are loaded. The builders add these flags in JIT mode only, and a prebuild
+(``setup.py`` with ``DS_BUILD_OPS=1``, or ``OpBuilder.builder()``) refuses to run while the switch is set,
+naming the variable: the prebuilt module keeps the op's normal name, so a sanitized one would silently be
+what every later (unsanitized) run loads. Refusing, rather than ignoring the switch, keeps a user who asked
+for a sanitizer from getting an unsanitized install without noticing.
 
 Python itself is not built with a sanitizer, so the sanitizer's runtime must be loaded before anything else:
 run Python through ``tests/sanitize/run.sh`` (which sets ``LD_PRELOAD`` and the ``*SAN_OPTIONS``), e.g.

@@ -4,7 +4,9 @@ The C++ core reads each variable once per process, on the first handle (``csrc/a
 built-in defaults are the values below, passed to the compiler as ``-DDEEPNVME_DEFAULT_<NAME>``. Read
 them from Python with :mod:`deepnvme.defaults`. A value is a positive integer of bytes or a count, with
 an optional K/M/G suffix (1024-based) for byte sizes; anything else fails the next handle with a
-ValueError naming the variable.
+ValueError naming the variable. Each value has an upper bound too, and the staging pool as a whole (buffers
+times bytes per buffer) at most :data:`STAGING_POOL_MAX_BYTES`: a size that wraps around 64 bits, or a pool
+that cannot be mapped, fails up front instead of leaving staged transfers waiting for buffers.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 
-__all__ = ["TUNABLES", "Tunable", "by_name", "defines", "parse", "value"]
+__all__ = ["STAGING_POOL_MAX_BYTES", "TUNABLES", "Tunable", "by_name", "defines", "parse", "value"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class Tunable:
     #: values must be a multiple of this (e.g. 4096 for buffers that O_DIRECT transfers use)
     multiple_of: int = 1
     minimum: int = 1
+    #: the largest value accepted (keeps sizes far from wrapping around 64 bits)
+    maximum: int = 64 << 30
 
     @property
     def define(self) -> str:
@@ -38,11 +42,12 @@ TUNABLES: tuple[Tunable, ...] = (
     Tunable("staging_buffer_bytes", "DEEPNVME_STAGING_BUFFER_BYTES", 1 << 20,
             "Size of each buffer of the process-wide staging (bounce) pool, used for memory that cannot go "
             "to O_DIRECT as it is (unaligned host memory, GPU memory). Large enough that one buffer is a "
-            "full-speed block; small enough that many fit in RLIMIT_MEMLOCK.", multiple_of=4096),
+            "full-speed block; small enough that many fit in RLIMIT_MEMLOCK.", multiple_of=4096,
+            maximum=1 << 30),
     Tunable("staging_buffers", "DEEPNVME_STAGING_BUFFERS", 64,
             "Buffers in the staging pool, shared by every handle of the process. One worker may hold at "
             "most half of them, so that small staged blocks of one worker cannot starve the others.",
-            minimum=2),
+            minimum=2, maximum=65536),
     Tunable("worker_staging_bytes", "DEEPNVME_WORKER_STAGING_BYTES", 8 << 20,
             "Staged bytes one worker thread keeps in flight. Beyond what hides the device's latency, more "
             "buffers only spread the copies over memory that has left the cache (bench/plain_vs_locked.py "
@@ -51,15 +56,22 @@ TUNABLES: tuple[Tunable, ...] = (
             "Smallest part of one request handed to another worker thread: below it, the hand-off costs "
             "more than the second thread brings."),
     Tunable("gds_min_chunk_bytes", "DEEPNVME_GDS_MIN_CHUNK_BYTES", 64 << 10,
-            "Smallest part of one gds_handle request given to another thread.", multiple_of=4096),
+            "Smallest part of one gds_handle request given to another thread.", multiple_of=4096,
+            maximum=1 << 30),
     Tunable("gds_max_call_bytes", "DEEPNVME_GDS_MAX_CALL_BYTES", 1 << 30,
             "Most bytes one cuFileRead/cuFileWrite call moves; longer requests loop. cuFile returns an "
             "ssize_t and the kernel moves under 2 GiB per POSIX call in compatibility mode.",
-            multiple_of=4096),
+            multiple_of=4096, maximum=(2 << 30) - 4096),
 )
 
+#: The staging pool is one mapping of staging_buffers x staging_buffer_bytes: at most this many bytes
+#: (mirrored by DNV_STAGING_POOL_MAX_BYTES in csrc/aio/tunables.h).
+STAGING_POOL_MAX_BYTES = 64 << 30
+
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-_PATTERN = re.compile(r"^\s*(\d{1,15})\s*([KMG]?)\s*$", re.IGNORECASE)
+# ASCII digits and blanks only, as the C++ core reads them (\d and \s would take other digits and newlines).
+_BLANKS = " \t"
+_PATTERN = re.compile(r"[ \t]*([0-9]{1,15})[ \t]*([KMGkmg]?)[ \t]*")
 
 
 def by_name(name: str) -> Tunable:
@@ -72,10 +84,12 @@ def by_name(name: str) -> Tunable:
 
 def parse(tunable: Tunable, text: str) -> int:
     """A variable's text as its value; ValueError naming the variable (the C++ core applies the same rule)."""
-    m = _PATTERN.match(text)
+    m = _PATTERN.fullmatch(text)
     if not m:
         raise ValueError(f"{tunable.env}={text!r} is not a positive integer (optionally with K, M or G)")
     v = int(m.group(1)) * _UNITS[m.group(2).upper()]
+    if v > tunable.maximum:
+        raise ValueError(f"{tunable.env}={text!r} must be at most {tunable.maximum}")
     if v < tunable.minimum:
         raise ValueError(f"{tunable.env}={text!r} must be at least {tunable.minimum}")
     if v % tunable.multiple_of:
@@ -85,9 +99,19 @@ def parse(tunable: Tunable, text: str) -> int:
 
 def value(name: str) -> int:
     """The value the C++ core will use: ``$<env>`` when set and non-empty, else the default."""
-    t = by_name(name)
-    text = os.environ.get(t.env, "").strip()
-    return parse(t, text) if text else t.default
+    v = _read(by_name(name))
+    if name in ("staging_buffers", "staging_buffer_bytes"):
+        count, size = _read(by_name("staging_buffers")), _read(by_name("staging_buffer_bytes"))
+        if count * size > STAGING_POOL_MAX_BYTES:
+            raise ValueError(f"DEEPNVME_STAGING_BUFFERS x DEEPNVME_STAGING_BUFFER_BYTES ({count} x {size}) "
+                             f"must be at most {STAGING_POOL_MAX_BYTES} bytes")
+    return v
+
+
+def _read(t: Tunable) -> int:
+    """One variable's value, or its default when unset or blank (spaces and tabs only, as in C++)."""
+    text = os.environ.get(t.env, "")
+    return parse(t, text) if text.strip(_BLANKS) else t.default
 
 
 def defines() -> list[str]:

@@ -332,6 +332,50 @@ def test_ctrl_c_interrupts_sync_call_and_wait(workdir: Path) -> None:
     assert out.strip().endswith("ok"), out
 
 
+def test_ctrl_c_hands_back_requests_reported_by_another_thread(workdir: Path) -> None:
+    """A sync call covers the pending async requests too; when another thread's wait() reports one of them and
+    the tensor is dropped, the interrupted call holds its last reference. That reference must go with the GIL
+    held and the handle's lock free: the tensor's finalizer here enqueues a request on the same handle, which
+    hung (or crashed) when the reference went down with the Ctrl-C path's local list."""
+    out = run_child(workdir, """
+        import weakref
+        n = 256 << 20
+        path = f"{d}/sparse"
+        with open(path, "wb") as f:
+            f.truncate(n)
+        h = m.aio_handle(512, 4, False, True, 1)  # tiny blocks, one worker: a long transfer
+        buf = h.new_cpu_locked_tensor(n, U8)
+        small = torch.arange(1000, dtype=torch.int32)
+        assert h.async_pwrite(small, f"{d}/a") == 0
+        finalized = []
+        weakref.finalize(small, lambda: finalized.append(h.async_pwrite(torch.ones(8, dtype=torch.uint8),
+                                                                          f"{d}/b")))
+        del small  # the requests hold the only references now
+        reported = []
+        def other_thread():
+            time.sleep(0.3)  # the sync call below covers the async request by now
+            reported.append(h.wait())
+            os.kill(os.getpid(), signal.SIGINT)
+        t = threading.Thread(target=other_thread)
+        t.start()
+        try:
+            h.sync_pread(buf, path)
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("not interrupted")
+        t.join()
+        assert reported == [1], reported
+        assert finalized == [0], finalized
+        assert h.wait() == 1  # the finalizer's request
+        with open(f"{d}/b", "rb") as f:
+            assert f.read() == bytes([1]) * 8
+        h.free_cpu_locked_tensor(buf)
+        print("ok")
+    """, timeout=60)
+    assert out.strip().endswith("ok"), out
+
+
 # ----------------------------------------------------------------------------- paths
 
 def test_nul_in_path_refused(aio_module: ModuleType, workdir: Path) -> None:

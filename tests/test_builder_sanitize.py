@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,13 +48,42 @@ def test_sanitized_build_has_its_own_name_flags_and_key(monkeypatch: pytest.Monk
     for text, tag in (("address,undefined", "_asan_ubsan"), ("thread", "_tsan")):
         monkeypatch.setenv(sanitize.ENV, text)
         b = builder_cls()
+        b.jit_mode = True  # the flags are a JIT build's (see test_a_prebuild_is_never_sanitized)
         assert b.jit_module_name() == plain_name + tag
         assert b.jit_build_dir() == plain_dir.with_name(plain_dir.name + tag)
         assert b.jit_key() != plain_key
         assert f"-fsanitize={text}" in b.cxx_args() and f"-fsanitize={text}" in b.extra_ldflags()
         assert b.cxx_args().index("-O1") > b.cxx_args().index("-O3")  # the later -O wins
     monkeypatch.setenv(sanitize.ENV, "address,undefined")
-    assert "-fno-sanitize-recover=undefined" in builder_cls().cxx_args()
+    b = builder_cls()
+    b.jit_mode = True
+    assert "-fno-sanitize-recover=undefined" in b.cxx_args()
+
+
+@pytest.mark.parametrize("builder_cls", [AsyncIOBuilder, PinMemoryBuilder])
+def test_a_prebuild_is_never_sanitized(monkeypatch: pytest.MonkeyPatch, builder_cls) -> None:
+    """Outside a JIT build the flags carry no sanitizer, and builder() (setup.py's prebuild) refuses while
+    DEEPNVME_SANITIZE is set: the installed module has the op's normal name, so every later run would load
+    a sanitized op without asking for one."""
+    monkeypatch.setenv(sanitize.ENV, "address,undefined")
+    b = builder_cls()
+    assert not any("sanitize" in a for a in [*b.cxx_args(), *b.extra_ldflags()])
+    with pytest.raises(ValueError, match=sanitize.ENV):
+        b.builder()
+    assert not any("sanitize" in a for a in [*b.cxx_args(), *b.extra_ldflags()])
+
+
+def test_setup_refuses_a_sanitized_prebuild(tmp_path: Path) -> None:
+    """``DS_BUILD_AIO=1`` with DEEPNVME_SANITIZE set stops setup.py before anything is compiled, naming the
+    variable (``--version`` is enough: the ops to prebuild are chosen when setup.py starts)."""
+    pytest.importorskip("torch")
+    root = RUNNER.parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DS_BUILD_")}
+    env.update(DS_BUILD_AIO="1", DEEPNVME_SANITIZE="address,undefined")
+    res = subprocess.run([sys.executable, str(root / "setup.py"), "--version"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert "DEEPNVME_SANITIZE='address,undefined' applies to JIT builds only" in res.stderr
 
 
 def _runner_env(*args: str) -> dict[str, str]:

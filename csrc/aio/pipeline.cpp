@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <iterator>
 #include <set>
 
 #include "error.h"
@@ -109,6 +110,9 @@ size_t Pipeline::wait(uint64_t own, Handed& out, const std::function<bool()>& in
                 if (!r->done) r->fail(ECANCELED, "cancelled by an interruption (KeyboardInterrupt)");
             cv_.wait(lock, [&] { return all_done(cancel); });
             hand_over(cancel);
+            // The others stay pending, yet another thread's wait() may have reported them meanwhile, leaving
+            // `covered` their last reference: the caller drops everything in `out` with the GIL held.
+            out.insert(out.end(), std::make_move_iterator(covered.begin()), std::make_move_iterator(covered.end()));
             throw Interrupted{};
         }
     } else {

@@ -87,7 +87,8 @@ public:
     //    a failed async request, or one still to be validated, stays pending for a wait() to report.
     // `interrupted`, if set, is polled every kPollInterval while waiting; when it returns true the call
     // cancels (wait()) what it covers or (sync call) its own request, waits for the work already in flight,
-    // hands the cancelled requests over and throws Interrupted.
+    // hands the cancelled requests over and throws Interrupted; `out` then also holds references to the
+    // other covered requests (still pending), for the caller to release with the GIL held and not report.
     size_t wait(uint64_t own, Handed& out, const std::function<bool()>& interrupted = {});
 
     // Waits for everything still pending and hands it over (for destruction). In a process forked from the

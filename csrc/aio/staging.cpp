@@ -3,6 +3,8 @@
 #include <pthread.h>
 #include <sys/mman.h>
 
+#include <climits>
+#include <limits>
 #include <memory>
 #include <new>
 
@@ -40,7 +42,16 @@ void StagingArena::after_fork_child() {
 
 void StagingArena::allocate_locked() {
     if (base_ != nullptr) return;
+    // The tunables bound both factors; checked again here because a wrapped size would map a sliver.
+    if (buffer_bytes_ == 0 || count_ > static_cast<size_t>(INT_MAX) ||
+        count_ > std::numeric_limits<size_t>::max() / buffer_bytes_)
+        throw std::bad_alloc();
     size_t bytes = buffer_bytes_ * count_;
+    // Everything that may throw comes before the mapping: a failure leaves base_ unset, so the arena stays
+    // unallocated (the request fails with ENOMEM) and the next acquire() tries again.
+    std::vector<int> indices;
+    indices.reserve(count_);
+    for (size_t i = count_; i > 0; --i) indices.push_back(static_cast<int>(i - 1));
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
     base_ = static_cast<char*>(p);
@@ -49,8 +60,7 @@ void StagingArena::allocate_locked() {
     (void)::madvise(base_, bytes, MADV_DONTFORK);
     // Locking is an optimisation (no page faults mid-transfer); an RLIMIT_MEMLOCK refusal is harmless.
     (void)::mlock(base_, bytes);
-    free_.reserve(count_);
-    for (size_t i = count_; i > 0; --i) free_.push_back(static_cast<int>(i - 1));
+    free_.swap(indices);
 }
 
 int StagingArena::acquire() {

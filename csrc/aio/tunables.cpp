@@ -1,6 +1,5 @@
 #include "tunables.h"
 
-#include <cctype>
 #include <cstdlib>
 #include <string>
 
@@ -13,8 +12,9 @@
 namespace dnv {
 namespace {
 
-// Same rule as op_builder/tunables.py parse(): digits, optional K/M/G (1024-based), surrounding spaces.
-size_t read_env(const char* env, size_t fallback, size_t multiple, size_t minimum) {
+// Same rule as op_builder/tunables.py parse(): ASCII digits, optional K/M/G (1024-based), surrounding spaces
+// or tabs, and a value within [minimum, maximum].
+size_t read_env(const char* env, size_t fallback, size_t multiple, size_t minimum, size_t maximum) {
     const char* raw = std::getenv(env);
     std::string text = raw != nullptr ? raw : "";
     size_t a = text.find_first_not_of(" \t");
@@ -22,7 +22,7 @@ size_t read_env(const char* env, size_t fallback, size_t multiple, size_t minimu
     size_t b = text.find_last_not_of(" \t");
     std::string t = text.substr(a, b - a + 1);
     size_t digits = 0;
-    while (digits < t.size() && std::isdigit(static_cast<unsigned char>(t[digits]))) ++digits;
+    while (digits < t.size() && t[digits] >= '0' && t[digits] <= '9') ++digits;
     std::string rest = t.substr(digits);
     size_t sp = rest.find_first_not_of(" \t");
     rest = sp == std::string::npos ? "" : rest.substr(sp);
@@ -33,7 +33,11 @@ size_t read_env(const char* env, size_t fallback, size_t multiple, size_t minimu
     else if (!rest.empty()) digits = 0;
     if (digits == 0 || digits > 15)
         throw ArgError(std::string(env) + "='" + text + "' is not a positive integer (optionally with K, M or G)");
-    size_t v = std::stoull(t.substr(0, digits)) * unit;
+    // Compared before multiplying: 15 digits times G does not fit in 64 bits.
+    size_t n = std::stoull(t.substr(0, digits));
+    if (n > maximum / unit)
+        throw ArgError(std::string(env) + "='" + text + "' must be at most " + std::to_string(maximum));
+    size_t v = n * unit;
     if (v < minimum) throw ArgError(std::string(env) + "='" + text + "' must be at least " + std::to_string(minimum));
     if (v % multiple != 0)
         throw ArgError(std::string(env) + "='" + text + "' must be a multiple of " + std::to_string(multiple));
@@ -42,9 +46,15 @@ size_t read_env(const char* env, size_t fallback, size_t multiple, size_t minimu
 
 Tunables read_all() {
     Tunables t{};
-#define DNV_TUNABLE_READ(field, env, def, multiple, minimum) t.field = read_env(env, def, multiple, minimum);
+#define DNV_TUNABLE_READ(field, env, def, multiple, minimum, maximum) \
+    t.field = read_env(env, def, multiple, minimum, maximum);
     DNV_TUNABLE_LIST(DNV_TUNABLE_READ)
 #undef DNV_TUNABLE_READ
+    // Each factor is bounded (<= 1 GiB, <= 65536), so the product cannot wrap.
+    if (t.staging_buffers * t.staging_buffer_bytes > DNV_STAGING_POOL_MAX_BYTES)
+        throw ArgError("DEEPNVME_STAGING_BUFFERS x DEEPNVME_STAGING_BUFFER_BYTES (" +
+                       std::to_string(t.staging_buffers) + " x " + std::to_string(t.staging_buffer_bytes) +
+                       ") must be at most " + std::to_string(DNV_STAGING_POOL_MAX_BYTES) + " bytes");
     return t;
 }
 
