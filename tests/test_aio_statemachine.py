@@ -263,8 +263,8 @@ class AioModel(RuleBasedStateMachine):
         batch.counted += self.h.wait()
         if batch.errors:
             raise batch.errors[0]
-        # The thread contract (README, Guarantees): of the calls that cover a request, only the first to hand it
-        # over counts it.
+        # The thread contract (README, Guarantees): of the calls that cover a request, only the first to hand
+        # it over counts it.
         assert batch.counted == batch.submitted, "every async request is reported complete exactly once"
         for buf, expect in batch.reads:
             assert buf.numpy().tobytes() == expect
