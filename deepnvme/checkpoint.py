@@ -54,8 +54,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from deepnvme.files import SeekableReader, fsync_directory
 from deepnvme.io import DEFAULT_HANDLE_SETTINGS, default_handle
-from deepnvme.serialization import _fsync_directory
 
 __all__ = ["AioStorageReader", "AioStorageWriter"]
 
@@ -407,7 +407,7 @@ class AioStorageWriter(FileSystemWriter):
             for _, tmp, final in files:
                 os.replace(tmp, final)
             if self.sync_files:
-                _fsync_directory(directory)
+                fsync_directory(directory)
         except BaseException:
             _drain_quietly(handle)
             for layout in layouts:
@@ -449,7 +449,7 @@ class AioStorageWriter(FileSystemWriter):
                 os.unlink(tmp)
             raise
         if self.sync_files:
-            _fsync_directory(str(self.path))
+            fsync_directory(str(self.path))
 
 
 def _remove_stale_temps(directory: str, prefix: str) -> None:
@@ -506,7 +506,7 @@ def _drain_quietly(handle: Any) -> None:
         pass
 
 
-class _FileView(io.RawIOBase):
+class _FileView(SeekableReader):
     """A read-only, seekable window [offset, offset+length) of a file, for torch's zip reader.
 
     torch reads an archive's records in many small pieces. On a cold file each piece would be a disk round
@@ -515,34 +515,16 @@ class _FileView(io.RawIOBase):
     """
 
     def __init__(self, fd: int, offset: int, length: int, edges: _Edges) -> None:
-        super().__init__()
-        self._fd, self._offset, self._length, self._pos = fd, offset, length, 0
+        super().__init__(length)
+        self._fd, self._offset = fd, offset
         self._head = memoryview(edges.head.numpy())
         self._tail = memoryview(edges.tail.numpy())
         self._tail_at = edges.tail_at
 
-    def readable(self) -> bool:
-        """A read-only stream."""
-        return True
-
-    def seekable(self) -> bool:
-        """torch's zip reader seeks to the archive's directory."""
-        return True
-
-    def tell(self) -> int:
-        """Position within the window."""
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        """Move within the window, like a file."""
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
     def readinto(self, buffer: Any) -> int:
         """Read at the current position, never past the window (a short file gives a short read)."""
         out = memoryview(buffer).cast("B")
-        n = max(0, min(len(out), self._length - self._pos))
+        n = max(0, min(len(out), self._size - self._pos))
         pos = self._pos
         if pos + n <= len(self._head):
             data = self._head[pos:pos + n]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from deepnvme.files import fsync_path
+from deepnvme.files import SeekableReader, fsync_path
 
 
 class HandleWriter(io.RawIOBase):
@@ -100,31 +100,13 @@ def new_buffers(handle: Any, chunk: int) -> list:
     return [handle.new_cpu_locked_tensor(chunk, example) for _ in range(2)]
 
 
-class MemoryReader(io.RawIOBase):
+class MemoryReader(SeekableReader):
     """A seekable read-only stream over a uint8 tensor, so torch.load copies the bytes only once."""
 
     def __init__(self, data: Any) -> None:
-        super().__init__()
-        self._view = memoryview(data.numpy()).cast("B")
-        self._pos = 0
-
-    def readable(self) -> bool:
-        """A read-only stream."""
-        return True
-
-    def seekable(self) -> bool:
-        """torch's zip reader seeks to the archive's directory."""
-        return True
-
-    def tell(self) -> int:
-        """The current position."""
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        """Move like a file does."""
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
+        view = memoryview(data.numpy()).cast("B")
+        super().__init__(len(view))
+        self._view = view
 
     def readinto(self, buffer: Any) -> int:
         """Copy the next bytes into `buffer`."""

@@ -1,12 +1,15 @@
-"""Small file-system facts and acts the library and the tools share: fsync by name, the mount of a path."""
+"""Small file-system facts and acts the library and the tools share: fsync by name or of a directory, the
+mount of a path, and the seekable read-only stream torch's zip reader is handed."""
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import re
 from pathlib import Path
 
-__all__ = ["fsync_path", "mount_of"]
+__all__ = ["SeekableReader", "fsync_directory", "fsync_path", "mount_of"]
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
@@ -16,6 +19,47 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_directory(directory: str) -> None:
+    """Make a rename in ``directory`` durable. Some file systems refuse fsync on a directory (EINVAL,
+    ENOTSUP): there is nothing more to do there. Other errors carry the directory as their filename."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise type(exc)(exc.errno, exc.strerror, directory) from exc
+    finally:
+        os.close(fd)
+
+
+class SeekableReader(io.RawIOBase):
+    """A read-only stream of ``size`` bytes that seeks like a file; subclasses supply ``readinto`` at
+    ``self._pos``. torch's zip reader needs seek/tell to find an archive's directory at its end."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self._size = size
+        self._pos = 0
+
+    def readable(self) -> bool:
+        """A read-only stream."""
+        return True
+
+    def seekable(self) -> bool:
+        """torch's zip reader seeks to the archive's directory."""
+        return True
+
+    def tell(self) -> int:
+        """The current position."""
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Move like a file does (never before the start)."""
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
 
 
 def mount_of(path: str | os.PathLike[str]) -> tuple[str, str]:

@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from deepnvme.files import SeekableReader, fsync_directory
 from deepnvme.io import (
     DIRECT_MIN_BYTES,
     PAGE,
@@ -131,7 +132,7 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
     except BaseException:
         _unlink_quietly(tmp)
         raise
-    _fsync_directory(directory)
+    fsync_directory(directory)
     _remove_stale_temps(directory, name)
 
 
@@ -249,18 +250,6 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
 
 
-def _fsync_directory(directory: str) -> None:
-    """Make the rename durable. Some file systems refuse fsync on a directory (EINVAL): nothing to do."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise _with_path(exc, directory) from exc
-    finally:
-        os.close(fd)
-
-
 def _checked_path(path: Any) -> str:
     if not isinstance(path, (str, bytes, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
@@ -365,34 +354,18 @@ def _records(fd: int, path: str) -> dict[int, _Record] | None:
 _PROC_FD = "/proc/self/fd/{}"
 
 
-class _ArchiveReader(io.RawIOBase):
+class _ArchiveReader(SeekableReader):
     """A seekable reader torch.load reads the archive through; whole members go to _read_member."""
 
     def __init__(self, fd: int, path: str, records: dict[int, _Record], handle: Any, verify: bool) -> None:
-        super().__init__()
+        super().__init__(os.fstat(fd).st_size)
         self._fd = fd
         self._path = path
         self._records = records
         self._handle = handle
         self._verify = verify
-        self._size = os.fstat(fd).st_size
-        self._pos = 0
         self._direct_fd = -1
         self.error: Exception | None = None  # the first failure; torch only sees a short read
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")

@@ -13,6 +13,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from thread_helpers import run_threads
 
 KiB = 1 << 10
 THREADS = 8
@@ -22,30 +23,6 @@ U8 = torch.empty(0, dtype=torch.uint8)
 def tbytes(t: torch.Tensor) -> bytes:
     """Raw bytes of a contiguous tensor."""
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def run_threads(targets: list[Callable[[], None]], timeout: float = 120.0) -> None:
-    """Run callables in threads started together; fail on any exception or a thread still alive."""
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(len(targets))
-
-    def wrap(fn: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                barrier.wait()
-                fn()
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-        return run
-
-    threads = [threading.Thread(target=wrap(t), daemon=True) for t in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a thread hung"
-    if errors:
-        raise errors[0]
 
 
 def test_wait_covers_requests_other_threads_collect(aio_module: ModuleType, engine: str,

@@ -16,6 +16,7 @@ from types import ModuleType
 import pytest
 import torch
 from builder_helpers import REPO_ROOT
+from thread_helpers import run_threads
 
 MiB = 1 << 20
 U8 = torch.empty(0, dtype=torch.uint8)
@@ -30,30 +31,6 @@ def random_tensor(n: int) -> tuple[torch.Tensor, bytes]:
     """A plain uint8 tensor holding n random bytes, and the bytes."""
     data = os.urandom(n)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8), data
-
-
-def run_threads(targets: list[Callable[[], None]], timeout: float = 60.0) -> None:
-    """Run callables in threads started together; fail on any exception or a thread still alive."""
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(len(targets))
-
-    def wrap(fn: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                barrier.wait()
-                fn()
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-        return run
-
-    threads = [threading.Thread(target=wrap(t), daemon=True) for t in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a thread hung"
-    if errors:
-        raise errors[0]
 
 
 def fd_count() -> int:
