@@ -2,8 +2,7 @@
 
 Pieces, each usable alone (as torch's cpp_extension keeps its versioner and file baton apart):
 
-- :func:`extensions_root`: ``$TORCH_EXTENSIONS_DIR``, else a deepnvme folder under torch's public
-  :func:`torch.utils.cpp_extension.get_default_build_root`.
+- :func:`extensions_root`: ``$TORCH_EXTENSIONS_DIR``, else a deepnvme folder in the user's cache folder.
 - :func:`jit_key`: sha256 over every input of a build (sources, included headers, flags, torch, Python,
   compiler, deepnvme version).
 - the stamp (``deepnvme_stamp.json``): the key, the probe outcomes and the identity of the library built
@@ -48,17 +47,18 @@ _TORCH_LOCK = "lock"  # the file torch.utils.cpp_extension.load() creates in its
 
 
 def extensions_root() -> Path:
-    """Root of JIT builds: ``$TORCH_EXTENSIONS_DIR``, else ``<torch's default build root>/deepnvme-<python>``.
+    """Root of JIT builds: ``$TORCH_EXTENSIONS_DIR``, else ``deepnvme/jit-<python>`` in the user's cache
+    folder (``$XDG_CACHE_HOME``, else ``~/.cache``).
 
-    The default root comes from torch's public ``get_default_build_root()``; the sub-folder is our own
-    name (builds are keyed by torch and compiler anyway, see :func:`jit_key`), not a copy of torch's.
+    A folder of our own, not torch's ``get_default_build_root()``: asking torch means importing
+    ``torch.utils.cpp_extension`` (about 0.13 s here), which a warm load otherwise never does and which would
+    triple its time beyond ``import torch``. Builds are keyed by torch and compiler anyway (:func:`jit_key`).
     """
     env = os.environ.get("TORCH_EXTENSIONS_DIR")
     if env:
         return Path(env)
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return Path(get_default_build_root()) / f"deepnvme-{sys.implementation.cache_tag}"
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "deepnvme" / f"jit-{sys.implementation.cache_tag}"
 
 
 def _file_identity(path: Path) -> list[int] | None:

@@ -141,15 +141,23 @@ def test_stale_lock_of_a_killed_build_does_not_hang(tmp_path):
     assert warm["result"]["value"] == 1 and warm["calls"] == []
 
 
-def test_build_root_without_torch_extensions_dir_is_under_torchs_public_default(monkeypatch):
-    """No TORCH_EXTENSIONS_DIR: our own folder under torch's public get_default_build_root()."""
-    from torch.utils.cpp_extension import get_default_build_root
-
+def test_build_root_without_torch_extensions_dir_is_ours_in_the_user_cache(monkeypatch, tmp_path):
+    """No TORCH_EXTENSIONS_DIR: a deepnvme folder in $XDG_CACHE_HOME (else ~/.cache), found without importing
+    torch.utils.cpp_extension, which a warm load must not pay for."""
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    out = run_python("""
+        import sys
+        from op_builder.jit_cache import extensions_root
+        result = {"root": str(extensions_root()), "cpp_extension": "torch.utils.cpp_extension" in sys.modules}
+    """, env={"XDG_CACHE_HOME": str(tmp_path)})
+    root = Path(out["result"]["root"])
+    assert root.parent == tmp_path / "deepnvme" and root.name.startswith("jit-")
+    assert out["result"]["cpp_extension"] is False
+    monkeypatch.delenv("XDG_CACHE_HOME")
     from op_builder.jit_cache import extensions_root
 
-    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
-    root = extensions_root()
-    assert root.parent == Path(get_default_build_root()) and root.name.startswith("deepnvme-")
+    assert extensions_root().parent == Path.home() / ".cache" / "deepnvme"
 
 
 def test_a_failed_build_names_op_reason_and_fix(tmp_path, monkeypatch):
