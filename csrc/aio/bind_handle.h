@@ -26,6 +26,7 @@ inline uint64_t enqueue_host(IoHandle& io, const at::Tensor& buffer, const Targe
         req = io.prepare(std::move(p), warning);
     }
     if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
+    py::gil_scoped_release nogil;  // a small sync request runs its I/O inside enqueue() (IoHandle::enqueue)
     return io.enqueue(std::move(req));
 }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dnv {
@@ -42,8 +43,14 @@ public:
     // Blocks until at least min_done completions are ready (min_done <= ops in flight), returns up to max.
     virtual size_t reap(IoDone* out, size_t min_done, size_t max) = 0;
 
-    // Optionally pins buffers in the kernel (io_uring fixed buffers). Returns false if unsupported.
-    virtual bool register_buffers(void* const* /*bufs*/, size_t /*count*/, size_t /*len*/) { return false; }
+    // Optionally pins buffers in the kernel (io_uring fixed buffers): (address, length) each; an op's
+    // fixed_index is its buffer's index here. Returns false if unsupported.
+    virtual bool register_buffers(const std::vector<std::pair<void*, size_t>>& /*bufs*/) { return false; }
+
+    // Whether a request may bypass this engine and run as plain pread/pwrite on the caller's thread (the
+    // handle's inline path for small sync requests). True for engines that add nothing but scheduling; the
+    // fault engine says no, since its faults must reach every request.
+    virtual bool allows_bypass() const { return true; }
 };
 
 // State shared by all engines of one handle (the fault engine's rule counters); may be null.

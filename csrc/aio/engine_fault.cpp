@@ -73,6 +73,8 @@ public:
         done_.reserve(queue_depth);
     }
 
+    bool allows_bypass() const override { return false; }
+
     size_t submit(const IoOp* ops, size_t n) override {
         long call = ++rules_->submits;
         if (call == rules_->eagain_submit_at) return 0;

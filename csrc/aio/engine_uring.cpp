@@ -67,10 +67,10 @@ public:
         }
     }
 
-    bool register_buffers(void* const* bufs, size_t count, size_t len) override {
-        std::vector<struct iovec> iov(count);
-        for (size_t i = 0; i < count; ++i) iov[i] = {bufs[i], len};
-        return io_uring_register_buffers(&ring_, iov.data(), static_cast<unsigned>(count)) == 0;
+    bool register_buffers(const std::vector<std::pair<void*, size_t>>& bufs) override {
+        std::vector<struct iovec> iov;
+        for (const auto& [p, len] : bufs) iov.push_back({p, len});
+        return io_uring_register_buffers(&ring_, iov.data(), static_cast<unsigned>(iov.size())) == 0;
     }
 
 private:

@@ -40,6 +40,35 @@ void transfer_all(Request& r, int fd, char* buf, size_t rel, size_t len) {
     }
 }
 
+// The body of an inline request (IoHandle::run_inline) by plain system calls, under the engines' contract: a
+// short transfer continues where it stopped while the rest stays aligned for O_DIRECT, else through the
+// buffered descriptor (as Worker::complete does); no progress at all is an error, never success.
+void transfer_body(Request& r, char* buf, size_t rel, size_t len) {
+    const Alignment& a = r.file.alignment();
+    size_t done = 0;
+    while (done < len) {
+        off_t off = static_cast<off_t>(r.offset + rel + done);
+        ssize_t n = r.write ? ::pwrite(r.body_fd, buf + done, len - done, off)
+                            : ::pread(r.body_fd, buf + done, len - done, off);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) {
+            int err = errno;
+            throw IoError(err, where(r, rel + done, len - done) + " failed: " + errno_text(err), r.file.path());
+        }
+        if (n == 0)
+            throw IoError(EIO, "short transfer: " + where(r, rel + done, len - done) + " made no progress (" +
+                                   (r.write ? "device full?" : "file shrank?") + ")",
+                          r.file.path());
+        done += static_cast<size_t>(n);
+        bool aligned = !r.direct || (done % a.off == 0 &&
+                                     reinterpret_cast<uintptr_t>(buf + done) % (a.mem ? a.mem : 1) == 0);
+        if (done < len && !aligned) {
+            transfer_all(r, r.file.buffered_fd(), buf + done, rel + done, len - done);
+            return;
+        }
+    }
+}
+
 // Device memory goes through a small host buffer; host memory is used in place.
 void transfer_edge(Request& r, size_t begin, size_t end) {
     if (begin >= end) return;
@@ -102,13 +131,18 @@ void Worker::run() {
                 incoming_.pop_front();
             }
         }
+        starved_ = false;
         fill();
         submit_ready();
         if (inflight_ > 0) {
             reap();
+        } else if (starved_ && ready_.empty()) {
+            // Other workers hold the staging runs this one needs: sleep until one is released (the timeout
+            // only guards against a release this worker could not see, never the normal path).
+            staging_.wait_release(starved_epoch_, std::chrono::milliseconds(20));
         } else if (!ready_.empty() || !active_.empty()) {
-            // Nothing in flight yet work waits: the engine refused it (EAGAIN), or other workers hold every
-            // staging buffer. Give them a moment instead of spinning.
+            // Nothing in flight yet work waits: the engine refused it (EAGAIN). Give it a moment instead of
+            // spinning.
             std::this_thread::sleep_for(std::chrono::microseconds(50));
         }
     }
@@ -118,7 +152,7 @@ IoOp Worker::op_for(unsigned tag) const {
     const Slot& s = slots_[tag];
     const Request& r = *s.slice->req;
     char* buf = s.staging >= 0 ? staging_.data(s.staging) : r.mem + s.rel;
-    int fixed = (fixed_buffers_ && s.staging >= 0) ? s.staging : -1;
+    int fixed = (fixed_buffers_ && s.staging >= 0) ? staging_.region_of(s.staging, s.staging_n) : -1;
     return IoOp{r.body_fd, buf + s.done, s.len - s.done, r.offset + s.rel + s.done, r.write, tag, fixed};
 }
 
@@ -142,46 +176,50 @@ void Worker::fill() {
             len = len < unit ? unit : len / unit * unit;
         }
         int st = -1;
+        size_t run = 0;
         if (r.staged) {
             if (!fixed_tried_) {
                 fixed_tried_ = true;
                 try {
-                    auto bufs = staging_.buffers();
-                    fixed_buffers_ =
-                        engine_->register_buffers(bufs.data(), bufs.size(), staging_.buffer_bytes());
+                    fixed_buffers_ = engine_->register_buffers(staging_.regions());
                 } catch (const std::bad_alloc&) {
                     // acquire() below reports it against the request
                 }
             }
-            const size_t staging_bytes = staging_.buffer_bytes();
-            if (len > staging_bytes) {
-                size_t unit = r.direct ? r.file.alignment().off : 1;
-                if (unit > staging_bytes) {
-                    // No device we know needs this; refuse cleanly rather than overrun a staging buffer.
-                    r.fail(EINVAL, "device alignment " + std::to_string(unit) + " exceeds the staging buffer size");
-                    continue;
-                }
-                len = std::max(unit, staging_bytes / unit * unit);
+            // A staged op is as long as a direct one (the block), in a run of contiguous buffers: splitting it
+            // into buffer-sized ops left plain tensors at a fraction of locked ones at large blocks. The run is
+            // bounded by the worker's share: half the pool (so it cannot starve the others) and the
+            // worker_staging_bytes tunable (staged bytes in flight, which bounds the memory the copies touch).
+            const size_t granule = staging_.buffer_bytes();
+            const size_t unit = r.direct ? r.file.alignment().off : 1;
+            const size_t share = std::max<size_t>(1, staging_.count() / 2);
+            const size_t max_len = std::min(share * granule, std::max(granule, tunables().worker_staging_bytes));
+            if (unit > max_len) {
+                // No device we know needs this; refuse cleanly rather than overrun a staging run.
+                r.fail(EINVAL, "device alignment " + std::to_string(unit) + " exceeds the staging buffer size");
+                continue;
             }
-            // A worker's staged bytes in flight are capped by the worker_staging_bytes tunable (small blocks
-            // count by their length), and its buffers by half the pool, so it cannot starve the others.
+            if (len > max_len) len = max_len / unit * unit;
+            run = (len + granule - 1) / granule;
             if (staging_held_ > 0 &&
-                (staging_held_ >= staging_.count() / 2 ||
-                 staging_bytes_held_ + len > tunables().worker_staging_bytes))
+                (staging_held_ + run > share || staging_bytes_held_ + len > tunables().worker_staging_bytes))
                 break;  // reap first
             try {
-                st = staging_.acquire();
+                st = staging_.acquire(run, &starved_epoch_);
             } catch (const std::bad_alloc&) {
                 r.fail(ENOMEM, "cannot allocate staging buffers");
                 continue;
             }
-            if (st < 0) break;  // other workers hold the rest: reap first, or retry shortly
-            ++staging_held_;
+            if (st < 0) {
+                starved_ = true;  // other workers hold the rest: reap first, or wait for a release
+                break;
+            }
+            staging_held_ += run;
             staging_bytes_held_ += len;
         }
         unsigned tag = free_slots_.back();
         free_slots_.pop_back();
-        slots_[tag] = Slot{s, s->cursor, len, 0, st};
+        slots_[tag] = Slot{s, s->cursor, len, 0, st, static_cast<unsigned>(run)};
         s->cursor += len;
         s->outstanding++;
         if (st >= 0 && r.write) {
@@ -304,8 +342,8 @@ Slice* Worker::release_slot(unsigned tag) {
     Slot& sl = slots_[tag];
     Slice* s = sl.slice;
     if (sl.staging >= 0) {
-        staging_.release(sl.staging);
-        --staging_held_;
+        staging_.release(sl.staging, sl.staging_n);
+        staging_held_ -= sl.staging_n;
         staging_bytes_held_ -= sl.len;
     }
     s->outstanding--;
@@ -350,6 +388,7 @@ IoHandle::IoHandle(const HandleConfig& cfg, std::shared_ptr<Pipeline> pipeline)
     // Engines are built here, on the caller's thread, so that a failure (io_setup EAGAIN...) raises now.
     std::vector<std::unique_ptr<Engine>> engines;
     for (unsigned i = 0; i < cfg.parallelism; ++i) engines.push_back(make_engine(engine_, cfg.queue_depth, shared_));
+    bypass_ok_ = engines.front()->allows_bypass();
     for (auto& e : engines) workers_.push_back(std::make_unique<Worker>(*this, std::move(e)));
 }
 
@@ -405,6 +444,29 @@ std::shared_ptr<Request> IoHandle::prepare(Params p, std::string& warning) {
 uint64_t IoHandle::enqueue(std::shared_ptr<Request> r) {
     pipeline_->refuse_if_inherited();
     Request* raw = r.get();
+    if (runs_inline(*raw)) {
+        // Staged memory needs a run of the shared pool now; none free means the workers are busy with it,
+        // and the request joins them rather than wait here.
+        int staging = -1;
+        size_t run = 0;
+        if (raw->staged) {
+            StagingArena& arena = StagingArena::shared();
+            size_t body = raw->slices.front().plan.body_end - raw->slices.front().plan.body_begin;
+            run = (body + arena.buffer_bytes() - 1) / arena.buffer_bytes();
+            try {
+                staging = run <= std::max<size_t>(1, arena.count() / 2) ? arena.acquire(run) : -1;
+            } catch (const std::bad_alloc&) {
+                staging = -1;  // the workers' path reports it against the request
+            }
+        }
+        if (!raw->staged || staging >= 0) {
+            // Pending before it runs, like any request: the call covers the async ones pending from here.
+            // Only this request's own call hands a sync request over, so `r` stays alive until we return.
+            uint64_t id = pipeline_->add(r, false);
+            run_inline(*raw, staging, run);
+            return id;
+        }
+    }
     // Once pending, the request can complete and be freed by another thread's wait() as soon as its last
     // slice is queued: nothing of it is read after that.
     Slice* const slices = raw->slices.data();
@@ -414,6 +476,50 @@ uint64_t IoHandle::enqueue(std::shared_ptr<Request> r) {
     uint64_t id = pipeline_->add(std::move(r), nslices == 0);
     for (size_t i = 0; i < nslices; ++i) workers_[(first_worker + i) % workers_.size()]->enqueue(&slices[i]);
     return id;
+}
+
+bool IoHandle::runs_inline(const Request& r) const {
+    if (!bypass_ok_ || r.is_async || r.copier || r.slices.size() != 1) return false;
+    // One engine operation's worth: a worker would issue it alone too. More goes to the workers, which keep
+    // several operations in flight.
+    const SlicePlan& s = r.slices.front().plan;
+    return s.body_end - s.body_begin <= std::min(cfg_.block_size, kMaxOpBytes);
+}
+
+void IoHandle::run_inline(Request& r, int staging, size_t run) {
+    StagingArena& arena = StagingArena::shared();
+    struct Lease {  // gives the staging run back however the transfer ends
+        StagingArena& arena;
+        int first;
+        size_t n;
+        ~Lease() {
+            if (first >= 0) arena.release(first, n);
+        }
+    };
+    Slice& s = r.slices.front();
+    const size_t begin = s.plan.body_begin, len = s.plan.body_end - begin;
+    {
+        Lease lease{arena, staging, run};
+        try {
+            if (len > 0) {
+                char* buf = staging >= 0 ? arena.data(staging) : r.mem + begin;
+                if (staging >= 0 && r.write) std::memcpy(buf, r.mem + begin, len);
+                transfer_body(r, buf, begin, len);
+                if (staging >= 0 && !r.write) std::memcpy(r.mem + begin, buf, len);
+            }
+            // After the body, as on the workers (see Worker::finish_slice).
+            transfer_edge(r, s.plan.head_begin, s.plan.head_end);
+            transfer_edge(r, s.plan.tail_begin, s.plan.tail_end);
+        } catch (const IoError& e) {
+            r.fail(e.err(), e.what());
+        } catch (const std::exception& e) {
+            r.fail(EIO, e.what());
+        }
+    }
+    s.cursor = s.plan.body_end;
+    s.finished = true;
+    r.slices_left.store(0, std::memory_order_release);
+    request_done(&r);
 }
 
 uint64_t IoHandle::submit(Params p, std::string& warning) { return enqueue(prepare(std::move(p), warning)); }

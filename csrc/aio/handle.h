@@ -81,7 +81,8 @@ private:
     struct Slot {
         Slice* slice = nullptr;
         size_t rel = 0, len = 0, done = 0;
-        int staging = -1;
+        int staging = -1;          // first staging buffer of the op's run, or -1
+        unsigned staging_n = 0;    // buffers in the run
     };
     void run();
     void fill();
@@ -96,8 +97,10 @@ private:
     IoHandle& h_;
     std::unique_ptr<Engine> engine_;
     StagingArena& staging_ = StagingArena::shared();
-    unsigned staging_held_ = 0;      // staging buffers this worker holds
-    size_t staging_bytes_held_ = 0;  // staged bytes in flight; capped (see handle.cpp) to keep the copies cache-warm
+    size_t staging_held_ = 0;        // staging buffers this worker holds
+    size_t staging_bytes_held_ = 0;  // staged bytes in flight; capped by the worker_staging_bytes tunable
+    bool starved_ = false;           // fill() found no free staging run; wait for a release, not a timer
+    uint64_t starved_epoch_ = 0;     // the arena's release count when it did
     bool fixed_tried_ = false;       // registration with the engine attempted
     bool fixed_buffers_ = false;
     std::vector<Slot> slots_;
@@ -140,7 +143,9 @@ public:
     // `warning` receives a one-time notice (e.g. O_DIRECT refused), else stays empty: the caller can raise
     // it (a warning turned into an error) and drop the request, and nothing was transferred.
     std::shared_ptr<Request> prepare(Params p, std::string& warning);
-    // Queues a prepared request; returns its id.
+    // Queues a prepared request; returns its id. A sync request small enough to be one engine operation
+    // runs here, on the calling thread, instead (call it without the GIL): a hand-off to a worker and back
+    // costs two cross-thread wake-ups, more than a small transfer itself.
     uint64_t enqueue(std::shared_ptr<Request> r);
     // prepare() then enqueue().
     uint64_t submit(Params p, std::string& warning);
@@ -154,8 +159,12 @@ public:
 private:
     friend class Worker;
     void request_done(Request* r);
+    // The inline path: a sync request whose body is one engine operation runs on the caller's thread.
+    bool runs_inline(const Request& r) const;
+    void run_inline(Request& r, int staging, size_t run);  // staging: first buffer of its run, or -1
 
     HandleConfig cfg_;
+    bool bypass_ok_ = false;  // the engine allows the inline path (Engine::allows_bypass)
     std::string engine_;
     std::shared_ptr<EngineShared> shared_;
     std::vector<std::unique_ptr<Worker>> workers_;

@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <climits>
 #include <limits>
 #include <memory>
@@ -17,7 +18,9 @@ StagingArena* g_arena = nullptr;
 }
 
 StagingArena::StagingArena()
-    : buffer_bytes_(tunables().staging_buffer_bytes), count_(tunables().staging_buffers) {}
+    : buffer_bytes_(tunables().staging_buffer_bytes),
+      count_(tunables().staging_buffers),
+      per_region_(std::max<size_t>(1, kMaxRegion / tunables().staging_buffer_bytes)) {}
 
 StagingArena& StagingArena::shared() {
     // Deliberately never destroyed (see the header): no work runs in a static destructor.
@@ -36,7 +39,8 @@ void StagingArena::after_fork_parent() { g_arena->mu_.unlock(); }
 void StagingArena::after_fork_child() {
     // MADV_DONTFORK left the buffers out of this process: start over, allocated again on first use.
     g_arena->base_ = nullptr;
-    g_arena->free_.clear();
+    g_arena->used_.clear();
+    g_arena->free_ = 0;
     g_arena->mu_.unlock();
 }
 
@@ -49,40 +53,69 @@ void StagingArena::allocate_locked() {
     size_t bytes = buffer_bytes_ * count_;
     // Everything that may throw comes before the mapping: a failure leaves base_ unset, so the arena stays
     // unallocated (the request fails with ENOMEM) and the next acquire() tries again.
-    std::vector<int> indices;
-    indices.reserve(count_);
-    for (size_t i = count_; i > 0; --i) indices.push_back(static_cast<int>(i - 1));
+    std::vector<bool> used(count_, false);
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
     base_ = static_cast<char*>(p);
     // A child process gets none of it (see after_fork_child); failing that, it would share pages under
     // the parent's transfers copy-on-write.
     (void)::madvise(base_, bytes, MADV_DONTFORK);
+    // Huge pages: a staged block then costs the kernel a few page pins instead of hundreds, and the copies
+    // into it fewer TLB misses. Advice only.
+    (void)::madvise(base_, bytes, MADV_HUGEPAGE);
     // Locking is an optimisation (no page faults mid-transfer); an RLIMIT_MEMLOCK refusal is harmless.
     (void)::mlock(base_, bytes);
-    free_.swap(indices);
+    used_.swap(used);
+    free_ = count_;
 }
 
-int StagingArena::acquire() {
+int StagingArena::acquire(size_t n, uint64_t* epoch) {
     std::lock_guard<std::mutex> lock(mu_);
     allocate_locked();
-    if (free_.empty()) return -1;
-    int i = free_.back();
-    free_.pop_back();
-    return i;
+    if (n > 0 && n <= free_) {
+        // First fit: low buffers are reused most, so the ones in use stay warm in the cache and the TLB.
+        size_t run = 0;
+        for (size_t i = 0; i < count_; ++i) {
+            run = used_[i] ? 0 : run + 1;
+            if (run == n) {
+                size_t first = i + 1 - n;
+                for (size_t j = first; j <= i; ++j) used_[j] = true;
+                free_ -= n;
+                return static_cast<int>(first);
+            }
+        }
+    }
+    if (epoch != nullptr) *epoch = releases_;
+    return -1;
 }
 
-void StagingArena::release(int index) {
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.push_back(index);
+void StagingArena::release(int first, size_t n) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (size_t j = 0; j < n; ++j) used_[static_cast<size_t>(first) + j] = false;
+        free_ += n;
+        ++releases_;
+    }
+    released_.notify_all();
 }
 
-std::vector<void*> StagingArena::buffers() {
+void StagingArena::wait_release(uint64_t epoch, std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    released_.wait_for(lock, timeout, [&] { return releases_ != epoch; });
+}
+
+std::vector<std::pair<void*, size_t>> StagingArena::regions() {
     std::lock_guard<std::mutex> lock(mu_);
     allocate_locked();
-    std::vector<void*> out;
-    for (size_t i = 0; i < count_; ++i) out.push_back(data(static_cast<int>(i)));
+    std::vector<std::pair<void*, size_t>> out;
+    for (size_t i = 0; i < count_; i += per_region_)
+        out.emplace_back(data(static_cast<int>(i)), std::min(per_region_, count_ - i) * buffer_bytes_);
     return out;
+}
+
+int StagingArena::region_of(int first, size_t n) const {
+    size_t a = static_cast<size_t>(first) / per_region_, b = (static_cast<size_t>(first) + n - 1) / per_region_;
+    return a == b ? static_cast<int>(a) : -1;
 }
 
 }  // namespace dnv
