@@ -44,14 +44,16 @@ TUNABLES: tuple[Tunable, ...] = (
             "to O_DIRECT as it is (unaligned host memory, GPU memory). Large enough that one buffer is a "
             "full-speed block; small enough that many fit in RLIMIT_MEMLOCK.", multiple_of=4096,
             maximum=1 << 30),
-    Tunable("staging_buffers", "DEEPNVME_STAGING_BUFFERS", 64,
-            "Buffers in the staging pool, shared by every handle of the process. One worker may hold at "
-            "most half of them, so that small staged blocks of one worker cannot starve the others.",
+    Tunable("staging_buffers", "DEEPNVME_STAGING_BUFFERS", 128,
+            "Buffers in the staging pool, shared by every handle of the process (allocated and locked on "
+            "the first staged transfer). A staged operation takes a run of contiguous buffers as long as "
+            "the handle's block; one worker may hold at most half of them, so that it cannot starve the "
+            "others. The default holds two workers' worker_staging_bytes.",
             minimum=2, maximum=65536),
-    Tunable("worker_staging_bytes", "DEEPNVME_WORKER_STAGING_BYTES", 8 << 20,
-            "Staged bytes one worker thread keeps in flight. Beyond what hides the device's latency, more "
-            "buffers only spread the copies over memory that has left the cache (bench/plain_vs_locked.py "
-            "measures plain against locked tensors for a chosen value)."),
+    Tunable("worker_staging_bytes", "DEEPNVME_WORKER_STAGING_BYTES", 64 << 20,
+            "Staged bytes one worker thread keeps in flight, and the longest staged operation. Enough to "
+            "keep 8 MiB blocks several deep; bench/plain_vs_locked.py measures plain against locked tensors "
+            "for a chosen value."),
     Tunable("min_slice_bytes", "DEEPNVME_MIN_SLICE_BYTES", 256 << 10,
             "Smallest part of one request handed to another worker thread: below it, the hand-off costs "
             "more than the second thread brings."),

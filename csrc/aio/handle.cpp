@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 
+#include "bulk_copy.h"
 #include "error.h"
 #include "tunables.h"
 
@@ -227,7 +228,7 @@ void Worker::fill() {
                 if (r.copier)
                     r.copier->to_host(staging_.data(st), slots_[tag].rel, len);
                 else
-                    std::memcpy(staging_.data(st), r.mem + slots_[tag].rel, len);
+                    bulk_copy(staging_.data(st), r.mem + slots_[tag].rel, len);
             } catch (const std::exception& e) {
                 r.fail(EIO, std::string("copy to staging buffer failed: ") + e.what());
                 release_slot(tag);
@@ -236,8 +237,9 @@ void Worker::fill() {
         }
         ready_.push_back(op_for(tag));
         // A staging copy takes as long as several submissions: hand each copied block to the kernel at
-        // once, so the device works while the next one is copied.
-        if (st >= 0 && r.write && h_.config().overlap_events) submit_ready();
+        // once, so the device works while the next one is copied (whatever overlap_events says: without
+        // it a staged transfer would copy and move its bytes in turn, never both at once).
+        if (st >= 0 && r.write) submit_ready();
     }
 }
 
@@ -264,7 +266,9 @@ void Worker::submit_ready() {
 }
 
 void Worker::reap() {
-    size_t min_done = h_.config().overlap_events ? 1 : inflight_;
+    // Staged blocks are copied as each completes (see below), so they too are reaped one at a time.
+    bool overlap = h_.config().overlap_events || staging_held_ > 0;
+    size_t min_done = overlap ? 1 : inflight_;
     size_t n;
     try {
         n = engine_->reap(done_.data(), min_done, std::min<size_t>(done_.size(), inflight_));
@@ -286,7 +290,7 @@ void Worker::reap() {
         complete(done_[i].tag, done_[i].res);
         // A staging copy takes as long as several submissions: refill the queue after each one, so the
         // device is not left idle while the rest of the batch is copied.
-        if (staged && h_.config().overlap_events) {
+        if (staged) {
             fill();
             submit_ready();
         }
@@ -330,7 +334,7 @@ void Worker::complete(uint64_t tag64, int64_t res) {
             if (r.copier)
                 r.copier->from_host(sl.rel, staging_.data(sl.staging), sl.len);
             else
-                std::memcpy(r.mem + sl.rel, staging_.data(sl.staging), sl.len);
+                bulk_copy(r.mem + sl.rel, staging_.data(sl.staging), sl.len);
         } catch (const std::exception& e) {
             r.fail(EIO, std::string("copy from staging buffer failed: ") + e.what());
         }
@@ -503,9 +507,9 @@ void IoHandle::run_inline(Request& r, int staging, size_t run) {
         try {
             if (len > 0) {
                 char* buf = staging >= 0 ? arena.data(staging) : r.mem + begin;
-                if (staging >= 0 && r.write) std::memcpy(buf, r.mem + begin, len);
+                if (staging >= 0 && r.write) bulk_copy(buf, r.mem + begin, len);
                 transfer_body(r, buf, begin, len);
-                if (staging >= 0 && !r.write) std::memcpy(r.mem + begin, buf, len);
+                if (staging >= 0 && !r.write) bulk_copy(r.mem + begin, buf, len);
             }
             // After the body, as on the workers (see Worker::finish_slice).
             transfer_edge(r, s.plan.head_begin, s.plan.head_end);
