@@ -21,6 +21,12 @@ namespace {
 // read/write call, so a larger block is issued in pieces of this size (a multiple of any device alignment).
 constexpr size_t kMaxOpBytes = size_t(1) << 30;
 
+// Staged writes are handed to the kernel as soon as this many bytes have been copied since the last
+// submission: a large block's copy takes long enough that the device must not wait for the next, while small
+// blocks are batched, one submission (and one exit from a VM) per several of them. Staged reads refill after
+// every completion instead (Worker::reap): a batch there would leave the device idle while it is copied.
+constexpr size_t kSubmitAfterCopied = size_t(1) << 20;
+
 std::string where(const Request& r, size_t rel, size_t len) {
     return std::string(r.write ? "write" : "read") + " of " + std::to_string(len) + " bytes at file offset " +
            std::to_string(r.offset + rel);
@@ -236,14 +242,18 @@ void Worker::fill() {
             }
         }
         ready_.push_back(op_for(tag));
-        // A staging copy takes as long as several submissions: hand each copied block to the kernel at
-        // once, so the device works while the next one is copied (whatever overlap_events says: without
-        // it a staged transfer would copy and move its bytes in turn, never both at once).
-        if (st >= 0 && r.write) submit_ready();
+        // A staging copy takes as long as several submissions: hand copied blocks to the kernel at once, so
+        // the device works while the next ones are copied (whatever overlap_events says: without it a staged
+        // transfer would copy and move its bytes in turn, never both at once).
+        if (st >= 0 && r.write) {
+            copied_unsubmitted_ += len;
+            if (copied_unsubmitted_ >= kSubmitAfterCopied) submit_ready();
+        }
     }
 }
 
 void Worker::submit_ready() {
+    copied_unsubmitted_ = 0;
     size_t pos = 0;
     try {
         while (pos < ready_.size()) {

@@ -99,6 +99,7 @@ private:
     StagingArena& staging_ = StagingArena::shared();
     size_t staging_held_ = 0;        // staging buffers this worker holds
     size_t staging_bytes_held_ = 0;  // staged bytes in flight; capped by the worker_staging_bytes tunable
+    size_t copied_unsubmitted_ = 0;  // staged bytes copied since the last submission (kSubmitAfterCopied)
     bool starved_ = false;           // fill() found no free staging run; wait for a release, not a timer
     uint64_t starved_epoch_ = 0;     // the arena's release count when it did
     bool fixed_tried_ = false;       // registration with the engine attempted
