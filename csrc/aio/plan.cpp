@@ -32,9 +32,14 @@ RequestPlan plan_request(uintptr_t mem, size_t nbytes, uint64_t file_offset, boo
         split_body(plan, 0, nbytes, granule, parallelism, min_slice);
         return plan;
     }
-    // Body: the largest stretch whose file offsets start and end on the device's alignment.
-    size_t body_begin = static_cast<size_t>(align_up(file_offset, align.off) - file_offset);
-    size_t body_end = static_cast<size_t>(align_down(file_offset + nbytes, align.off) - file_offset);
+    // Body: the largest stretch whose file offsets start and end on a page (and the device's alignment).
+    // The device would take 512-byte boundaries, but the page cache works in pages: a buffered edge of this
+    // request loads and dirties its whole page, and if a neighbouring request's O_DIRECT write covers the
+    // rest of that page while it is dirty, the kernel cannot drop the page and its later writeback puts the
+    // old bytes back over the direct write. Edges that end on page boundaries never share a page with
+    // anyone's direct I/O.
+    size_t body_begin = static_cast<size_t>(align_up(file_offset, granule) - file_offset);
+    size_t body_end = static_cast<size_t>(align_down(file_offset + nbytes, granule) - file_offset);
     if (body_begin >= body_end || body_begin >= nbytes) {
         SlicePlan s;  // too small to have an aligned body: all of it is one buffered edge
         s.head_end = nbytes;
