@@ -29,6 +29,7 @@ RequestPlan plan_request(uintptr_t mem, size_t nbytes, uint64_t file_offset, boo
     size_t page = page_size();
     size_t granule = align.off > page ? align.off : page;
     if (!direct) {
+        plan.staged = !host_memory;  // device memory reaches a buffered descriptor through host buffers too
         split_body(plan, 0, nbytes, granule, parallelism, min_slice);
         return plan;
     }
