@@ -168,7 +168,7 @@ def fio_seq(path: str, op: str, engine: str, s: Setting, total: int) -> Callable
         if op == "read":
             drop_file_cache(path)
         r = run_fio_command(cmd)
-        return r.seconds, r.cpu_reported, {"cpu_rusage": r.cpu}
+        return r.seconds, r.cpu_reported, {"cpu_rusage": r.cpu, "fixedbufs": r.fixedbufs}
 
     return run
 
@@ -702,6 +702,11 @@ def bench(args: argparse.Namespace, work: str) -> int:
             side.close()
         owner.free_cpu_locked_tensor(buf)
     changed = [c for c in cases if c.layout_changes]
+    unfixed = sum(1 for c in cases for x in c.samples if x.get("fixedbufs") is False and c.name == "io_uring")
+    if unfixed:
+        notes.append(f"{unfixed} fio io_uring run(s) were refused --fixedbufs (RLIMIT_MEMLOCK below "
+                     "bs x iodepth without CAP_IPC_LOCK) and ran without: their reads include "
+                     "first-touch page faults.")
     notes += [
         "Same file layout for every contender: each size's file is written in full (buffered, fsynced, "
         "evicted) before any case, and both sides overwrite it in place (the handle opens without O_TRUNC; "
@@ -714,7 +719,10 @@ def bench(args: argparse.Namespace, work: str) -> int:
         "One file for every job: fio --filename with --numjobs=N --size=S/N --offset_increment=S/N, the "
         "contiguous slices the handle's N threads (intra_op_parallelism=N) cut; block size = fio --bs; queue "
         "depth per thread = fio --iodepth per job; O_DIRECT both (fio --direct=1); page cache dropped "
-        "(fdatasync + POSIX_FADV_DONTNEED) before every read of either.",
+        "(fdatasync + POSIX_FADV_DONTNEED) before every read of either. fio's io_uring runs with "
+        "--fixedbufs: its buffers are faulted in during its set-up, as the handle's tensors are before "
+        "they are timed (without it fio's reads pay a page fault per 4 KiB inside its clock whenever a job's "
+        "share is not much larger than bs x iodepth; fio's libaio has no such option).",
         "Timing: deepnvme rows are one sync_pwrite / sync_pread of the whole tensor, file open and thread "
         "hand-off included, no fsync; fio rows are fio's own bandwidth, which leaves out its file open, "
         "thread/process start and set-up. CPU-s/GiB: deepnvme, this process's user+system time over the "

@@ -142,3 +142,31 @@ def test_tuner_prints_the_same_settings_comparison(tmp_path: Path, capsys: pytes
     assert "deepnvme and fio (psync) at the same settings" in err and "interleaved runs" in err
     assert ("WARNING" in err) == bool(cmp["warnings"])
     assert not list(tmp_path.glob("_deepnvme_tune*"))
+
+
+@needs_fio
+def test_fixedbufs_refused_falls_back_and_says_so(tmp_path: Path) -> None:
+    """Without CAP_IPC_LOCK and with a small RLIMIT_MEMLOCK fio cannot register its buffers: the run goes on
+    without --fixedbufs and reports that it did."""
+    import os
+    import subprocess
+    import sys
+
+    if shutil.which("prlimit") is None:
+        pytest.skip("prlimit (util-linux) is not installed")
+    drop = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv to drop CAP_IPC_LOCK")
+        drop = ["setpriv", "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock"]
+    path = str(tmp_path / "f.bin")
+    tf.lay_out(path, 8 * MIB)
+    code = ("import sys; from deepnvme.tools.tune import fio as tf\n"
+            f"r = tf.run_fio_command(tf.fio_command({path!r}, 'read', 'io_uring', 1 << 20, 8, 1, 8 << 20))\n"
+            "print(r.fixedbufs, r.nbytes)")
+    proc = subprocess.run([*drop, "prlimit", "--memlock=65536:65536", sys.executable, "-c", code],
+                          capture_output=True, text=True, timeout=120, check=False)
+    if proc.returncode != 0 and "io_uring" in proc.stderr and "fixedbufs" not in proc.stderr:
+        pytest.skip(f"fio's io_uring is refused here: {proc.stderr[-200:]}")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", str(8 * MIB)]
