@@ -530,6 +530,11 @@ def size_run(aio: Any, args: argparse.Namespace, size: int, work: str, engines: 
     return SizeRun(path, owner, locked, plain, heats, side)
 
 
+def spent() -> None:
+    """Case.run of a case whose size is done (its tensors are freed)."""
+    return None
+
+
 def e_fio(engine: str) -> str:
     """fio's --ioengine for a handle engine (the engine catalogue's twin)."""
     from op_builder.engines import by_name
@@ -559,7 +564,7 @@ def small_heats(aio: Any, args: argparse.Namespace, work: str, engines: list[str
     owner = aio.aio_handle()
     buf = owner.new_cpu_locked_tensor(SMALL_COUNT * SMALL_SIZE, torch.empty(0, dtype=torch.uint8))
     views = list(buf.view(SMALL_COUNT, SMALL_SIZE).unbind(0))
-    cfgs = [(e, d, t) for e in engines for d, t in ((32, 1), (128, 1), (128, 2))]
+    cfgs = [(e, d, t) for e in engines for d, t in ((32, 1), (128, 2))]
     if args.quick:
         cfgs = cfgs[1:2]
     total = SMALL_COUNT * SMALL_SIZE
@@ -604,8 +609,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "_bench_out" / "aio_bench"), help="prefix for .json and .md")
     p.add_argument("--fio_seconds", type=float, default=3.0, help="duration of each fio randread run")
     p.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES}, 1 repeat, fewer small cases")
-    p.add_argument("--rest", type=float, default=1.0,
-                   help="idle seconds before each case, scaled by its bytes / 1 GiB (default 1)")
+    p.add_argument("--rest", type=float, default=0.5,
+                   help="idle seconds before each case, scaled by its bytes / 1 GiB up to 1 (default 0.5)")
     args = p.parse_args(argv)
     try:
         sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
@@ -685,6 +690,9 @@ def bench(args: argparse.Namespace, work: str) -> int:
             run.side.close()
             if run.side.failure:
                 notes.append(f"DeepSpeed: stopped measuring after a failure ({run.side.failure})")
+        for heat in run.heats:
+            for c in heat:
+                c.run = spent  # drop the closures: they hold this size's tensors and handles
         run.owner.free_cpu_locked_tensor(run.locked)
         del run
         os.unlink(os.path.join(work, f"seq_{format_size(size)}.bin"))
