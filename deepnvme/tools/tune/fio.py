@@ -21,7 +21,9 @@ cannot drift apart. "The same settings" means:
   has no such option, so fio's libaio reads keep that cost whenever a job's share is not much larger than
   bs x iodepth.
 
-fio's bandwidth leaves out its file open and thread start; the handle's timing includes its open.
+fio's bandwidth leaves out its file open and thread start; the handle's timing includes its open. One
+difference remains: the handle's locked tensors are 2 MiB transparent huge pages, fio's buffers 4 KiB pages
+(fio cannot ask for THP), which costs fio requests where a device takes few segments per request.
 """
 
 from __future__ import annotations
