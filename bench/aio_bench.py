@@ -1,17 +1,26 @@
 #!/usr/bin/env python3
-"""deepnvme beside fio, torch.save/load and numpy on the same disk, in one run with interleaved repeats.
+"""deepnvme beside fio on one grid of settings, with DeepSpeed, torch.save/load and numpy, in one run.
 
-    python3 bench/aio_bench.py [--dir /work/benchtmp] [--repeats 3] [--size 1G] [--out _bench_out/aio_bench]
+    python3 bench/aio_bench.py [--dir /work/benchtmp] [--sizes 64M,256M,1G,4G] [--repeats 3]
+                               [--deepspeed_python /work/dsvenv/bin/python] [--quick] [--out PREFIX]
 
-Measures (GB = 10^9 bytes; CPU = user+system seconds of the process, or of fio and its jobs, per GiB moved):
-  * sequential write and read of one file with several aio_handle settings (engines, queue depths,
-    threads, locked and plain tensors) and fio's libaio / io_uring (+ fixed buffers), direct=1, iodepth
-    32/128, 1 and 2 jobs; reads bypass the page cache (O_DIRECT) and the file is also evicted beforehand;
-  * 1000 reads of 64 KiB queued with async_pread and drained by one wait(), from one file and from 1000
-    files, beside fio's 64 KiB randread (direct=1, iodepth 32);
-  * torch.save+fsync / torch.load and numpy tofile+fsync / fromfile on a cold cache;
-  * DeepSpeed's aio_handle when `import deepspeed` works, in a process of its own (bench/deepspeed_side.py).
-Writes a markdown table to stdout and <out>.md, every sample to <out>.json.
+The grid (issue 11): block 1 MiB and 8 MiB x queue depth 32 and 128 x 1 and 2 threads (the handle's
+intra_op_parallelism) or jobs (fio's numjobs), at every --sizes size. At each point the handle writes and
+reads the whole size with one sync_pwrite / sync_pread (open included in the time), from a locked tensor and
+from a plain ``torch.empty`` one, and fio does the same with its twin engine, through the command
+deepnvme.tools.tune.fio builds: one file for every job (--offset_increment), the same file layout (written in
+full before any case, overwritten in place by both), O_DIRECT on both sides, the page cache dropped before
+every read. The contenders at one point run back to back in an order that rotates every repeat, and the
+points run in an order that reverses every repeat; cells are medians. fio's own bandwidth leaves out its
+file open and thread start; the handle's time cannot.
+
+Also measured: 1000 reads of 64 KiB queued with async_pread and drained by one wait() (one file and 1000
+files) beside fio's 64 KiB randread; torch.save+fsync / torch.load and numpy tofile+fsync / fromfile on a cold
+cache; DeepSpeed's aio_handle at the grid's two-thread points, in a process of its own
+(bench/deepspeed_side.py) started with --deepspeed_python.
+
+GB = 10^9 bytes; CPU = user+system seconds of this process (handle, baselines) or of fio and its jobs
+(rusage, start-up included) per GiB moved. Writes Markdown to stdout and <out>.md, every sample to <out>.json.
 """
 
 from __future__ import annotations
@@ -23,7 +32,6 @@ import platform
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,35 +46,73 @@ if str(ROOT) not in sys.path:
 
 from deepnvme.files import fsync_path, mount_of  # noqa: E402
 from deepnvme.tools.pagecache import DESCRIPTIONS, drop_file_cache, read_mode  # noqa: E402
-from deepnvme.tools.sizes import parse_size  # noqa: E402
+from deepnvme.tools.sizes import format_size, parse_size  # noqa: E402
+from deepnvme.tools.tune.fio import (  # noqa: E402
+    MISMATCH,
+    MISMATCH_CAUSES,
+    fio_command,
+    fio_shares,
+    lay_out,
+    layout_of,
+    mismatch_warning,
+    run_fio_command,
+)
 
 GIB = 1 << 30
+MIB = 1 << 20
 SMALL_COUNT = 1000
 SMALL_SIZE = 64 << 10
+GRID_BLOCKS = (1 * MIB, 8 * MIB)
+GRID_DEPTHS = (32, 128)
+GRID_JOBS = (1, 2)
+#: DeepSpeed's points: every two-thread point with a locked tensor, queue depth 128 with a plain one (its
+#: plain path allocates a bounce buffer per request and is slow enough to dominate the run otherwise).
+DS_LOCKED = [(b, d, 2) for b in GRID_BLOCKS for d in GRID_DEPTHS]
+DS_PLAIN = [(b, 128, 2) for b in GRID_BLOCKS]
+#: issue 11's targets for best handle / best fio, by size (the largest threshold not above the size)
+TARGETS = ((GIB, 0.95), (256 * MIB, 0.9), (64 * MIB, 0.8))
+DEFAULT_SIZES = "64M,256M,1G,4G"
+LONG = 4 * GIB  # sizes from here on get --long_repeats
+QUICK_SIZES = "64M,1G"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One grid point: block size, queue depth per thread/job, threads/jobs."""
+
+    block: int
+    depth: int
+    jobs: int
+
+    def label(self) -> str:
+        return f"bs {format_size(self.block)} QD{self.depth} x{self.jobs}"
+
+
+def grid() -> list[Setting]:
+    """The grid every sequential contender is measured on."""
+    return [Setting(b, d, j) for b in GRID_BLOCKS for d in GRID_DEPTHS for j in GRID_JOBS]
 
 
 @dataclass
 class Case:
-    """One measured thing: a name, a kind of operation, a function returning (seconds, cpu seconds), or None
-    when it could not be measured this time."""
+    """One measured thing. `run` returns (seconds, cpu seconds), or None when it could not be measured."""
 
-    group: str
-    name: str
-    op: str  # "write" | "read" | "small"
-    run: Callable[[], tuple[float, float] | None]
+    group: str  # deepnvme | fio | DeepSpeed | baseline
+    name: str  # the contender within its group, e.g. "io_uring locked"
+    op: str  # write | read | small
+    run: Callable[[], tuple | None]  # (seconds, cpu seconds[, extra sample fields])
     nbytes: int
+    size: int = 0  # the --sizes entry it belongs to (0: none)
+    setting: Setting | None = None
+    kind: str = ""  # locked | plain, for handles
+    path: str = ""  # a file whose layout must not change under the case
     samples: list[dict] = field(default_factory=list)
+    layout_changes: int = 0
 
 
 def cpu_self() -> float:
     """User+system CPU seconds of this process (all its threads)."""
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
-def cpu_children() -> float:
-    """User+system CPU seconds of waited-for children (fio and its job processes)."""
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime
 
 
@@ -77,110 +123,15 @@ def timed(fn: Callable[[], object]) -> tuple[float, float]:
     return time.perf_counter() - t0, cpu_self() - c0
 
 
-def make_file(path: str, size: int) -> None:
-    """Write `size` bytes of non-zero data, so reads of it do real I/O, and push it to the drive."""
-    chunk = os.urandom(1 << 20)
-    with open(path, "wb") as f:
-        left = size
-        while left:
-            n = min(left, len(chunk))
-            f.write(chunk[:n])
-            left -= n
-        f.flush()
-        os.fsync(f.fileno())
-
-
-# ---------------------------------------------------------------------------------------------- fio
-def run_fio(args: list[str]) -> tuple[dict, float]:
-    """Run fio with JSON output; (the group-reported job record, CPU seconds of fio and its jobs)."""
-    c0 = cpu_children()
-    proc = subprocess.run(["fio", "--output-format=json", "--group_reporting", *args],
-                          capture_output=True, text=True, check=False)
-    cpu = cpu_children() - c0
-    if proc.returncode != 0:
-        raise RuntimeError(f"fio {' '.join(args)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
-    text = proc.stdout
-    return json.loads(text[text.index("{"):])["jobs"][0], cpu
-
-
-def fio_seq(path: str, size: int, op: str, engine: str, depth: int, jobs: int, fixed: bool
-            ) -> Callable[[], tuple[float, float]]:
-    """A fio sequential job over the same file as deepnvme; each job takes its own contiguous share."""
-    share = size // jobs
-    args = [f"--name=seq_{op}", f"--filename={path}", f"--rw={op}", "--bs=1M", "--direct=1",
-            f"--ioengine={engine.split('+')[0]}", f"--iodepth={depth}", f"--numjobs={jobs}",
-            f"--size={share}", f"--offset_increment={share}"]
-    if fixed:
-        args.append("--fixedbufs")
-
-    def run() -> tuple[float, float]:
-        if op == "read":
-            drop_file_cache(path)
-        job, cpu = run_fio(args)
-        # fio's own bandwidth excludes its start-up; convert to the seconds it spent moving `size` bytes.
-        return size / job[op]["bw_bytes"], cpu
-
-    return run
-
-
-def fio_randread(path: str, engine: str, seconds: float) -> Callable[[], tuple[float, float]]:
-    """fio 64 KiB random reads, direct=1, iodepth 32, time-based; returned as seconds per 1000 reads."""
-    args = ["--name=randread", f"--filename={path}", "--rw=randread", "--bs=64k", "--direct=1",
-            f"--ioengine={engine}", "--iodepth=32", "--time_based", f"--runtime={seconds}"]
-
-    def run() -> tuple[float, float]:
-        job, cpu = run_fio(args)
-        iops = job["read"]["iops"]
-        ios = job["read"]["total_ios"] or 1
-        return SMALL_COUNT / iops, cpu * SMALL_COUNT / ios
-
-    return run
-
-
-# ---------------------------------------------------------------------------------------- ordering
-ENGINE_WORDS = ("io_uring", "libaio", "posix", "aio_handle")
-
-
-def _peer_key(c: Case) -> tuple[str, str]:
-    words = [w for w in c.name.replace(",", "").split()
-             if w not in ENGINE_WORDS and w not in ("locked", "plain")]
-    return c.op, " ".join(words)
-
-
-def _engine(c: Case) -> str:
-    return next((w for w in c.name.replace(",", "").split() if w in ENGINE_WORDS), "")
-
-
-def interleave_peers(cases: list[Case]) -> list[Case]:
-    """Run the cases that are compared with each other back to back: deepnvme's plain tensor right after its
-    locked one (same engine and settings), DeepSpeed right after deepnvme with the same settings. This disk's
-    speed drifts in phases lasting several cases (a host-side limit), and a ratio is only fair within one."""
-    followers = [c for c in cases
-                 if c.group == "DeepSpeed" or (c.group == "deepnvme" and c.name.endswith(" plain"))]
-    taken = {id(c) for c in followers}
-    out: list[Case] = []
-    for c in cases:
-        if id(c) in taken:
-            continue
-        out.append(c)
-        if c.group != "deepnvme":
-            continue
-        for f in [f for f in followers if _peer_key(f) == _peer_key(c)
-                  and (f.group == "DeepSpeed" or _engine(f) == _engine(c))]:
-            out.append(f)
-            followers.remove(f)
-    return out + followers
-
-
 # ---------------------------------------------------------------------------------------- deepnvme
-def handle_settings(engine: str, depth: int, threads: int) -> dict:
-    """aio_handle keywords for one sequential configuration (1 MiB blocks, overlapped events)."""
-    return {"block_size": 1 << 20, "queue_depth": depth, "single_submit": False, "overlap_events": True,
+def handle_settings(engine: str, depth: int, threads: int, block: int = MIB) -> dict:
+    """aio_handle keywords for one sequential point (overlapped events, batched submission)."""
+    return {"block_size": block, "queue_depth": depth, "single_submit": False, "overlap_events": True,
             "intra_op_parallelism": threads, "engine": engine}
 
 
 def aio_seq(handle, tensor, path: str, op: str) -> Callable[[], tuple[float, float]]:
-    """One sync_pwrite or sync_pread of the whole tensor."""
+    """One sync_pwrite or sync_pread of the whole tensor, open included; the cache dropped before reads."""
     def run() -> tuple[float, float]:
         if op == "read":
             drop_file_cache(path)
@@ -207,10 +158,48 @@ def aio_small(handle, views: list, paths: list[str], offsets: list[int],
     return run
 
 
+# --------------------------------------------------------------------------------------------- fio
+def fio_seq(path: str, op: str, engine: str, s: Setting, total: int) -> Callable[[], tuple]:
+    """fio at a grid point (see deepnvme.tools.tune.fio for what makes it the same as the handle's run).
+    CPU: what fio reports for its jobs' transfer; the rusage of fio and its jobs (start-up and set-up
+    included) goes to the sample as cpu_rusage."""
+    cmd = fio_command(path, op, engine, s.block, s.depth, s.jobs, total)
+
+    def run() -> tuple[float, float]:
+        if op == "read":
+            drop_file_cache(path)
+        r = run_fio_command(cmd)
+        return r.seconds, r.cpu_reported, {"cpu_rusage": r.cpu, "fixedbufs": r.fixedbufs}
+
+    return run
+
+
+def fio_randread(path: str, engine: str, seconds: float) -> Callable[[], tuple[float, float]]:
+    """fio 64 KiB random reads, direct=1, iodepth 32, time-based; returned as seconds per 1000 reads."""
+    cmd = ["fio", "--output-format=json", "--name=randread", f"--filename={path}", "--rw=randread",
+           "--bs=64k", "--direct=1", f"--ioengine={engine}", "--iodepth=32", "--time_based",
+           f"--runtime={seconds}"]
+
+    def run() -> tuple[float, float]:
+        import subprocess
+
+        c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120, check=False)
+        c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if proc.returncode != 0:
+            raise RuntimeError(f"fio randread failed: {proc.stderr.strip() or proc.stdout.strip()}")
+        job = json.loads(proc.stdout[proc.stdout.index("{"):])["jobs"][0]
+        cpu = c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime
+        ios = job["read"]["total_ios"] or 1
+        return SMALL_COUNT / job["read"]["iops"], cpu * SMALL_COUNT / ios
+
+    return run
+
+
 # ---------------------------------------------------------------------------------------- baselines
 def leave_no_cache(path: str, fn: Callable[[], tuple[float, float]]) -> Callable[[], tuple[float, float]]:
-    """Run a baseline, then evict its file: the gigabyte of page cache a buffered baseline leaves behind
-    must not weigh on the cases that follow it."""
+    """Run a baseline, then evict its file: the page cache a buffered baseline leaves behind must not weigh
+    on the cases that follow it."""
     def run() -> tuple[float, float]:
         try:
             return fn()
@@ -220,41 +209,66 @@ def leave_no_cache(path: str, fn: Callable[[], tuple[float, float]]) -> Callable
     return run
 
 
-def torch_save(tensor, path: str) -> Callable[[], tuple[float, float]]:
-    """torch.save then fsync: what a user gets without deepnvme."""
-    import torch
-
-    return lambda: timed(lambda: (torch.save(tensor, path), fsync_path(path)))
-
-
-def torch_load(path: str) -> Callable[[], tuple[float, float]]:
-    """torch.load on a cold cache."""
-    import torch
-
-    def run() -> tuple[float, float]:
-        drop_file_cache(path)
-        return timed(lambda: torch.load(path))
-
-    return run
-
-
-def np_tofile(array, path: str) -> Callable[[], tuple[float, float]]:
-    """numpy tofile then fsync."""
-    return lambda: timed(lambda: (array.tofile(path), fsync_path(path)))
-
-
-def np_fromfile(path: str) -> Callable[[], tuple[float, float]]:
-    """numpy fromfile on a cold cache."""
+def baseline_cases(aio: Any, size: int, plain: Any, locked: Any, seq: str, engine: str, work: str
+                   ) -> list[list[Case]]:
+    """torch.save+fsync / torch.load, numpy tofile+fsync / fromfile, and the handle's write + fsync; one
+    heat per direction."""
     import numpy as np
+    import torch
 
-    def run() -> tuple[float, float]:
-        drop_file_cache(path)
-        return timed(lambda: np.fromfile(path, dtype=np.uint8))
+    pt, npf = os.path.join(work, "base.pt"), os.path.join(work, "base.npy")
+    arr = plain.numpy()
+    h = aio.aio_handle(**handle_settings(engine, 128, 2, 8 * MIB))
 
-    return run
+    def load(path: str, fn: Callable[[], object]) -> Callable[[], tuple[float, float]]:
+        def run() -> tuple[float, float]:
+            drop_file_cache(path)
+            return timed(fn)
+        return run
+
+    writes = [Case("baseline", "torch.save+fsync / torch.load", "write",
+                   leave_no_cache(pt, lambda: timed(lambda: (torch.save(plain, pt), fsync_path(pt)))), size,
+                   size),
+              Case("baseline", "numpy tofile+fsync / fromfile", "write",
+                   leave_no_cache(npf, lambda: timed(lambda: (arr.tofile(npf), fsync_path(npf)))), size,
+                   size),
+              Case("baseline", f"deepnvme write+fsync ({engine} bs 8M QD128 x2, locked)", "write",
+                   lambda: timed(lambda: (h.sync_pwrite(locked, seq), fsync_path(seq))), size, size)]
+    reads = [Case("baseline", "torch.save+fsync / torch.load", "read",
+                  leave_no_cache(pt, load(pt, lambda: torch.load(pt))), size, size),
+             Case("baseline", "numpy tofile+fsync / fromfile", "read",
+                  leave_no_cache(npf, load(npf, lambda: np.fromfile(npf, dtype=np.uint8))), size, size)]
+    return [writes, reads]
 
 
-# ------------------------------------------------------------------------------------------- report
+# ---------------------------------------------------------------------------------------- measuring
+def measure(heats: list[list[Case]], repeats: int, rest: float, log: Callable[[str], None]) -> float:
+    """Run every heat `repeats` times: heats in an order that reverses every repeat, the contenders of a
+    heat back to back in an order that rotates every repeat. Returns the seconds it took."""
+    started = time.time()
+    for r in range(repeats):
+        order = heats if r % 2 == 0 else heats[::-1]
+        for i, heat in enumerate(order):
+            k = r % len(heat)
+            for c in heat[k:] + heat[:k]:
+                log(f"repeat {r + 1}/{repeats} [{i + 1}/{len(order)}] {c.group} {c.name} {c.op}"
+                    + (f" {c.setting.label()}" if c.setting else "")
+                    + (f" {format_size(c.size)}" if c.size else ""))
+                # Rest first: a virtual disk may run fast until a long stretch of transfers drains a
+                # host-side allowance, then hold a lower plateau until it idles. The rest scales with the
+                # bytes moved, so that small sizes are not mostly rest.
+                time.sleep(rest * min(1.0, c.nbytes / GIB))
+                before = layout_of(c.path) if c.path else None
+                result = c.run()
+                if c.path and layout_of(c.path) != before:
+                    c.layout_changes += 1
+                if result is None:  # a DeepSpeed case that failed: its note says why
+                    continue
+                secs, cpu, *extra = result
+                c.samples.append({"seconds": secs, "cpu": cpu, "repeat": r, **(extra[0] if extra else {})})
+    return time.time() - started
+
+
 def summary(case: Case) -> dict:
     """min/median/max of rate (GB/s, or thousand requests/s for small) and median CPU-s per GiB."""
     secs = [s["seconds"] for s in case.samples]
@@ -267,354 +281,529 @@ def summary(case: Case) -> dict:
             "n": len(rates)}
 
 
+def target_for(size: int) -> float | None:
+    """Issue 11's best-handle/best-fio target at a size, or None below 64 MiB."""
+    return next((t for s, t in TARGETS if size >= s), None)
+
+
+# ------------------------------------------------------------------------------------------- report
 def fmt(s: dict) -> str:
     """'median (min–max)' with two decimals."""
     return f"{s['median']:.2f} ({s['min']:.2f}–{s['max']:.2f})"
 
 
-def best(cases: list[Case], group: str, op: str) -> tuple[Case | None, dict | None]:
-    """The case of a group with the highest median for an operation."""
-    pool = [(summary(c), c) for c in cases if c.group == group and c.op == op and c.samples]
-    if not pool:
-        return None, None
-    s, c = max(pool, key=lambda p: p[0]["median"])
-    return c, s
+def med(c: Case | None) -> float | None:
+    return summary(c)["median"] if c is not None and c.samples else None
 
 
-def seq_rows(names: dict[tuple[str, str], dict[str, Case]], keep: Callable[[str], bool],
-             with_settings: bool) -> list[str]:
-    """Table rows: write and read rate, then their CPU per GiB, for each (group, name) kept."""
-    rows = []
-    for (group, name), ops in names.items():
-        if not keep(group):
-            continue
-        cells = []
+def ratio_text(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else "—"
+
+
+def find(cases: list[Case], **want: Any) -> Case | None:
+    """The first case whose attributes equal `want`."""
+    return next((c for c in cases if all(getattr(c, k) == v for k, v in want.items())), None)
+
+
+def best(cases: list[Case], group: str, op: str, size: int) -> Case | None:
+    """The case of a group with the highest median for an operation at a size."""
+    pool = [c for c in cases if c.group == group and c.op == op and c.size == size and c.samples
+            and c.setting is not None]
+    return max(pool, key=lambda c: summary(c)["median"]) if pool else None
+
+
+def size_analysis(cases: list[Case], size: int, engines: list[str]) -> dict:
+    """Per op at one size: best handle and best fio (their settings), the ratio and target, plain/locked per
+    block size, same-settings ratios with their warnings, CPU per GiB, DeepSpeed ratios."""
+    out: dict[str, Any] = {"size": size, "target": target_for(size)}
+    warnings: list[str] = []
+    for op in ("write", "read"):
+        d, f = best(cases, "deepnvme", op, size), best(cases, "fio", op, size)
+        res: dict[str, Any] = {}
+        if d and f:
+            res.update(best_deepnvme=med(d), best_deepnvme_at=f"{d.name}, {d.setting.label()}",
+                       best_fio=med(f), best_fio_at=f"{f.name}, {f.setting.label()}", ratio=med(d) / med(f))
+        same, per_block = [], {}
+        for s in grid():
+            for e in engines:
+                lk = find(cases, group="deepnvme", name=f"{e} locked", op=op, size=size, setting=s)
+                pl = find(cases, group="deepnvme", name=f"{e} plain", op=op, size=size, setting=s)
+                fi = find(cases, group="fio", name=e, op=op, size=size, setting=s)
+                if med(lk) and med(fi):
+                    r = med(lk) / med(fi)
+                    same.append({"setting": s.label(), "engine": e, "locked_over_fio": r})
+                    w = mismatch_warning(f"{format_size(size)} {op} {e} {s.label()} (locked tensor)", r)
+                    if w:
+                        warnings.append(w)
+                if med(lk) and med(pl):
+                    per_block.setdefault(s.block, []).append(med(pl) / med(lk))
+        res["same_settings"] = same
+        res["plain_over_locked"] = {}
+        for block, ratios in per_block.items():
+            lk_best = max(med(c) for c in cases if c.group == "deepnvme" and c.kind == "locked" and c.op == op
+                          and c.size == size and c.setting and c.setting.block == block and c.samples)
+            pl_best = max(med(c) for c in cases if c.group == "deepnvme" and c.kind == "plain" and c.op == op
+                          and c.size == size and c.setting and c.setting.block == block and c.samples)
+            res["plain_over_locked"][format_size(block)] = {"best_over_best": pl_best / lk_best,
+                                                            "min": min(ratios), "max": max(ratios)}
+        cpu: dict[str, float] = {}
+        for label, group, kind in (("deepnvme locked", "deepnvme", "locked"), ("deepnvme plain", "deepnvme",
+                                   "plain"), ("fio", "fio", ""), ("DeepSpeed locked", "DeepSpeed", "locked"),
+                                   ("DeepSpeed plain", "DeepSpeed", "plain")):
+            vals = [summary(c)["cpu_per_gib"] for c in cases if c.group == group and c.kind == kind
+                    and c.op == op and c.size == size and c.samples and c.setting]
+            if vals:
+                cpu[label] = statistics.median(vals)
+        rus = [statistics.median(x["cpu_rusage"] for x in c.samples) / (c.nbytes / GIB) for c in cases
+               if c.group == "fio" and c.op == op and c.size == size and c.samples and c.setting]
+        if rus:
+            cpu["fio rusage"] = statistics.median(rus)
+        res["cpu_per_gib_median"] = cpu
+        ds = []
+        for c in cases:
+            if c.group == "DeepSpeed" and c.op == op and c.size == size and c.samples:
+                ours = [find(cases, group="deepnvme", name=f"{e} {c.kind}", op=op, size=size,
+                             setting=c.setting) for e in engines]
+                top = max((med(x) for x in ours if med(x)), default=None)
+                if top:
+                    ds.append({"setting": c.setting.label(), "kind": c.kind, "deepnvme_over_deepspeed":
+                               top / med(c)})
+        res["deepspeed"] = ds
+        out[op] = res
+    out["warnings"] = warnings
+    return out
+
+
+def render_size(cases: list[Case], size: int, a: dict) -> list[str]:
+    """One size's section: a table per op, then the ratios and warnings."""
+    out = [f"## {format_size(size)}", ""]
+    for op in ("write", "read"):
+        cols = list(dict.fromkeys((c.group, c.name) for c in cases if c.size == size and c.op == op
+                                  and c.setting is not None))
+        out += [f"{op} GB/s, median (min–max); CPU-s/GiB in the last columns:", "",
+                "| settings | " + " | ".join(f"{g} {n}" for g, n in cols) + " | "
+                + " | ".join(f"CPU {g} {n}" for g, n in cols) + " |",
+                "| --- " * (1 + 2 * len(cols)) + "|"]
+        for s in grid():
+            row = [find(cases, group=g, name=n, op=op, size=size, setting=s) for g, n in cols]
+            cells = [fmt(summary(c)) if c and c.samples else "—" for c in row]
+            cpus = [f"{summary(c)['cpu_per_gib']:.2f}" if c and c.samples else "—" for c in row]
+            out.append(f"| {s.label()} | " + " | ".join(cells + cpus) + " |")
+        out.append("")
+        r = a[op]
+        if "ratio" in r:
+            t = a["target"]
+            verdict = f" (target ≥ {t:.2f}: {'met' if r['ratio'] >= t else 'NOT met'})" if t else ""
+            out.append(f"- {op}: best deepnvme {r['best_deepnvme']:.2f} GB/s ({r['best_deepnvme_at']}) "
+                       f"/ best fio {r['best_fio']:.2f} GB/s ({r['best_fio_at']}) = **{r['ratio']:.2f}×**"
+                       + verdict)
+        if r["plain_over_locked"]:
+            out.append(f"- {op} plain/locked, best plain over best locked per block size (range over the "
+                       "block's points): " + ", ".join(
+                           f"{b}: {v['best_over_best']:.2f}× ({v['min']:.2f}–{v['max']:.2f})"
+                           for b, v in r["plain_over_locked"].items()))
+        if r["same_settings"]:
+            vals = [x["locked_over_fio"] for x in r["same_settings"]]
+            out.append(f"- {op} deepnvme locked / fio at the same settings: {min(vals):.2f}–{max(vals):.2f}×")
+        if r["deepspeed"]:
+            out.append(f"- {op} deepnvme / DeepSpeed at the same settings: " + ", ".join(
+                f"{x['setting']} {x['kind']} {x['deepnvme_over_deepspeed']:.2f}×" for x in r["deepspeed"]))
+        if r["cpu_per_gib_median"]:
+            out.append(f"- {op} CPU-s/GiB (median over the grid): " + ", ".join(
+                f"{k} {v:.3f}" for k, v in r["cpu_per_gib_median"].items()))
+        out.append("")
+    out += a["warnings"] + ([MISMATCH_CAUSES, ""] if a["warnings"] else [])
+    base = [c for c in cases if c.group == "baseline" and c.size == size and c.samples]
+    if base:
+        out += [f"Baselines at {format_size(size)} (cold-cache reads, writes include fsync):", "",
+                "| tool | op | GB/s | CPU-s/GiB |", "| --- | --- | --- | --- |"]
+        out += [f"| {c.name} | {c.op} | {fmt(summary(c))} | {summary(c)['cpu_per_gib']:.2f} |" for c in base]
+        out.append("")
+    return out
+
+
+def render(cases: list[Case], analyses: list[dict], meta: dict) -> str:
+    """The Markdown report: the summary over sizes, each size's tables, small requests, notes."""
+    out = [f"# deepnvme aio bench — {meta['when']}", "",
+           f"Machine: {meta['machine']}; directory {meta['dir']} ({meta['fs']}); reads: {meta['read_mode']}; "
+           "repeats per size: " + ", ".join(f"{k} {v}" for k, v in meta["repeats"].items())
+           + ". GB = 10^9 bytes.", "",
+           "## Summary: best deepnvme / best fio over the grid "
+           f"(bs {'/'.join(format_size(b) for b in GRID_BLOCKS)} × QD {'/'.join(map(str, GRID_DEPTHS))} × "
+           f"{'/'.join(map(str, GRID_JOBS))} threads/jobs)", "",
+           "| size | write | read | target | write plain/locked per bs | read plain/locked per bs | "
+           "CPU-s/GiB write (locked / plain / fio) | CPU-s/GiB read (locked / plain / fio) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for a in analyses:
+        cells = [format_size(a["size"])]
+        cells += [f"{a[op]['ratio']:.2f}" if "ratio" in a[op] else "—" for op in ("write", "read")]
+        cells.append(f"≥ {a['target']:.2f}" if a["target"] else "—")
+        cells += [", ".join(f"{b} {v['best_over_best']:.2f}" for b, v in a[op]["plain_over_locked"].items())
+                  or "—" for op in ("write", "read")]
         for op in ("write", "read"):
-            c = ops.get(op)
-            cells.append(fmt(summary(c)) if c and c.samples else "—")
-        for op in ("write", "read"):
-            c = ops.get(op)
-            cells.append(f"{summary(c)['cpu_per_gib']:.2f}" if c and c.samples else "—")
-        lead = f"| {group} | {name} | " if with_settings else f"| {name} | "
-        rows.append(lead + " | ".join(cells) + " |")
-    return rows
-
-
-def render(cases: list[Case], meta: dict) -> str:
-    """The markdown report: sequential table, ratios, small requests, baselines, notes."""
-    out = [f"# deepnvme bench — {meta['when']}", "",
-           f"Machine: {meta['machine']}; directory {meta['dir']} ({meta['fs']}); "
-           f"{meta['size_gib']:g} GiB sequential; {meta['repeats']} interleaved repeats; "
-           f"reads: {meta['read_mode']}. GB = 10^9 bytes; cells are median (min–max); CPU = CPU-seconds "
-           "per GiB (median).", ""]
-    out += ["## Sequential", "", "| tool | settings | write GB/s | read GB/s | write CPU | read CPU |",
-            "| --- | --- | --- | --- | --- | --- |"]
-    names: dict[tuple[str, str], dict[str, Case]] = {}
-    for c in cases:
-        if c.op in ("write", "read"):
-            names.setdefault((c.group, c.name), {})[c.op] = c
-    out += seq_rows(names, lambda g: g != "baseline", with_settings=True)
-    out += ["", "## Ratios (medians)", ""]
-    for op in ("write", "read"):
-        dc, ds = best(cases, "deepnvme", op)
-        fc, fs = best(cases, "fio", op)
-        if ds and fs:
-            out.append(f"- {op}: best deepnvme {ds['median']:.2f} GB/s ({dc.name}) / best fio "
-                       f"{fs['median']:.2f} GB/s ({fc.name}) = **{ds['median'] / fs['median']:.2f}×**")
-    for op in ("write", "read"):
-        for settings in ("QD32 P2 locked", "QD128 P2 locked", "QD32 P2 plain"):
-            d = [summary(c) for c in cases if c.group == "deepnvme" and c.op == op and c.samples
-                 and c.name.endswith(settings)]
-            k = [summary(c) for c in cases if c.group == "DeepSpeed" and c.op == op and c.samples
-                 and c.name.endswith(settings)]
-            if d and k:
-                best_d = max(x["median"] for x in d)
-                out.append(f"- {op} vs DeepSpeed at {settings}: deepnvme {best_d:.2f} / DeepSpeed "
-                           f"{k[0]['median']:.2f} GB/s = **{best_d / k[0]['median']:.2f}×**")
-    for op in ("write", "read"):
-        pairs = []
-        for (group, name), ops in names.items():
-            if group == "deepnvme" and name.endswith(" plain") and op in ops:
-                locked = names.get((group, name[: -len(" plain")] + " locked"), {}).get(op)
-                if locked and locked.samples and ops[op].samples:
-                    r = summary(ops[op])["median"] / summary(locked)["median"]
-                    pairs.append(f"{name[: -len(' plain')]}: {r:.2f}×")
-        if pairs:
-            out.append(f"- plain/locked {op}: " + ", ".join(pairs))
-    out += ["", f"## {SMALL_COUNT} reads of 64 KiB (thousand per second)", "",
-            "| tool | settings | thousand/s | CPU-s per GiB |", "| --- | --- | --- | --- |"]
-    for c in cases:
-        if c.op == "small" and c.samples:
-            s = summary(c)
-            out.append(f"| {c.group} | {c.name} | {fmt(s)} | {s['cpu_per_gib']:.2f} |")
-    def small_pool(group: str, one_file: bool) -> list[dict[str, float]]:
-        return [summary(c) for c in cases if c.op == "small" and c.group == group and c.samples
-                and ("one file" in c.name) == one_file]
-
-    fs_best = [summary(c) for c in cases if c.op == "small" and c.group == "fio" and c.samples]
-    out.append("")
-    for label, one_file in (("one file", True), (f"{SMALL_COUNT} files", False)):
-        pool = small_pool("deepnvme", one_file)
-        if not pool:
-            continue
-        d = max(s["median"] for s in pool)
-        if fs_best:
-            f = max(s["median"] for s in fs_best)
-            out.append(f"- {label}: best deepnvme {d:.1f} k/s / best fio randread {f:.1f} k IOPS = "
-                       f"**{d / f:.2f}×**")
-        theirs = small_pool("DeepSpeed", one_file)
-        if theirs:
-            k = max(s["median"] for s in theirs)
-            out.append(f"- {label}: best deepnvme {d:.1f} k/s / best DeepSpeed {k:.1f} k/s = "
-                       f"**{d / k:.2f}×**")
-    out += ["", f"## Baselines ({meta['size_gib']:g} GiB, cold-cache reads, writes include fsync)", "",
-            "| tool | write GB/s | read GB/s | write CPU | read CPU |", "| --- | --- | --- | --- | --- |"]
-    out += seq_rows(names, lambda g: g == "baseline", with_settings=False)
-    out += ["", "## Notes", ""]
-    out += [f"- {n}" for n in meta["notes"]]
+            c = a[op]["cpu_per_gib_median"]
+            cells.append(" / ".join(f"{c[k]:.3f}" if k in c else "—"
+                                    for k in ("deepnvme locked", "deepnvme plain", "fio")))
+        out.append("| " + " | ".join(cells) + " |")
+    n_warn = sum(len(a["warnings"]) for a in analyses)
+    out += ["", f"{n_warn} same-settings ratio(s) beyond {MISMATCH:g}× either way (listed under each size)."
+            if n_warn else f"Every same-settings deepnvme/fio ratio is within {MISMATCH:g}× either way.", ""]
+    for a in analyses:
+        out += render_size(cases, a["size"], a)
+    small = [c for c in cases if c.op == "small" and c.samples]
+    if small:
+        out += [f"## {SMALL_COUNT} reads of 64 KiB (thousand per second)", "",
+                "| tool | settings | thousand/s | CPU-s per GiB |", "| --- | --- | --- | --- |"]
+        out += [f"| {c.group} | {c.name} | {fmt(summary(c))} | {summary(c)['cpu_per_gib']:.2f} |"
+                for c in small]
+        fio_best = max((summary(c)["median"] for c in small if c.group == "fio"), default=None)
+        out.append("")
+        for label in ("one file", f"{SMALL_COUNT} files"):
+            ours, theirs = ([summary(c)["median"] for c in small if c.group == g and c.name.startswith(label)]
+                            for g in ("deepnvme", "DeepSpeed"))
+            if ours and fio_best:
+                out.append(f"- {label}: best deepnvme {max(ours):.1f} k/s / best fio randread "
+                           f"{fio_best:.1f} k IOPS = **{max(ours) / fio_best:.2f}×**")
+            if ours and theirs:
+                out.append(f"- {label}: best deepnvme / best DeepSpeed = **{max(ours) / max(theirs):.2f}×**")
+        out.append("")
+    out += ["## Notes", ""] + [f"- {n}" for n in meta["notes"]]
     return "\n".join(out) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Set up the files and handles, run every case `repeats` times interleaved, print and save the report."""
+# ------------------------------------------------------------------------------------------- setup
+@dataclass
+class SizeRun:
+    """The file, tensors and handles of one size, and the heats measured on them."""
+
+    path: str
+    owner: Any
+    locked: Any
+    plain: Any
+    heats: list[list[Case]]
+    side: Any = None
+
+
+def size_run(aio: Any, args: argparse.Namespace, size: int, work: str, engines: list[str],
+             log: Callable[[str], None]) -> SizeRun:
+    """Lay out the size's file, allocate its tensors, and build a heat per grid point and op."""
+    import torch
+
+    path = os.path.join(work, f"seq_{format_size(size)}.bin")
+    log(f"setup {format_size(size)}: laying out {path}")
+    lay_out(path, size)
+    owner = aio.aio_handle()
+    locked = owner.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+    pattern = torch.randint(0, 256, (min(size, 64 * MIB),), dtype=torch.uint8)
+    for off in range(0, size, len(pattern)):
+        n = min(len(pattern), size - off)
+        locked[off:off + n].copy_(pattern[:n])
+    plain = torch.empty(size, dtype=torch.uint8)
+    plain.copy_(locked)
+    side = None
+    if "deepspeed" in args.sections and size == args.ds_size:
+        from deepspeed_side import DeepSpeedSide
+
+        side = DeepSpeedSide(args.deepspeed_python, seq=path, size=size,
+                             grid=[[*p, "locked"] for p in DS_LOCKED] + [[*p, "plain"] for p in DS_PLAIN])
+    heats: list[list[Case]] = []
+    if "grid" in args.sections:
+        for s in grid():
+            share, _ = fio_shares(size, s.jobs, s.block)
+            total = share * s.jobs  # what fio moves; the handle gets a view of the same length
+            handles = {e: aio.aio_handle(**handle_settings(e, s.depth, s.jobs, s.block)) for e in engines}
+            for op in ("write", "read"):
+                heat = []
+                for e in engines:
+                    for kind, t in (("locked", locked), ("plain", plain)):
+                        heat.append(Case("deepnvme", f"{e} {kind}", op,
+                                         aio_seq(handles[e], t[:total], path, op), total, size, s, kind,
+                                         path))
+                    heat.append(Case("fio", e, op, fio_seq(path, op, e_fio(e), s, total), total, size, s, "",
+                                     path))
+                if side is not None and not side.error:
+                    heat += [Case("DeepSpeed", f"aio_handle {kind}", op, side.runner(i), nbytes, size, s,
+                                  kind, path)
+                             for i, (block, depth, jobs, kind, cop, nbytes) in enumerate(side.cases)
+                             if (block, depth, jobs) == (s.block, s.depth, s.jobs) and cop == op]
+                heats.append(heat)
+    if "baseline" in args.sections and size == args.baseline_size:
+        heats += baseline_cases(aio, size, plain, locked, path, engines[0], work)
+    return SizeRun(path, owner, locked, plain, heats, side)
+
+
+def spent() -> None:
+    """Case.run of a case whose size is done (its tensors are freed)."""
+    return None
+
+
+def e_fio(engine: str) -> str:
+    """fio's --ioengine for a handle engine (the engine catalogue's twin)."""
+    from op_builder.engines import by_name
+
+    return by_name(engine).fio
+
+
+def small_heats(aio: Any, args: argparse.Namespace, work: str, engines: list[str],
+                log: Callable[[str], None]) -> tuple[list[list[Case]], Any, Any, Any]:
+    """1000 reads of 64 KiB: views of one locked buffer (no per-request allocation is measured), from one
+    file at offsets and from as many files; fio's randread over the one file; DeepSpeed's when asked."""
+    import torch
+
+    log(f"setup: {SMALL_COUNT} small files in {work}")
+    small_one = os.path.join(work, "small_one.bin")
+    lay_out(small_one, SMALL_COUNT * SMALL_SIZE)
+    small_dir = os.path.join(work, "small")
+    os.mkdir(small_dir)
+    blob = os.urandom(SMALL_SIZE)
+    paths = []
+    for i in range(SMALL_COUNT):
+        p = os.path.join(small_dir, f"t{i:04d}.bin")
+        with open(p, "wb") as f:
+            f.write(blob)
+        paths.append(p)
+    os.sync()
+    owner = aio.aio_handle()
+    buf = owner.new_cpu_locked_tensor(SMALL_COUNT * SMALL_SIZE, torch.empty(0, dtype=torch.uint8))
+    views = list(buf.view(SMALL_COUNT, SMALL_SIZE).unbind(0))
+    cfgs = [(e, d, t) for e in engines for d, t in ((32, 1), (128, 2))]
+    if args.quick:
+        cfgs = cfgs[1:2]
+    total = SMALL_COUNT * SMALL_SIZE
+    one_file, many_files = [], []
+    for engine, depth, threads in cfgs:
+        h = aio.aio_handle(**handle_settings(engine, depth, threads))
+        one_file.append(Case("deepnvme", f"one file, {engine} QD{depth} P{threads}", "small",
+                             aio_small(h, views, [small_one] * SMALL_COUNT,
+                                       [i * SMALL_SIZE for i in range(SMALL_COUNT)]), total))
+        many_files.append(Case("deepnvme", f"{SMALL_COUNT} files, {engine} QD{depth} P{threads}", "small",
+                               aio_small(h, views, paths, [0] * SMALL_COUNT), total))
+    for engine in engines:
+        one_file.append(Case("fio", f"randread 64k {e_fio(engine)} QD32 direct, over the one file", "small",
+                             fio_randread(small_one, e_fio(engine), args.fio_seconds), total))
+    side = None
+    if "deepspeed" in args.sections:
+        from deepspeed_side import DeepSpeedSide
+
+        side = DeepSpeedSide(args.deepspeed_python, small_one=small_one, small_paths=paths)
+        if not side.error:
+            for i, (_, _, _, name, _, nbytes) in enumerate(side.cases):
+                (one_file if name.startswith("one file") else many_files).append(
+                    Case("DeepSpeed", name, "small", side.runner(i), nbytes))
+    return [one_file, many_files], owner, buf, side
+
+
+# --------------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; --quick changes the defaults of --sizes and --repeats only."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default="/work/benchtmp", help="directory on the disk under test (not tmpfs)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--size", default="1G", help="sequential file size (default 1G)")
+    p.add_argument("--sizes", default=None,
+                   help=f"comma list of sequential sizes (default {DEFAULT_SIZES}; --quick: {QUICK_SIZES})")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3; --quick: 1)")
+    p.add_argument("--long_repeats", type=int, default=2,
+                   help="repeats at sizes of 4 GiB and more, at most --repeats (default 2: each sample there "
+                        "lasts seconds and varies less, and this keeps the default run near 12-15 minutes)")
+    p.add_argument("--sections", default="grid,small,baseline,deepspeed",
+                   help="comma list of grid, small, baseline, deepspeed (default: all)")
+    p.add_argument("--deepspeed_python", default=sys.executable,
+                   help="interpreter that can `import deepspeed` (e.g. /work/dsvenv/bin/python)")
+    p.add_argument("--ds_size", default="1G", help="the size DeepSpeed's grid rows run at (default 1G)")
+    p.add_argument("--baseline_size", default="1G", help="the size the baselines run at (default 1G)")
+    p.add_argument("--engines", default="", help="handle engines, comma list (default: auto's first pick)")
     p.add_argument("--out", default=str(ROOT / "_bench_out" / "aio_bench"), help="prefix for .json and .md")
     p.add_argument("--fio_seconds", type=float, default=3.0, help="duration of each fio randread run")
-    p.add_argument("--quick", action="store_true", help="fewer configurations (smoke test of the script)")
-    p.add_argument("--rest", type=float, default=1.0, help="idle seconds before each case (default 1)")
+    p.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES}, 1 repeat, fewer small cases")
+    p.add_argument("--rest", type=float, default=0.5,
+                   help="idle seconds before each case, scaled by its bytes / 1 GiB up to 1 (default 0.5)")
     args = p.parse_args(argv)
-    size = parse_size(args.size)
+    try:
+        sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
+        args.size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
+        args.ds_size = parse_size(args.ds_size)
+        args.baseline_size = parse_size(args.baseline_size)
+    except ValueError as exc:
+        p.error(f"argument --sizes/--ds_size/--baseline_size: {exc}")
+    if not args.size_list:
+        p.error("argument --sizes: no size given")
+    args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if args.repeats < 1:
         p.error("argument --repeats: must be at least 1")
+    if args.long_repeats < 1:
+        p.error("argument --long_repeats: must be at least 1")
     if args.rest < 0:
         p.error("argument --rest: must not be negative")
+    args.sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+    bad = args.sections - {"grid", "small", "baseline", "deepspeed"}
+    if bad:
+        p.error(f"argument --sections: unknown {', '.join(sorted(bad))}")
+    if args.ds_size not in args.size_list:
+        args.ds_size = min(args.size_list, key=lambda s: abs(s - GIB))  # the nearest size that runs
+    if args.baseline_size not in args.size_list:
+        args.baseline_size = min(args.size_list, key=lambda s: abs(s - GIB))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Set up, run every section with interleaved repeats, print and save the report."""
+    args = parse_args(argv)
+    if not shutil.which("fio"):
+        print("fio is not on PATH: this bench compares with fio (install fio)", file=sys.stderr)
+        return 1
     os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="aio_bench_", dir=args.dir)
-    args.t_start = time.time()
     try:
-        return bench(args, size, work)
+        return bench(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-@dataclass
-class Inputs:
-    """The files and buffers every case shares."""
-
-    seq: str  # the sequential file (fio's random reads run over it too)
-    small_one: str  # SMALL_COUNT * SMALL_SIZE bytes in one file
-    small_paths: list[str]  # SMALL_COUNT files of SMALL_SIZE bytes
-    owner: Any  # the handle that locked the tensors (recognised by every handle: shared registry)
-    locked: Any
-    plain: Any
-    small_buf: Any  # locked, SMALL_COUNT * SMALL_SIZE bytes
-    engines: list[str]  # kernel-queue engines available here
-
-
-def make_inputs(aio: Any, size: int, work: str) -> Inputs:
-    """Write the test files and allocate the locked and plain tensors."""
-    import torch
-
-    seq = os.path.join(work, "seq.bin")
-    make_file(seq, size)
-    small_one = os.path.join(work, "small_one.bin")
-    make_file(small_one, SMALL_COUNT * SMALL_SIZE)
-    small_dir = os.path.join(work, "small")
-    os.mkdir(small_dir)
-    blob = os.urandom(SMALL_SIZE)
-    small_paths = []
-    for i in range(SMALL_COUNT):
-        path = os.path.join(small_dir, f"t{i:04d}.bin")
-        with open(path, "wb") as f:
-            f.write(blob)
-        small_paths.append(path)
-    os.sync()
-    owner = aio.aio_handle()
-    u8 = torch.empty(0, dtype=torch.uint8)
-    locked = owner.new_cpu_locked_tensor(size, u8)
-    plain = torch.empty(size, dtype=torch.uint8)
-    plain.copy_(locked)
-    small_buf = owner.new_cpu_locked_tensor(SMALL_COUNT * SMALL_SIZE, u8)
-    engines = [e for e in ("io_uring", "libaio") if e in aio.available_engines()]
-    return Inputs(seq, small_one, small_paths, owner, locked, plain, small_buf, engines)
-
-
-def sequential_cases(aio: Any, inp: Inputs, size: int, quick: bool) -> list[Case]:
-    """deepnvme writes and reads of the whole file, locked and plain tensors, over engines and settings."""
-    seq_cfgs = [("io_uring", 32, 1), ("io_uring", 128, 1), ("io_uring", 32, 2), ("io_uring", 128, 2),
-                ("libaio", 32, 1), ("libaio", 32, 2), ("libaio", 128, 2)]
-    plain_cfgs = [("io_uring", 32, 2), ("libaio", 32, 2)]
-    if quick:
-        seq_cfgs, plain_cfgs = [("io_uring", 32, 2)], [("io_uring", 32, 2)]
-    cases = []
-    for tensor_kind, cfgs in (("locked", seq_cfgs), ("plain", plain_cfgs)):
-        for engine, depth, threads in cfgs:
-            if engine not in inp.engines:
-                continue
-            h = aio.aio_handle(**handle_settings(engine, depth, threads))
-            t = inp.locked if tensor_kind == "locked" else inp.plain
-            name = f"{engine} QD{depth} P{threads} {tensor_kind}"
-            cases += [Case("deepnvme", name, op, aio_seq(h, t, inp.seq, op), size)
-                      for op in ("write", "read")]
-    return cases
-
-
-def fio_cases(inp: Inputs, size: int, args: argparse.Namespace) -> list[Case]:
-    """fio's sequential runs over engines, depths and jobs, and its 64 KiB random reads."""
-    cases = []
-    depths, jobs_list = ([32, 128], [1, 2]) if not args.quick else ([32], [1])
-    for engine, fixed in [("libaio", False), ("io_uring", False), ("io_uring", True)]:
-        for depth in depths:
-            for jobs in jobs_list:
-                name = f"{engine}{' fixedbufs' if fixed else ''} QD{depth} jobs{jobs}"
-                cases += [Case("fio", name, op, fio_seq(inp.seq, size, op, engine, depth, jobs, fixed), size)
-                          for op in ("write", "read")]
-    for engine in ("libaio", "io_uring") if not args.quick else ("io_uring",):
-        cases.append(Case("fio", f"randread 64k {engine} QD32 direct", "small",
-                          fio_randread(inp.seq, engine, args.fio_seconds), SMALL_COUNT * SMALL_SIZE))
-    return cases
-
-
-def small_cases(aio: Any, inp: Inputs, quick: bool) -> list[Case]:
-    """Many small requests: views of one locked buffer (no per-request allocation is measured), into one
-    file at offsets and into as many files."""
-    views = list(inp.small_buf.view(SMALL_COUNT, SMALL_SIZE).unbind(0))
-    small_cfgs = [("io_uring", 32, 1), ("io_uring", 128, 1), ("io_uring", 128, 2), ("libaio", 32, 1),
-                  ("libaio", 128, 2)]
-    if quick:
-        small_cfgs = [("io_uring", 128, 1)]
-    cases, total = [], SMALL_COUNT * SMALL_SIZE
-    for engine, depth, threads in small_cfgs:
-        if engine not in inp.engines:
-            continue
-        h = aio.aio_handle(block_size=1 << 20, queue_depth=depth, single_submit=False, overlap_events=True,
-                           intra_op_parallelism=threads, engine=engine)
-        offsets = [i * SMALL_SIZE for i in range(SMALL_COUNT)]
-        cases.append(Case("deepnvme", f"one file, {engine} QD{depth} P{threads}", "small",
-                          aio_small(h, views, [inp.small_one] * SMALL_COUNT, offsets), total))
-        cases.append(Case("deepnvme", f"{SMALL_COUNT} files, {engine} QD{depth} P{threads}", "small",
-                          aio_small(h, views, inp.small_paths, [0] * SMALL_COUNT), total))
-    return cases
-
-
-def baseline_cases(aio: Any, inp: Inputs, size: int, work: str) -> list[Case]:
-    """What a user would otherwise pick (torch.save/load, numpy), on their own files, and deepnvme+fsync."""
-    pt, npf = os.path.join(work, "base.pt"), os.path.join(work, "base.npy")
-    arr = inp.plain.numpy()
-    h = aio.aio_handle(**handle_settings(inp.engines[0] if inp.engines else "posix", 32, 2))
-
-    def aio_write_fsync() -> tuple[float, float]:
-        return timed(lambda: (h.sync_pwrite(inp.locked, inp.seq), fsync_path(inp.seq)))
-
-    return [Case("baseline", "torch.save+fsync / torch.load", "write",
-                 leave_no_cache(pt, torch_save(inp.plain, pt)), size),
-            Case("baseline", "torch.save+fsync / torch.load", "read",
-                 leave_no_cache(pt, torch_load(pt)), size),
-            Case("baseline", "numpy tofile+fsync / fromfile", "write",
-                 leave_no_cache(npf, np_tofile(arr, npf)), size),
-            Case("baseline", "numpy tofile+fsync / fromfile", "read",
-                 leave_no_cache(npf, np_fromfile(npf)), size),
-            Case("baseline", "deepnvme write+fsync (QD32 P2 locked)", "write", aio_write_fsync, size)]
-
-
-def round_trip_ok(aio: Any, inp: Inputs, cases: list[Case], size: int) -> bool:
-    """Correctness once, before timing: the first deepnvme write, read back and compared."""
-    import torch
-
-    cases[0].run()
-    back = torch.empty(size, dtype=torch.uint8)
-    reader = aio.aio_handle(**handle_settings(inp.engines[0] if inp.engines else "posix", 32, 2))
-    reader.sync_pread(back, inp.seq)
-    return bool(torch.equal(back, inp.locked))
-
-
-def measure(cases: list[Case], repeats: int, rest: float, log: Callable[[str], None]) -> float:
-    """Run every case `repeats` times, interleaved; returns the seconds it took."""
-    started = time.time()
-    for r in range(repeats):
-        # Alternate the order each repeat so slow drift of a shared machine does not favour one side.
-        order = cases if r % 2 == 0 else list(reversed(cases))
-        for i, c in enumerate(order):
-            log(f"repeat {r + 1}/{repeats} [{i + 1}/{len(order)}] {c.group} {c.name} {c.op}")
-            # Rest first: a virtual disk may run fast until a long stretch of transfers drains a host-side
-            # allowance, then hold a lower plateau until it idles; without a rest, whoever runs late in a
-            # stretch measures the plateau, not the software.
-            time.sleep(rest)
-            result = c.run()
-            if result is None:  # a DeepSpeed case that failed: its note says why
-                continue
-            secs, cpu = result
-            c.samples.append({"seconds": secs, "cpu": cpu, "repeat": r})
-    return time.time() - started
-
-
-def write_outputs(cases: list[Case], meta: dict, out: Path) -> None:
-    """Print the Markdown table and write it, with every sample as JSON, beside --out."""
-    report = render(cases, meta)
-    print(report)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(report)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"meta": meta, "cases": [{"group": c.group, "name": c.name, "op": c.op, "bytes": c.nbytes,
-                                  "samples": c.samples, "summary": summary(c) if c.samples else None}
-                                 for c in cases]}, indent=1))
-    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}", file=sys.stderr)
-
-
-def bench(args: argparse.Namespace, size: int, work: str) -> int:
+def bench(args: argparse.Namespace, work: str) -> int:
     """Everything after argument parsing; `work` is removed by the caller."""
     import torch
 
     from deepnvme import AsyncIOBuilder
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # deepspeed_side
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - progress goes to stderr
+    t_start = time.time()
     aio = AsyncIOBuilder().load()
-    log(f"setup: {size / GIB:g} GiB file, {SMALL_COUNT} small files in {work}")
-    inp = make_inputs(aio, size, work)
-    notes = [f"plain tensor address mod 4096 = {inp.plain.data_ptr() % 4096} (torch.empty as allocated)"]
-    cases = sequential_cases(aio, inp, size, args.quick)
-    if shutil.which("fio"):
-        cases += fio_cases(inp, size, args)
-    else:
-        notes.append("fio is not on PATH: no fio rows")
-    cases += small_cases(aio, inp, args.quick) + baseline_cases(aio, inp, size, work)
-
-    # DeepSpeed in a process of its own, like fio (see bench/deepspeed_side.py for why).
-    from deepspeed_side import DeepSpeedSide
-
-    side = DeepSpeedSide(inp.seq, size, inp.small_one, inp.small_paths)
-    if side.error:
-        notes.append(f"DeepSpeed: not measured ({side.error})")
-    else:
-        notes.append("DeepSpeed rows: measured in a child process of their own, same files and settings")
-        cases += [Case("DeepSpeed", name, op, side.runner(i), nbytes)
-                  for i, (name, op, nbytes) in enumerate(side.cases)]
-    cases = interleave_peers(cases)
-    if not round_trip_ok(aio, inp, cases, size):
-        print("deepnvme round trip mismatch: results would be meaningless", file=sys.stderr)
+    available = [e for e in ("io_uring", "libaio") if e in aio.available_engines()]
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()] or available[:1]
+    if not engines or any(e not in aio.available_engines() for e in engines):
+        print(f"engines {engines} not available here (available: {list(aio.available_engines())})",
+              file=sys.stderr)
         return 1
-
-    elapsed = measure(cases, args.repeats, args.rest, log)
-    meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.node()}, {os.cpu_count()} CPUs, "
-            f"{platform.release()}", "dir": args.dir, "fs": mount_of(args.dir)[1] or "?",
-            "size_gib": size / GIB,
-            "repeats": args.repeats, "read_mode": DESCRIPTIONS[read_mode(args.dir)], "notes": notes,
-            "seconds": elapsed, "torch": torch.__version__}
-    notes.append(f"{args.rest:g} s of rest before each case (--rest)")
-    notes.append(f"measuring took {elapsed:.0f} s ({time.time() - args.t_start:.0f} s with set-up); "
-                 f"deepnvme engines available: {', '.join(inp.engines)}")
-    notes.append("fio rows: bandwidth as fio reports it (its start-up excluded); fio CPU includes its "
-                 "start-up. deepnvme rows: one sync_pwrite/sync_pread of the whole tensor, no fsync.")
-    write_outputs(cases, meta, Path(args.out))
-    side.close()
-    if side.failure:
-        notes.append(f"DeepSpeed: stopped measuring after a failure ({side.failure})")
-    inp.owner.free_cpu_locked_tensor(inp.small_buf)
-    inp.owner.free_cpu_locked_tensor(inp.locked)
+    notes: list[str] = []
+    cases: list[Case] = []
+    analyses: list[dict] = []
+    seconds: dict[str, float] = {}
+    repeats: dict[str, int] = {}
+    for size in args.size_list:
+        run = size_run(aio, args, size, work, engines, log)
+        if run.side is not None and run.side.error:
+            notes.append(f"DeepSpeed: not measured ({run.side.error})")
+        if size == args.size_list[0]:
+            notes.append(f"plain tensor address mod 4096 = {run.plain.data_ptr() % 4096} "
+                         "(torch.empty as allocated)")
+        if not round_trip_ok(aio, run, engines[0]):
+            print("deepnvme round trip mismatch: results would be meaningless", file=sys.stderr)
+            return 1
+        t0 = time.time()
+        repeats[format_size(size)] = args.repeats if size < LONG else min(args.repeats, args.long_repeats)
+        measure(run.heats, repeats[format_size(size)], args.rest, log)
+        seconds[format_size(size)] = time.time() - t0
+        for heat in run.heats:
+            cases += heat
+        if run.side is not None:
+            run.side.close()
+            if run.side.failure:
+                notes.append(f"DeepSpeed: stopped measuring after a failure ({run.side.failure})")
+        for heat in run.heats:
+            for c in heat:
+                c.run = spent  # drop the closures: they hold this size's tensors and handles
+        run.owner.free_cpu_locked_tensor(run.locked)
+        del run
+        os.unlink(os.path.join(work, f"seq_{format_size(size)}.bin"))
+        analyses.append(size_analysis(cases, size, engines))
+    if "small" in args.sections:
+        heats, owner, buf, side = small_heats(aio, args, work, engines, log)
+        if side is not None and side.error:
+            notes.append(f"DeepSpeed small requests: not measured ({side.error})")
+        t0 = time.time()
+        measure(heats, args.repeats, args.rest, log)
+        seconds["small"] = time.time() - t0
+        for heat in heats:
+            cases += heat
+        if side is not None:
+            side.close()
+        owner.free_cpu_locked_tensor(buf)
+    changed = [c for c in cases if c.layout_changes]
+    unfixed = sum(1 for c in cases for x in c.samples if x.get("fixedbufs") is False and c.name == "io_uring")
+    if unfixed:
+        notes.append(f"{unfixed} fio io_uring run(s) were refused --fixedbufs (RLIMIT_MEMLOCK below "
+                     "bs x iodepth without CAP_IPC_LOCK) and ran without: their reads include "
+                     "first-touch page faults.")
+    notes += [
+        "Same file layout for every contender: each size's file is written in full (buffered, fsynced, "
+        "evicted) before any case, and both sides overwrite it in place (the handle opens without O_TRUNC; "
+        "fio finds the file at full size and does not lay it out, --fallocate=none). A fallocated, "
+        "never-written file would read back zeros without disk I/O and make each first write convert "
+        "extents. "
+        + (f"The file's size or allocation CHANGED under {len(changed)} case(s): "
+           + ", ".join(f"{c.group} {c.name} {c.op}" for c in changed[:5]) if changed
+           else "Checked after every case: size and allocated blocks unchanged."),
+        "One file for every job: fio --filename with --numjobs=N --size=S/N --offset_increment=S/N, the "
+        "contiguous slices the handle's N threads (intra_op_parallelism=N) cut; block size = fio --bs; queue "
+        "depth per thread = fio --iodepth per job; O_DIRECT both (fio --direct=1); page cache dropped "
+        "(fdatasync + POSIX_FADV_DONTNEED) before every read of either. fio's io_uring runs with "
+        "--fixedbufs: its buffers are faulted in during its set-up, as the handle's tensors are before "
+        "they are timed (without it fio's reads pay a page fault per 4 KiB inside its clock whenever a job's "
+        "share is not much larger than bs x iodepth; fio's libaio has no such option).",
+        "One difference remains, memory: deepnvme's locked tensors are mlocked 2 MiB-aligned transparent "
+        "huge pages, fio's buffers malloc'd 4 KiB pages (fio cannot ask for THP; its --iomem=shmhuge or "
+        "mmaphuge need reserved hugetlb pages). Where the device takes few segments per request (virtio "
+        "here: max_segments 254, so 1016 KiB of 4 KiB pages) fio's 1 MiB request becomes two; side by side "
+        "at 1 GiB, bs 1M QD32 x2, the handle from a page-aligned 4 KiB-page tensor ran at 0.67x (write) and "
+        "0.69x (read) of its locked tensor, fio at 0.52x and 0.55x: most, not all, of the same-settings "
+        "gap on this machine.",
+        "Timing: deepnvme rows are one sync_pwrite / sync_pread of the whole tensor, file open and thread "
+        "hand-off included, no fsync; fio rows are fio's own bandwidth, which leaves out its file open, "
+        "thread/process start and set-up. CPU-s/GiB: deepnvme, this process's user+system time over the "
+        "call; fio, the user+system time fio reports for its jobs (the rusage of fio and its jobs, start-up "
+        "included, is 'fio rusage' and cpu_rusage in the JSON). fio reports runtime in whole milliseconds, "
+        "a few percent of a 64 MiB transfer.",
+        f"Interleaving: the contenders of one grid point run back to back, order rotating each repeat; the "
+        f"points run in an order reversed each repeat; {args.rest:g} s of rest before each case, scaled by "
+        "its bytes / 1 GiB (--rest).",
+        f"Same-settings deepnvme(locked)/fio ratios beyond {MISMATCH:g}× either way are printed as warnings.",
+        f"Engines: deepnvme {', '.join(engines)} beside fio's "
+        f"{', '.join(e_fio(e) for e in engines)}; available here: {', '.join(available)}.",
+    ]
+    if "deepspeed" in args.sections:
+        notes.append(f"DeepSpeed rows at {format_size(args.ds_size)} only, via {args.deepspeed_python}: "
+                     "locked at the two-thread points, plain at QD128 x2 (a child process of their own, same "
+                     "file).")
+    notes += [
+        "Measuring took " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
+        + f"; {time.time() - t_start:.0f} s in all with set-up.",
+    ]
+    meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"{platform.node()}, {os.cpu_count()} CPUs, {platform.release()}", "dir": args.dir,
+            "fs": mount_of(args.dir)[1] or "?", "sizes": [format_size(s) for s in args.size_list],
+            "repeats": repeats, "read_mode": DESCRIPTIONS[read_mode(args.dir)], "notes": notes,
+            "seconds": seconds, "torch": torch.__version__, "engines": engines,
+            "argv": sys.argv[1:]}
+    write_outputs(cases, analyses, meta, Path(args.out))
     return 0
+
+
+def round_trip_ok(aio: Any, run: SizeRun, engine: str) -> bool:
+    """Correctness once, before timing: the locked tensor written, read back into the plain one (a copy of
+    it, so no third buffer of the size is needed) and compared."""
+    import torch
+
+    h = aio.aio_handle(**handle_settings(engine, 32, 2))
+    h.sync_pwrite(run.locked, run.path)
+    run.plain.zero_()
+    h.sync_pread(run.plain, run.path)
+    drop_file_cache(run.path)
+    return bool(torch.equal(run.plain, run.locked))
+
+
+def write_outputs(cases: list[Case], analyses: list[dict], meta: dict, out: Path) -> None:
+    """Print the Markdown report and write it, with every sample as JSON, beside --out."""
+    report = render(cases, analyses, meta)
+    print(report)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(report)
+    out.with_suffix(".json").write_text(json.dumps(
+        {"meta": meta, "sizes": analyses,
+         "cases": [{"group": c.group, "name": c.name, "op": c.op, "bytes": c.nbytes, "size": c.size,
+                    "setting": c.setting.label() if c.setting else None, "kind": c.kind,
+                    "layout_changes": c.layout_changes, "samples": c.samples,
+                    "summary": summary(c) if c.samples else None} for c in cases]}, indent=1))
+    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}", file=sys.stderr)
 
 
 if __name__ == "__main__":

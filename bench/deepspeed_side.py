@@ -23,19 +23,29 @@ HERE = Path(__file__).resolve().parent
 
 
 class DeepSpeedSide:
-    """Parent end: starts the child with the same interpreter and runs its cases on request."""
+    """Parent end: starts the child with `python` (an interpreter that can import deepspeed) and runs its
+    cases on request. Sequential cases when `seq` is given (the grid points in `grid`, each
+    [block, depth, threads, "locked" | "plain"]), small-request cases when `small_one` is given.
+    ``cases`` lists [block, depth, threads, kind or name, op, bytes] per case index."""
 
-    def __init__(self, seq: str, size: int, small_one: str, small_paths: list[str]) -> None:
+    def __init__(self, python: str, seq: str = "", size: int = 0, grid: list[list] | None = None,
+                 small_one: str = "", small_paths: list[str] | None = None) -> None:
         self.error: str | None = None
         self.failure: str | None = None
-        self.cases: list[tuple[str, str, int]] = []  # (name, op, bytes)
+        self.cases: list[tuple] = []
         listing = Path(small_paths[0]).parent / "deepspeed_small_paths.json" if small_paths else None
         if listing:
             listing.write_text(json.dumps(small_paths))
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--seq", seq, "--size", str(size),
-             "--small-one", small_one, "--small-paths", str(listing or "")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)  # stderr: the bench's
+        cmd = [python, str(Path(__file__).resolve()), "--seq", seq, "--size", str(size),
+               "--grid", json.dumps(grid or []), "--small-one", small_one,
+               "--small-paths", str(listing or "")]
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                         bufsize=1)  # stderr: the bench's
+        except OSError as exc:
+            self.proc = None
+            self.error = f"cannot start {python}: {exc}"
+            return
         first = self.proc.stdout.readline().strip() if self.proc.stdout else ""
         if first.startswith("READY "):
             self.cases = [tuple(c) for c in json.loads(first[len("READY "):])]
@@ -48,7 +58,7 @@ class DeepSpeedSide:
         """A Case.run for case `index`: the child times it, in its own process. None when the case failed
         or the child is gone (the first failure is kept in `failure`); the bench goes on without it."""
         def run() -> tuple[float, float] | None:
-            if self.failure or not (self.proc.stdin and self.proc.stdout):
+            if self.failure or not (self.proc and self.proc.stdin and self.proc.stdout):
                 return None
             try:
                 self.proc.stdin.write(f"{index}\n")
@@ -56,7 +66,7 @@ class DeepSpeedSide:
             except OSError as exc:  # BrokenPipeError: the child died
                 answer = f"ERROR its process is gone ({exc})"
             if not answer or answer.startswith("ERROR"):
-                self.failure = f"case {self.cases[index][:2]} failed: {answer or 'its process is gone'}"
+                self.failure = f"case {self.cases[index][:5]} failed: {answer or 'its process is gone'}"
                 return None
             secs, cpu = answer.split()
             return float(secs), float(cpu)
@@ -65,6 +75,8 @@ class DeepSpeedSide:
 
     def close(self) -> None:
         """Close stdin (the child exits) and reap it."""
+        if self.proc is None:
+            return
         if self.proc.stdin:
             try:
                 self.proc.stdin.close()
@@ -84,7 +96,7 @@ def serve(args: argparse.Namespace) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     sys.path.insert(0, str(HERE))
-    from aio_bench import SMALL_COUNT, SMALL_SIZE, aio_seq, aio_small, handle_settings
+    from aio_bench import SMALL_COUNT, SMALL_SIZE, Setting, aio_seq, aio_small, fio_shares, handle_settings
 
     try:
         import torch
@@ -96,40 +108,45 @@ def serve(args: argparse.Namespace) -> int:
               file=proto)
         return 0
 
-    def handle(depth: int, threads: int):
-        kw = handle_settings("", depth, threads)
+    def handle(block: int, depth: int, threads: int):
+        kw = handle_settings("", depth, threads, block)
         kw.pop("engine")
         return aio.aio_handle(**kw)
 
-    size = args.size
-    # DeepSpeed treats a tensor as locked only when it allocated it itself.
-    locked = aio.aio_handle().new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
-    locked.fill_(7)
-    plain = torch.empty(size, dtype=torch.uint8)
-    plain.fill_(7)
-    runs: list[tuple[str, str, int, Callable[[], tuple[float, float]]]] = []
-    seq_cfgs = ((32, 2, "locked", locked), (128, 2, "locked", locked), (32, 2, "plain", plain))
-    for depth, threads, kind, t in seq_cfgs:
-        h = handle(depth, threads)
-        for op in ("write", "read"):
-            runs.append((f"aio_handle QD{depth} P{threads} {kind}", op, size, aio_seq(h, t, args.seq, op)))
-    small = aio.aio_handle().new_cpu_locked_tensor(SMALL_COUNT * SMALL_SIZE,
-                                                   torch.empty(0, dtype=torch.uint8))
-    views = list(small.view(SMALL_COUNT, SMALL_SIZE).unbind(0))
-    paths = json.loads(Path(args.small_paths).read_text()) if args.small_paths else []
-    for depth, threads in ((32, 1), (128, 2)):
-        h = handle(depth, threads)
-        offsets = [i * SMALL_SIZE for i in range(SMALL_COUNT)]
-        runs.append((f"one file, aio_handle QD{depth} P{threads}", "small", SMALL_COUNT * SMALL_SIZE,
-                     aio_small(h, views, [args.small_one] * SMALL_COUNT, offsets, count_check=False)))
-        if paths:
-            runs.append((f"{SMALL_COUNT} files, aio_handle QD{depth} P{threads}", "small",
-                         SMALL_COUNT * SMALL_SIZE, aio_small(h, views, paths, [0] * SMALL_COUNT,
-                                                             count_check=False)))
-    print("READY " + json.dumps([[name, op, nbytes] for name, op, nbytes, _ in runs]), file=proto)
+    u8 = torch.empty(0, dtype=torch.uint8)
+    runs: list[tuple[list, Callable[[], tuple[float, float]]]] = []
+    grid = json.loads(args.grid)
+    if args.seq and grid:
+        # DeepSpeed treats a tensor as locked only when it allocated it itself.
+        locked = aio.aio_handle().new_cpu_locked_tensor(args.size, u8)
+        locked.fill_(7)
+        plain = torch.empty(args.size, dtype=torch.uint8)
+        plain.fill_(7)
+        for block, depth, threads, kind in grid:
+            s = Setting(block, depth, threads)
+            total = fio_shares(args.size, s.jobs, s.block)[0] * s.jobs  # the bytes fio and deepnvme move
+            h = handle(block, depth, threads)
+            t = (locked if kind == "locked" else plain)[:total]
+            for op in ("write", "read"):
+                runs.append(([block, depth, threads, kind, op, total], aio_seq(h, t, args.seq, op)))
+    if args.small_one:
+        small = aio.aio_handle().new_cpu_locked_tensor(SMALL_COUNT * SMALL_SIZE, u8)
+        views = list(small.view(SMALL_COUNT, SMALL_SIZE).unbind(0))
+        paths = json.loads(Path(args.small_paths).read_text()) if args.small_paths else []
+        nbytes = SMALL_COUNT * SMALL_SIZE
+        for depth, threads in ((32, 1), (128, 2)):
+            h = handle(1 << 20, depth, threads)
+            offsets = [i * SMALL_SIZE for i in range(SMALL_COUNT)]
+            runs.append(([0, depth, threads, f"one file, aio_handle QD{depth} P{threads}", "small", nbytes],
+                         aio_small(h, views, [args.small_one] * SMALL_COUNT, offsets, count_check=False)))
+            if paths:
+                runs.append(([0, depth, threads, f"{SMALL_COUNT} files, aio_handle QD{depth} P{threads}",
+                              "small", nbytes], aio_small(h, views, paths, [0] * SMALL_COUNT,
+                                                          count_check=False)))
+    print("READY " + json.dumps([desc for desc, _ in runs]), file=proto)
     for line in sys.stdin:
         try:
-            secs, cpu = runs[int(line)][3]()
+            secs, cpu = runs[int(line)][1]()
             print(f"{secs} {cpu}", file=proto)
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the case
             print(f"ERROR {type(exc).__name__}: {exc}".replace("\n", " "), file=proto)
@@ -139,9 +156,10 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run as the child of aio_bench.py."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seq", required=True)
-    p.add_argument("--size", type=int, required=True)
-    p.add_argument("--small-one", required=True)
+    p.add_argument("--seq", default="")
+    p.add_argument("--size", type=int, default=0)
+    p.add_argument("--grid", default="[]", help="JSON list of [block, depth, threads, kind]")
+    p.add_argument("--small-one", default="")
     p.add_argument("--small-paths", default="")
     return serve(p.parse_args(argv))
 

@@ -7,6 +7,10 @@ winning block size and queue depth, and finally re-measures the best few to guar
 configuration far behind the leader after its first loop is not measured further (early stopping).
 Small spaces (--sweep_config with 12 or fewer points) are measured exhaustively.
 
+At the end fio runs at the winning settings (same block size, queue depth, jobs = threads, engine's fio twin)
+on one file laid out once for both, interleaved with the winner's own runs; a deepnvme/fio ratio beyond
+1.2x either way is printed with a warning that the two runs did not measure the same thing.
+
 Reads bypass the page cache with O_DIRECT, or drop the file's pages with fdatasync + POSIX_FADV_DONTNEED
 where O_DIRECT is refused, so --flush_page_cache needs no sudo (it is accepted and always on).
 GB = 1024^3 bytes, as ds_io.
@@ -31,7 +35,7 @@ from deepnvme.tools.sizes import format_size, parse_size
 
 from .bench import Bench
 from .chart import chart
-from .fio import run_fio
+from .fio import compare_with_fio, format_comparison, mismatch, run_fio
 from .search import Search, describe
 from .space import KEYS, Plan, deepspeed_section, parse_sweep, plan
 
@@ -61,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="auto",
                    help="engines to search: auto (every available one), or a comma list of real engines")
     p.add_argument("--time_budget", type=float, default=60.0, help="seconds for the search (default 60)")
-    p.add_argument("--no_fio", action="store_true", help="skip the fio comparison run")
+    p.add_argument("--no_fio", action="store_true",
+                   help="skip the comparison with fio at the winning settings (same file, interleaved)")
     p.add_argument("--json", action="store_true", help="print one JSON record on stdout at the end")
     return p
 
@@ -176,24 +181,26 @@ def _print_best(config: dict, med: dict, measurements: int, elapsed: float, gds:
     print(json.dumps(deepspeed_section(config, gds), indent=3), file=out)
 
 
-def _compare_with_fio(args: argparse.Namespace, config: dict, med: dict, io_size: int, record: dict,
+def _compare_with_fio(args: argparse.Namespace, aio: Any, config: dict, io_size: int, record: dict,
                       out: TextIO) -> None:
-    """fio with the same settings on the first directory, reported as a ratio; noted when fio is absent."""
+    """The winning settings and fio at the same settings, on one file in the first directory, interleaved
+    (see tune/fio.py for what makes the two runs the same); ratios, and a warning for a suspect one."""
     if args.no_fio:
         return
     if not shutil.which("fio"):
         print("fio is not on PATH: no comparison with the drive's limit", file=out)
         return
+    ops = [op for op, on in (("write", not args.no_write), ("read", not args.no_read)) if on]
     try:
-        fio = run_fio(args.nvme_dir[0], config, io_size, not args.no_write, not args.no_read)
+        result = compare_with_fio(aio, args.nvme_dir[0], config, io_size, ops)
     except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
         print(f"fio comparison failed: {exc}", file=out)
         return
-    one = len(args.nvme_dir)  # fio runs on the first directory only; compare per directory
-    parts = [f"{op} {fio[op]:.2f} GB/sec (deepnvme/fio = {med[op] / one / fio[op]:.2f}x)"
-             for op in ("write", "read") if op in fio]
-    print(f"fio with the same settings on {args.nvme_dir[0]}: " + ", ".join(parts), file=out)
-    record["fio_gb_s"] = fio
+    for line in format_comparison(args.nvme_dir[0], describe(config), result):
+        print(line, file=out)
+    record["fio_gb_s"] = {op: result[op]["fio"] for op in ops}
+    record["fio_comparison"] = {op: {k: result[op][k] for k in ("deepnvme", "fio", "ratio")} for op in ops}
+    record["fio_comparison"]["warnings"] = [op for op in ops if mismatch(result[op]["ratio"])]
 
 
 def _write_results(log_dir: str, record: dict, search: Search, config: dict) -> None:
@@ -230,7 +237,7 @@ def _main(args: argparse.Namespace) -> int:
                                   "read_gb_s": med.get("read"), "write_gb_s": med.get("write"),
                                   "measurements": len(search.results), "seconds": round(elapsed, 2),
                                   "io_size": checked.io_size, "nvme_dir": args.nvme_dir}
-        _compare_with_fio(args, config, med, checked.io_size, record, out)
+        _compare_with_fio(args, aio, config, checked.io_size, record, out)
         _write_results(args.log_dir, record, search, config)
     finally:
         log.close()
