@@ -740,13 +740,11 @@ def bench(args: argparse.Namespace, work: str) -> int:
         "--fixedbufs: its buffers are faulted in during its set-up, as the handle's tensors are before "
         "they are timed (without it fio's reads pay a page fault per 4 KiB inside its clock whenever a job's "
         "share is not much larger than bs x iodepth; fio's libaio has no such option).",
-        "One difference remains, memory: deepnvme's locked tensors are mlocked 2 MiB-aligned transparent "
-        "huge pages, fio's buffers malloc'd 4 KiB pages (fio cannot ask for THP; its --iomem=shmhuge or "
-        "mmaphuge need reserved hugetlb pages). Where the device takes few segments per request (virtio "
-        "here: max_segments 254, so 1016 KiB of 4 KiB pages) fio's 1 MiB request becomes two; side by side "
-        "at 1 GiB, bs 1M QD32 x2, the handle from a page-aligned 4 KiB-page tensor ran at 0.67x (write) and "
-        "0.69x (read) of its locked tensor, fio at 0.52x and 0.55x: most, not all, of the same-settings "
-        "gap on this machine.",
+        "The same memory: deepnvme's locked tensors are 2 MiB-aligned transparent huge pages; fio runs "
+        "with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 so its malloc'd buffers are transparent huge pages too "
+        "(its own --iomem=shmhuge/mmaphuge need reserved hugetlbfs pages). With 4 KiB pages a 1 MiB request "
+        "spans 256 segments, more than this virtio disk takes per request (254), and fio ran at about half "
+        "the handle's speed for that alone.",
         "Timing: deepnvme rows are one sync_pwrite / sync_pread of the whole tensor, file open and thread "
         "hand-off included, no fsync; fio rows are fio's own bandwidth, which leaves out its file open, "
         "thread/process start and set-up. CPU-s/GiB: deepnvme, this process's user+system time over the "

@@ -170,3 +170,13 @@ def test_fixedbufs_refused_falls_back_and_says_so(tmp_path: Path) -> None:
         pytest.skip(f"fio's io_uring is refused here: {proc.stderr[-200:]}")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["False", str(8 * MIB)]
+
+
+def test_fio_environment_keeps_other_glibc_tunables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fio gets malloc's huge-page tunable appended, and the caller's own tunables survive."""
+    from deepnvme.tools.tune.fio import fio_environment
+
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert fio_environment()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    assert fio_environment()["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
