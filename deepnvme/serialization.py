@@ -27,6 +27,9 @@ torch.save wrote. Both are built on torch.save/torch.load themselves, through pu
 
 from __future__ import annotations
 
+import bisect
+import collections
+import concurrent.futures
 import contextlib
 import errno
 import io
@@ -36,17 +39,20 @@ import secrets
 import socket
 import stat
 import struct
+import sys
+import threading
 import zipfile
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from deepnvme.crc import crc32
 from deepnvme.files import SeekableReader, fsync_directory
 from deepnvme.io import (
     DIRECT_MIN_BYTES,
     PAGE,
     _AlignedWriter,
+    _memory_of,
     _with_path,
     address_of,
     aligned_buffer,
@@ -62,6 +68,11 @@ STORAGE_ALIGNMENT = 4096
 STAGING_BYTES = 4 << 20
 # A payload read is split into chunks of this size so that checking one overlaps reading the next.
 READ_CHUNK_BYTES = 4 << 20
+# Storage payloads from this size up are read into storages of their own (smaller ones are copied out of
+# one scratch buffer): a page of alignment slack is small beside them.
+PREFETCH_OWN_BYTES = 64 << 10
+# Bytes per batch of load's reads: the CRCs of one batch are checked while the next is read.
+BATCH_BYTES = 64 << 20
 TEMP_SUFFIX = ".deepnvme-tmp"
 # What stock torch.save's legacy (non-zip) format starts with: pickle protocol 2 and its magic number.
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
@@ -263,10 +274,11 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool =
          verify: bool = True, mmap: bool = False, pickle_module: Any = None, **pickle_load_args: Any) -> Any:
     """torch.load(path, map_location, weights_only=...) with each payload read by the handle into its tensor.
 
-    Reads any torch.save file: archives from deepnvme.save or torch.save (payloads 64-byte aligned there,
-    which costs a staged copy in the handle), legacy non-zip files (through plain torch.load). `verify`
-    checks the records' CRC-32. `mmap=True` is torch.load's memory-mapped path unchanged. A file that is
-    truncated, damaged or not a torch checkpoint raises CheckpointFormatError naming it.
+    Reads any torch.save file: archives from deepnvme.save or torch.save (payloads 64-byte aligned there;
+    each is read into memory placed at the same offset from a page, so it still goes O_DIRECT), legacy
+    non-zip files (through plain torch.load). `verify` checks the records' CRC-32. `mmap=True` is
+    torch.load's memory-mapped path unchanged. A file that is truncated, damaged or not a torch checkpoint
+    raises CheckpointFormatError naming it.
     """
     path = _checked_path(path)
     kwargs = dict(pickle_load_args, map_location=map_location, weights_only=weights_only)
@@ -279,14 +291,46 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool =
         records = _records(fd, path)
         if records is None or mmap:  # the legacy format, or torch's mmap path: torch reads it itself
             return _torch_load(path, path, kwargs | {"mmap": mmap} if mmap else kwargs)
-        handle = default_handle() if handle is None else handle
-        with _ArchiveReader(fd, path, records, handle, verify) as reader:
+        handles = [default_handle(), _second_handle()] if handle is None else [handle]
+        with _ArchiveReader(fd, path, records, handles[0], verify) as reader:
+            restore = _restore_location(map_location)
+            if restore is not None:
+                reader.prefetch(handles)
+                kwargs["map_location"] = reader.substituting(restore)
             result = _torch_load(reader, path, kwargs)
             if reader.error is not None:
                 raise reader.error
             return result
     finally:
         os.close(fd)
+
+
+_local = threading.local()
+
+
+def _second_handle() -> Any:
+    """A second handle of this thread, so that one batch of reads is queued while the other's are checked."""
+    from deepnvme.io import DEFAULT_HANDLE_SETTINGS
+
+    handle = getattr(_local, "second", None)
+    if handle is None or _local.pid != os.getpid():
+        from deepnvme import AsyncIOBuilder
+
+        handle = AsyncIOBuilder().load().aio_handle(**DEFAULT_HANDLE_SETTINGS)
+        _local.second, _local.pid = handle, os.getpid()
+    return handle
+
+
+def _restore_location(map_location: Any) -> Any:
+    """torch.load's own function placing each loaded storage where `map_location` says, or None where
+    load cannot hand torch its storages (map_location to meta reads nothing; a torch without it)."""
+    import torch.serialization as ts
+
+    get = getattr(ts, "_get_restore_location", None)
+    is_meta = getattr(ts, "_is_meta_location", None)
+    if get is None or is_meta is None or is_meta(map_location):
+        return None
+    return get(map_location)
 
 
 def _torch_load(f: Any, path: str, kwargs: dict[str, Any]) -> Any:
@@ -317,6 +361,15 @@ class _Record:
     size: int
     crc: int | None
 
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+    @property
+    def is_storage(self) -> bool:
+        """torch names storage payloads <archive>/data/<key>."""
+        return self.name.partition("/")[2].startswith("data/")
+
 
 def _records(fd: int, path: str) -> dict[int, _Record] | None:
     """The archive's members by data offset; None for torch's legacy pickle format. Checks the structure."""
@@ -346,6 +399,11 @@ def _records(fd: int, path: str) -> dict[int, _Record] | None:
             raise CheckpointFormatError(path, f"truncated or damaged: {m.filename} lies outside the file")
         crc = m.CRC if (m.CRC or m.file_size == 0) else None  # torch writes 0 when compute_crc32 is off
         records[offset] = _Record(m.filename, offset, m.file_size, crc)
+    end = 0
+    for offset in sorted(records):  # load reads members into separate memory: they must not overlap
+        if offset < end:
+            raise CheckpointFormatError(path, f"damaged: {records[offset].name} overlaps another member")
+        end = records[offset].end
     return records
 
 
@@ -355,7 +413,16 @@ _PROC_FD = "/proc/self/fd/{}"
 
 
 class _ArchiveReader(SeekableReader):
-    """A seekable reader torch.load reads the archive through; whole members go to _read_member."""
+    """A seekable reader torch.load reads the archive through.
+
+    Without prefetch() every member torch asks for is read on demand (_read_member). After prefetch()
+    the whole file already sits in memory, read by the handle in a few deep batches: each large storage
+    payload in a storage of its own, placed so that handle reads it O_DIRECT with no copy, and everything
+    else (headers, the pickle, small payloads, the directory) in one scratch buffer that reads are served
+    from. torch then still allocates each payload's memory and asks for it; that read is skipped and the
+    map_location hook from substituting() hands torch the prefetched storage instead, so the bytes are
+    never copied.
+    """
 
     def __init__(self, fd: int, path: str, records: dict[int, _Record], handle: Any, verify: bool) -> None:
         super().__init__(os.fstat(fd).st_size)
@@ -365,7 +432,35 @@ class _ArchiveReader(SeekableReader):
         self._handle = handle
         self._verify = verify
         self._direct_fd = -1
+        self._prefetched: _Prefetched | None = None
+        self._skipped: dict[int, _Record] = {}  # torch's payload memory left unread, by address
+        self._substitute = False
         self.error: Exception | None = None  # the first failure; torch only sees a short read
+
+    def prefetch(self, handles: list[Any]) -> None:
+        """Read the whole archive now (see the class); raises OSError or CheckpointFormatError."""
+        self._prefetched = _Prefetched(self._direct(), self._path, self._size, self._records, handles,
+                                       self._verify)
+        order = self._prefetched.member_bytes("byteorder")
+        # A payload torch must byte-swap is swapped in torch's memory before the hook sees it: copy there.
+        self._substitute = order is not None and bytes(order).decode("ascii", "replace") == sys.byteorder
+
+    def substituting(self, restore: Any) -> Any:
+        """A map_location for torch.load: torch's storage for a prefetched payload becomes the prefetched
+        storage (same bytes, no copy), then `restore` (torch's own for the caller's map_location) runs."""
+
+        def restore_prefetched(storage: Any, location: str) -> Any:
+            record = self._skipped.pop(storage.data_ptr(), None) if storage.device.type == "cpu" else None
+            if record is not None:
+                ours = self._prefetched.storage_of(record)
+                if storage.nbytes() == ours.nbytes():
+                    storage = ours
+                else:  # a pickle whose size disagrees with the record's: torch's storage, filled
+                    n = min(storage.nbytes(), ours.nbytes())
+                    byte_view(storage)[:n].copy_(byte_view(ours)[:n])
+            return restore(storage, location)
+
+        return restore_prefetched
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
@@ -373,7 +468,9 @@ class _ArchiveReader(SeekableReader):
             return 0
         record = self._records.get(self._pos)
         try:
-            if record is not None and record.size == len(view):
+            if self._prefetched is not None:
+                n = self._from_prefetched(view, record)
+            elif record is not None and record.size == len(view):
                 self._read_member(view, record)
                 n = len(view)
             else:
@@ -384,10 +481,24 @@ class _ArchiveReader(SeekableReader):
         self._pos += n
         return n
 
+    def _from_prefetched(self, view: memoryview, record: _Record | None) -> int:
+        prefetched = self._prefetched
+        if record is not None and record.size == len(view) and prefetched.has_storage(record):
+            if self._substitute:
+                self._skipped[address_of(view)] = record
+            else:
+                view[:] = _memory_of(prefetched.tensor_of(record))
+            return len(view)
+        if prefetched.copy_out(view, self._pos):
+            return len(view)
+        return _pread_into(self._fd, view, self._pos)
+
     def close(self) -> None:
         if self._direct_fd not in (-1, self._fd):
             os.close(self._direct_fd)
         self._direct_fd = -1
+        self._prefetched = None
+        self._skipped.clear()
         super().close()
 
     def _read_member(self, view: memoryview, record: _Record) -> None:
@@ -396,19 +507,18 @@ class _ArchiveReader(SeekableReader):
         check = self._verify and record.crc is not None
         if record.size < DIRECT_MIN_BYTES:
             _pread_exactly(self._fd, view, start, self._path)
-            crc = zlib.crc32(view) if check else 0
+            crc = crc32(view) if check else 0
         else:
             # Partial first and last pages buffered; the whole pages between through the handle.
             head = min(end, -(-start // PAGE) * PAGE) - start
             tail = max(head, record.size - end % PAGE)
             _pread_exactly(self._fd, view[:head], start, self._path)
             _pread_exactly(self._fd, view[tail:], start + tail, self._path)
-            crc = zlib.crc32(view[:head]) if check else 0
+            crc = crc32(view[:head]) if check else 0
             crc = self._read_pages(view, start, head, tail, crc, check)
-            crc = zlib.crc32(view[tail:], crc) if check else 0
+            crc = crc32(view[tail:], crc) if check else 0
         if check and crc != record.crc:
-            raise CheckpointFormatError(self._path, f"damaged: the CRC-32 of {record.name} does not match "
-                                        f"(stored {record.crc:#010x}, read {crc:#010x})")
+            raise _crc_error(self._path, record, crc)
 
     def _read_pages(self, view: memoryview, start: int, first: int, last: int, crc: int, check: bool) -> int:
         """Read view[first:last] (whole pages of the file) through the handle; checksum chunk i during i+1."""
@@ -425,12 +535,12 @@ class _ArchiveReader(SeekableReader):
             self._handle.async_pread(dest[a:b], fd, start + a)
             try:
                 if previous is not None:
-                    crc = zlib.crc32(view[previous[0]:previous[1]], crc)
+                    crc = crc32(view[previous[0]:previous[1]], crc)
             finally:
                 self._handle.wait()
             previous = (a, b)
         if check and previous is not None:
-            crc = zlib.crc32(view[previous[0]:previous[1]], crc)
+            crc = crc32(view[previous[0]:previous[1]], crc)
         return crc
 
     def _direct(self) -> int:
@@ -459,6 +569,175 @@ class _ArchiveReader(SeekableReader):
             else:
                 os.close(fd)
         return self._direct_fd
+
+
+def _crc_error(path: str, record: _Record, crc: int) -> CheckpointFormatError:
+    return CheckpointFormatError(path, f"damaged: the CRC-32 of {record.name} does not match "
+                                 f"(stored {record.crc:#010x}, read {crc:#010x})")
+
+
+@dataclass
+class _Piece:
+    """One read of the prefetch: file bytes [offset, offset + tensor's length) into `tensor`."""
+
+    offset: int
+    tensor: Any
+    batch: int = 0
+
+
+class _Prefetched:
+    """The whole archive read into memory by the handles (see _ArchiveReader), CRCs checked.
+
+    The file is cut at the page-aligned interior ("body") of every large storage payload: each body is
+    read into a storage of the payload's size whose memory lies at the payload's offset from a page, so
+    the handle reads it O_DIRECT straight into place; the gaps between bodies (headers, small members,
+    the payloads' partial first and last pages, the directory) are read into one page-aligned scratch
+    buffer. The reads go in batches of about BATCH_BYTES, alternating between the handles: while one
+    batch is read, the one before it is finished (its payloads' partial pages copied in from the gaps,
+    CRCs checked) on a worker thread.
+    """
+
+    def __init__(self, fd: int, path: str, size: int, records: dict[int, _Record], handles: list[Any],
+                 verify: bool) -> None:
+        import torch
+
+        from deepnvme import AsyncIOBuilder
+
+        self._path = path
+        self._by_name = {r.name.partition("/")[2]: r for r in records.values()}
+        ordered = sorted(records.values(), key=lambda r: r.offset)
+        large = [r for r in ordered if r.is_storage and r.size >= PREFETCH_OWN_BYTES]
+        empty_at_residue = AsyncIOBuilder().load().empty_at_residue
+        self._tensors: dict[int, Any] = {}  # offset -> uint8 tensor over the payload's own storage
+        pieces: list[_Piece] = []
+        gaps: list[tuple[int, int]] = []  # file ranges read into scratch
+        at = 0
+        for r in large:
+            body_start, body_end = _round_up(r.offset), r.end // PAGE * PAGE
+            if body_start > at:
+                gaps.append((at, body_start))
+            tensor = empty_at_residue(r.size, r.offset % PAGE)
+            self._tensors[r.offset] = tensor
+            pieces.append(_Piece(body_start, tensor[body_start - r.offset:body_end - r.offset]))
+            at = body_end
+        if size > at:
+            gaps.append((at, size))
+        # Gaps in scratch at page-aligned places (their file offsets are page-aligned too), in file order.
+        self._gap_starts = [a for a, _ in gaps]
+        self._gap_at: list[tuple[int, int, int]] = []  # (file start, file end, scratch start)
+        total = 0
+        for a, b in gaps:
+            self._gap_at.append((a, b, total))
+            total += _round_up(b - a)
+        self._scratch = aligned_buffer(total) if total else torch.empty(0, dtype=torch.uint8)
+        self._scratch_mem = _memory_of(self._scratch)
+        pieces += [_Piece(a, self._scratch[s:s + b - a]) for a, b, s in self._gap_at]
+        pieces.sort(key=lambda p: p.offset)
+        batch, filled = 0, 0
+        for p in pieces:
+            if filled >= BATCH_BYTES:
+                batch, filled = batch + 1, 0
+            p.batch = batch
+            filled += p.tensor.numel()
+        # What to finish after each batch: the members whose last byte it read.
+        ends = [p.offset + p.tensor.numel() for p in pieces]
+        finish: list[list[_Record]] = [[] for _ in range(batch + 1)]
+        for r in ordered:
+            if r.size and (verify and r.crc is not None or r.offset in self._tensors):
+                finish[pieces[bisect.bisect_left(ends, r.end)].batch].append(r)
+        self._read(fd, pieces, finish, handles, verify)
+
+    def _read(self, fd: int, pieces: list[_Piece], finish: list[list[_Record]], handles: list[Any],
+              verify: bool) -> None:
+        inflight: collections.deque[tuple[Any, int]] = collections.deque()
+        worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deepnvme-load-check")
+        checks: list[concurrent.futures.Future[None]] = []
+        try:
+            i = 0
+            for batch in range(len(finish)):
+                handle = handles[batch % len(handles)]
+                if len(inflight) == len(handles):
+                    self._complete(inflight, finish, worker, checks, verify)
+                while i < len(pieces) and pieces[i].batch == batch:
+                    handle.async_pread(pieces[i].tensor, fd, pieces[i].offset)
+                    i += 1
+                inflight.append((handle, batch))
+            while inflight:
+                self._complete(inflight, finish, worker, checks, verify)
+            for c in checks:
+                c.result()
+        except BaseException:
+            for handle, _ in inflight:  # the reads' memory goes with this object: let them end first
+                with contextlib.suppress(OSError):
+                    handle.wait()
+            raise
+        finally:
+            worker.shutdown(wait=True, cancel_futures=True)
+
+    def _complete(self, inflight: collections.deque[tuple[Any, int]], finish: list[list[_Record]],
+                  worker: Any, checks: list[Any], verify: bool) -> None:
+        """Wait for the oldest batch in flight, then hand its members to the worker."""
+        handle, batch = inflight[0]
+        try:
+            handle.wait()
+        except OSError as exc:
+            inflight.popleft()
+            raise _read_error(exc, self._path) from exc
+        inflight.popleft()
+        checks.append(worker.submit(self._finish, finish[batch], verify))
+
+    def _finish(self, records: list[_Record], verify: bool) -> None:
+        """Copy the partial first and last pages of each payload in from the gaps; check the CRCs."""
+        for r in records:
+            tensor = self._tensors.get(r.offset)
+            if tensor is not None:
+                mem = _memory_of(tensor)
+                head, tail = _round_up(r.offset) - r.offset, r.end // PAGE * PAGE - r.offset
+                if not (self.copy_out(mem[:head], r.offset) and self.copy_out(mem[tail:], r.offset + tail)):
+                    raise RuntimeError(f"{self._path}: the edges of {r.name} were not read (a deepnvme bug)")
+            else:
+                mem = self._gap_view(r.offset, r.size)
+            if verify and r.crc is not None:
+                got = crc32(mem)
+                if got != r.crc:
+                    raise _crc_error(self._path, r, got)
+
+    def has_storage(self, record: _Record) -> bool:
+        return record.offset in self._tensors
+
+    def tensor_of(self, record: _Record) -> Any:
+        return self._tensors[record.offset]
+
+    def storage_of(self, record: _Record) -> Any:
+        return self._tensors[record.offset].untyped_storage()
+
+    def member_bytes(self, name: str) -> memoryview | None:
+        """The bytes of member <archive>/`name` when it lies in the gaps (small members do), else None."""
+        r = self._by_name.get(name)
+        return None if r is None else self._gap_view(r.offset, r.size)
+
+    def copy_out(self, view: memoryview, offset: int) -> bool:
+        """Fill `view` with the file's bytes at `offset` when they lie in one gap; False when they do not."""
+        if not len(view):
+            return True
+        got = self._gap_view(offset, len(view))
+        if got is None:
+            return False
+        view[:] = got
+        return True
+
+    def _gap_view(self, offset: int, n: int) -> memoryview | None:
+        i = bisect.bisect_right(self._gap_starts, offset) - 1
+        if i < 0:
+            return None
+        a, b, s = self._gap_at[i]
+        if offset + n > b:
+            return None
+        return self._scratch_mem[s + offset - a:s + offset - a + n]
+
+
+def _round_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
