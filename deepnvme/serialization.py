@@ -78,6 +78,10 @@ TEMP_SUFFIX = ".deepnvme-tmp"
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 
 
+class _Mispredicted(Exception):
+    """A member's data did not start where _records inferred: the archive must be read exactly."""
+
+
 class CheckpointFormatError(ValueError):
     """The file is not a readable torch checkpoint: truncated, damaged, or of another format."""
 
@@ -122,9 +126,11 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
         try:
             direct_fd, buffered_fd = open_for_write(tmp, os.O_CREAT | os.O_EXCL, 0o666)
             writer = _AlignedWriter(handle, direct_fd, buffered_fd, buffers)
-            stream = _SaveStream(writer, storages)
-            with _page_aligned_storages(checksum):
+            # torch's own CRC-32 (one core, slower than the disk) is off; the stream computes them faster.
+            with _page_aligned_storages(crc=False) as settable:
+                stream = _SaveStream(writer, storages, checksums=checksum and settable)
                 torch.save(obj, stream, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
+            stream.close_archive()
             writer.finish()
             os.ftruncate(buffered_fd, stream.pos)
             with contextlib.suppress(FileNotFoundError):
@@ -148,11 +154,20 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
 
 
 class _SaveStream:
-    """The file object torch.save writes into: positions its bytes, hands payloads over with their memory."""
+    """The file object torch.save writes into: positions its bytes, hands payloads over with their memory.
 
-    def __init__(self, writer: _AlignedWriter, storages: dict[tuple[int, int], Any]) -> None:
+    With `checksums`, torch computes no CRC-32 (its one-core CRC is slower than the disk) and the stream
+    fills them in: each record's CRC is computed here with crc32 (zlib-ng), right after its payload was
+    queued to the handle, so it overlaps that payload's own write; the CRC goes into the record's data
+    descriptor (which torch's zip writer puts right after the data) and into the central directory
+    (held back until torch has written all of it).
+    """
+
+    def __init__(self, writer: _AlignedWriter, storages: dict[tuple[int, int], Any],
+                 checksums: bool = False) -> None:
         self._writer = writer
         self._storages = storages
+        self._zip = _ZipFollower() if checksums else None
         self.pos = 0
 
     def writable(self) -> bool:
@@ -166,9 +181,20 @@ class _SaveStream:
             storage = self._storages.get((address_of(view), n))
             if storage is not None:
                 source = byte_view(storage)
-        self._writer.put(view, self.pos, source)
+        if self._zip is None:
+            self._writer.put(view, self.pos, source)
+        else:
+            for piece, at, piece_source in self._zip.feed(view, self.pos, source is not None):
+                self._writer.put(piece, at, source if piece_source else None)
+            self._zip.settle()
         self.pos += n
         return n
+
+    def close_archive(self) -> None:
+        """Write what the checksum bookkeeping held back (the central directory, its CRCs filled in)."""
+        if self._zip is not None:
+            for piece, at, _ in self._zip.close():
+                self._writer.put(piece, at)
 
     def tell(self) -> int:
         return self.pos
@@ -178,11 +204,165 @@ class _SaveStream:
         target = {io.SEEK_SET: offset, io.SEEK_CUR: self.pos + offset}.get(whence)
         if target is None or target < self.pos:
             raise io.UnsupportedOperation("the save stream only seeks forward")
+        if self._zip is not None:
+            self._zip.lost("the stream seeked")
         self.pos = target
         return target
 
     def flush(self) -> None:
         """The bytes are already on their way; save() waits for them before the rename."""
+
+
+# Zip signatures of torch's archives (miniz writes every member with a data descriptor, flag bit 3).
+_LOCAL = b"PK\x03\x04"
+_CENTRAL = b"PK\x01\x02"
+_DESCRIPTOR = b"PK\x07\x08"
+
+
+class _ZipFollower:
+    """Follows torch's zip writer through its write() calls to put the CRC-32s into the archive.
+
+    miniz writes each member as: local header (30 bytes, CRC and sizes zero, flag bit 3), file name,
+    extra field (torch's padding to the storage alignment), then, if the member has data, the data in
+    one write and a data descriptor (16 bytes, 24 for zip64: signature, CRC, sizes). An empty member has
+    neither. The central directory comes last. So the write after a header's extra field is taken as
+    data (its CRC computed at once) and confirmed by the descriptor that follows with its length; a write
+    that may instead be the next header or the directory (it starts with their signature and is not a
+    known storage) is held, copied, until that is settled. feed() and close() give back what to write,
+    as (bytes, file offset, is the caller's storage payload). If the calls ever stop matching this
+    layout, the follower warns and stops filling them in: the central directory keeps the zeros torch
+    wrote, which torch.load and deepnvme.load read as "no CRC" (zip tools will call them wrong).
+    """
+
+    def __init__(self) -> None:
+        self._header = bytearray()  # the local header being read
+        self._need = 30  # bytes of header still to come (30, then the name and extra field)
+        self._state = "header"  # header | data | descriptor | central | lost
+        self._name = ""
+        self._data_len = 0
+        self._data_crc = 0
+        self._held: tuple[bytes, int] | None = None  # a write that may be data or the next header
+        self._unsettled: memoryview | None = None  # data given back whose CRC is still to compute
+        self._central = bytearray()
+        self._central_at = 0
+        self.crcs: dict[str, int] = {}
+
+    def lost(self, why: str) -> None:
+        if self._state != "lost":
+            import warnings
+
+            warnings.warn(f"deepnvme.save: {why}, which the CRC-32 bookkeeping does not follow; this "
+                          "archive's CRC fields stay zero", RuntimeWarning, stacklevel=4)
+            self._state = "lost"
+
+    def feed(self, view: memoryview, at: int, known_storage: bool) -> list[tuple[Any, int, bool]]:
+        if self._state == "lost":
+            return [(view, at, known_storage)]
+        if self._state == "central":
+            self._central += view
+            return []
+        if self._state == "data":
+            return self._data(view, at, known_storage)
+        if self._state == "descriptor":
+            return self._descriptor(view, at, known_storage)
+        return self._header_bytes(view, at, known_storage)
+
+    def close(self) -> list[tuple[Any, int, bool]]:
+        out: list[tuple[Any, int, bool]] = []
+        if self._held is not None:  # a last write that was held and never confirmed as data
+            held, self._held = self._held, None
+            self._state = "header"
+            out += self._header_bytes(memoryview(held[0]), held[1], False)
+        if self._state == "central":
+            self._patch_central()
+            out.append((memoryview(self._central), self._central_at, False))
+            self._central = bytearray()
+        elif self._state not in ("lost", "header"):
+            self.lost("torch's archive ended inside a member")
+        return out
+
+    def _header_bytes(self, view: memoryview, at: int, known_storage: bool) -> list[tuple[Any, int, bool]]:
+        if not self._header and bytes(view[:4]) == _CENTRAL:
+            self._state, self._central, self._central_at = "central", bytearray(view), at
+            return []
+        if not self._header and bytes(view[:4]) != _LOCAL:
+            self.lost("a member did not start with a local header")
+            return [(view, at, known_storage)]
+        if len(view) > self._need:
+            self.lost("a local header shared a write with other bytes")
+            return [(view, at, known_storage)]
+        self._header += view
+        self._need -= len(view)
+        if self._need == 0:
+            if len(self._header) == 30:
+                name_len, extra_len = struct.unpack_from("<HH", self._header, 26)
+                self._need = name_len + extra_len
+            if self._need == 0:
+                name_len = struct.unpack_from("<H", self._header, 26)[0]
+                self._name = bytes(self._header[30:30 + name_len]).decode("utf-8", "replace")
+                self._header, self._need, self._state = bytearray(), 30, "data"
+        return [(view, at, known_storage)]
+
+    def _data(self, view: memoryview, at: int, known_storage: bool) -> list[tuple[Any, int, bool]]:
+        self._data_len = len(view)
+        self._state = "descriptor"
+        if not known_storage and bytes(view[:4]) in (_LOCAL, _CENTRAL):
+            # The member may be empty and this the next header or the directory: hold it until known.
+            self._held = (bytes(view), at)
+            self._data_crc = crc32(self._held[0])
+            return []
+        # Written first (settle() computes its CRC after), so the CRC overlaps the payload's own write.
+        self._unsettled = view
+        return [(view, at, known_storage)]
+
+    def settle(self) -> None:
+        """The CRC of the data feed() just gave back, once the caller has queued its write."""
+        if self._unsettled is not None:
+            self._data_crc = crc32(self._unsettled)
+            self._unsettled = None
+
+    def _descriptor(self, view: memoryview, at: int, known_storage: bool) -> list[tuple[Any, int, bool]]:
+        held, self._held = self._held, None
+        if _is_descriptor(view, self._data_len):
+            self.crcs[self._name] = self._data_crc
+            patched = bytearray(view)
+            struct.pack_into("<I", patched, 4, self._data_crc)
+            self._state = "header"
+            out = [] if held is None else [(memoryview(held[0]), held[1], False)]
+            return [*out, (memoryview(patched), at, False)]
+        if held is None:
+            self.lost("a member's data was not followed by its data descriptor")
+            return [(view, at, known_storage)]
+        # The held write was no data: the member was empty and that write came after it.
+        self.crcs[self._name] = 0
+        self._state = "header"
+        out = self._header_bytes(memoryview(held[0]), held[1], False)
+        return out + self.feed(view, at, known_storage)
+
+    def _patch_central(self) -> None:
+        """Put each member's CRC into its central directory entry (46 bytes, name, extra, comment)."""
+        c, i = self._central, 0
+        while c[i:i + 4] == _CENTRAL and i + 46 <= len(c):
+            name_len, extra_len, comment_len = struct.unpack_from("<HHH", c, i + 28)
+            name = bytes(c[i + 46:i + 46 + name_len]).decode("utf-8", "replace")
+            size = struct.unpack_from("<I", c, i + 24)[0]
+            if name in self.crcs:
+                struct.pack_into("<I", c, i + 16, self.crcs[name])
+            elif size:
+                self.lost(f"the central directory names {name!r}, which was not followed")
+                return
+            i += 46 + name_len + extra_len + comment_len
+
+
+def _is_descriptor(view: memoryview, data_len: int) -> bool:
+    """A data descriptor for `data_len` bytes of data, as torch leaves it (CRC zero)."""
+    if len(view) == 16 and bytes(view[:4]) == _DESCRIPTOR:
+        crc, comp, uncomp = struct.unpack_from("<III", view, 4)
+    elif len(view) == 24 and bytes(view[:4]) == _DESCRIPTOR:
+        crc, comp, uncomp = struct.unpack_from("<IQQ", view, 4)
+    else:
+        return False
+    return crc == 0 and comp == uncomp == data_len
 
 
 def _storages_of(obj: Any, pickle_module: Any, protocol: int) -> dict[tuple[int, int], Any]:
@@ -213,8 +393,9 @@ class _NullSink:
 
 
 @contextlib.contextmanager
-def _page_aligned_storages(crc: bool = True) -> Iterator[None]:
-    """Page-aligned storage records, and torch's CRC-32s on or off, for the saves of this thread.
+def _page_aligned_storages(crc: bool = True) -> Iterator[bool]:
+    """Page-aligned storage records, and torch's CRC-32s on or off, for the saves of this thread; yields
+    whether torch takes these settings (an older torch computes its CRCs and aligns to 64 bytes).
 
     torch keeps these settings per thread (ContextVar-backed config), so concurrent saves and a plain
     torch.save in another thread do not see each other's choices.
@@ -222,13 +403,13 @@ def _page_aligned_storages(crc: bool = True) -> Iterator[None]:
     try:
         from torch.utils.serialization import config
     except ImportError:  # older torch: records stay 64-aligned and payloads are staged, still correct
-        yield
+        yield False
         return
     alignment = config.save.storage_alignment
     if alignment % STORAGE_ALIGNMENT:
         alignment = STORAGE_ALIGNMENT
     with config.patch({"save.storage_alignment": alignment, "save.compute_crc32": crc}):
-        yield
+        yield True
 
 
 _HOST = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname()) or "host"
@@ -288,15 +469,23 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool =
     try:
         if stat.S_ISDIR(os.fstat(fd).st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
-        records = _records(fd, path)
+        restore = None if mmap else _restore_location(map_location)
+        records = _records(fd, path, exact=restore is None)
         if records is None or mmap:  # the legacy format, or torch's mmap path: torch reads it itself
             return _torch_load(path, path, kwargs | {"mmap": mmap} if mmap else kwargs)
         handles = [default_handle(), _second_handle()] if handle is None else [handle]
-        with _ArchiveReader(fd, path, records, handles[0], verify) as reader:
-            restore = _restore_location(map_location)
-            if restore is not None:
+        if restore is not None:
+            reader = _ArchiveReader(fd, path, records, handles[0], verify)
+            try:
                 reader.prefetch(handles)
-                kwargs["map_location"] = reader.substituting(restore)
+            except _Mispredicted:  # an archive not laid out as torch's writer does: read its headers
+                reader.close()
+                reader = _ArchiveReader(fd, path, _records(fd, path), handles[0], verify)
+                reader.prefetch(handles)
+            kwargs["map_location"] = reader.substituting(restore)
+        else:
+            reader = _ArchiveReader(fd, path, records, handles[0], verify)
+        with reader:
             result = _torch_load(reader, path, kwargs)
             if reader.error is not None:
                 raise reader.error
@@ -360,6 +549,7 @@ class _Record:
     offset: int
     size: int
     crc: int | None
+    header_offset: int = -1  # where its local header starts; set when `offset` is a prediction to check
 
     @property
     def end(self) -> int:
@@ -371,8 +561,15 @@ class _Record:
         return self.name.partition("/")[2].startswith("data/")
 
 
-def _records(fd: int, path: str) -> dict[int, _Record] | None:
-    """The archive's members by data offset; None for torch's legacy pickle format. Checks the structure."""
+def _records(fd: int, path: str, exact: bool = True) -> dict[int, _Record] | None:
+    """The archive's members by data offset; None for torch's legacy pickle format. Checks the structure.
+
+    A member's data starts after its local header, whose length only the local header tells: `exact`
+    reads every one (a small read each, scattered over the file). Otherwise, for archives laid out as
+    torch's zip writer lays them out (each member's data, then its data descriptor, then the next
+    member), the data offset is inferred from the next member's header offset and the record keeps
+    `header_offset` so that the guess is checked against the local header once that has been read.
+    """
     size = os.fstat(fd).st_size
     start = os.pread(fd, len(_LEGACY_MAGIC), 0)
     if start == _LEGACY_MAGIC:
@@ -383,28 +580,57 @@ def _records(fd: int, path: str) -> dict[int, _Record] | None:
         raise CheckpointFormatError(path, "not a torch checkpoint (not a zip archive nor the legacy format)")
     with os.fdopen(os.dup(fd), "rb") as f:
         try:
-            members = zipfile.ZipFile(f).infolist()
+            archive = zipfile.ZipFile(f)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
             raise CheckpointFormatError(path, f"truncated or damaged zip archive ({exc})") from exc
+        members = archive.infolist()
+        directory = getattr(archive, "start_dir", None)
     if not any(m.filename.endswith(("/data.pkl", "/constants.pkl")) for m in members):
         raise CheckpointFormatError(path, "a zip archive but not a torch checkpoint (no data.pkl)")
+    members.sort(key=lambda m: m.header_offset)
     records = {}
-    for m in members:
-        header = os.pread(fd, 30, m.header_offset)
-        if len(header) < 30 or header[:4] != b"PK\x03\x04":
-            raise CheckpointFormatError(path, f"truncated or damaged: bad local header of {m.filename}")
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        offset = m.header_offset + 30 + name_len + extra_len
-        if m.compress_type != zipfile.ZIP_STORED or offset + m.file_size > size:
-            raise CheckpointFormatError(path, f"truncated or damaged: {m.filename} lies outside the file")
+    for i, m in enumerate(members):
+        if m.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointFormatError(path, f"damaged: {m.filename} is compressed, which torch never does")
         crc = m.CRC if (m.CRC or m.file_size == 0) else None  # torch writes 0 when compute_crc32 is off
-        records[offset] = _Record(m.filename, offset, m.file_size, crc)
+        following = members[i + 1].header_offset if i + 1 < len(members) else directory
+        offset = None if exact else _inferred_offset(m, following)
+        if offset is None:
+            offset = _local_data_offset(fd, path, m)
+            record = _Record(m.filename, offset, m.file_size, crc)
+        else:
+            record = _Record(m.filename, offset, m.file_size, crc, m.header_offset)
+        if record.end > size:
+            raise CheckpointFormatError(path, f"truncated or damaged: {m.filename} lies outside the file")
+        records[offset] = record
     end = 0
     for offset in sorted(records):  # load reads members into separate memory: they must not overlap
         if offset < end:
             raise CheckpointFormatError(path, f"damaged: {records[offset].name} overlaps another member")
         end = records[offset].end
     return records
+
+
+def _local_data_offset(fd: int, path: str, m: zipfile.ZipInfo) -> int:
+    """Where member `m`'s data starts, from its local header."""
+    header = os.pread(fd, 30, m.header_offset)
+    if len(header) < 30 or header[:4] != _LOCAL:
+        raise CheckpointFormatError(path, f"truncated or damaged: bad local header of {m.filename}")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return m.header_offset + 30 + name_len + extra_len
+
+
+def _inferred_offset(m: zipfile.ZipInfo, following: int | None) -> int | None:
+    """Where torch's zip writer put member `m`'s data, given where the next thing (member or directory)
+    starts; None where the layout does not say. miniz writes a data descriptor (flag bit 3) after
+    non-empty data: 16 bytes, or 24 when the member needs zip64 (offset or size past 32 bits)."""
+    if following is None or not m.flag_bits & 0x08:
+        return None
+    if m.file_size == 0:
+        return following  # no data, no descriptor: the offset only has to be unique and in order
+    zip64 = m.header_offset >= 0xFFFFFFFF or m.file_size >= 0xFFFFFFFF
+    offset = following - (24 if zip64 else 16) - m.file_size
+    return offset if offset >= m.header_offset + 30 + len(m.orig_filename.encode()) else None
 
 
 # Where the kernel exposes this process's descriptors: reopening one there gives the file it holds, even
@@ -643,7 +869,7 @@ class _Prefetched:
         ends = [p.offset + p.tensor.numel() for p in pieces]
         finish: list[list[_Record]] = [[] for _ in range(batch + 1)]
         for r in ordered:
-            if r.size and (verify and r.crc is not None or r.offset in self._tensors):
+            if r.size and (verify and r.crc is not None or r.offset in self._tensors or r.header_offset >= 0):
                 finish[pieces[bisect.bisect_left(ends, r.end)].batch].append(r)
         self._read(fd, pieces, finish, handles, verify)
 
@@ -687,8 +913,16 @@ class _Prefetched:
         checks.append(worker.submit(self._finish, finish[batch], verify))
 
     def _finish(self, records: list[_Record], verify: bool) -> None:
-        """Copy the partial first and last pages of each payload in from the gaps; check the CRCs."""
+        """Check inferred offsets against the local headers; copy the partial first and last pages of
+        each payload in from the gaps; check the CRCs."""
         for r in records:
+            if r.header_offset >= 0:
+                header = self._gap_view(r.header_offset, 30)
+                if header is None or bytes(header[:4]) != _LOCAL:
+                    raise _Mispredicted(r.name)
+                name_len, extra_len = struct.unpack_from("<HH", header, 26)
+                if r.header_offset + 30 + name_len + extra_len != r.offset:
+                    raise _Mispredicted(r.name)
             tensor = self._tensors.get(r.offset)
             if tensor is not None:
                 mem = _memory_of(tensor)
