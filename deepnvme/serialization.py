@@ -1,28 +1,33 @@
 """deepnvme.save / deepnvme.load: torch's checkpoint format at the speed of the aio_handle.
 
 The file is torch.save's own zip archive, so stock torch.load reads what save writes and load reads what
-torch.save wrote. Both are built on torch.save/torch.load themselves, through public doors only:
+torch.save wrote. Both are built on torch.save/torch.load themselves:
 
 - save hands torch.save a file object (torch's writer takes any object with write()) while
   `torch.utils.serialization.config.save.storage_alignment` is 4096 in the saving thread (torch keeps
   the setting per thread), so every storage payload starts on a page. The payloads, which torch passes
   as views of the storages' own memory, go to the handle O_DIRECT and asynchronously, straight from that
-  memory, while torch computes the next one's CRC; the small records between them are staged in two
-  4 MiB page-aligned buffers. Nothing else is copied: the archive never exists in memory. The object is
-  first pickled once into a null sink to learn which storages it holds, because only memory that
-  outlives the call may be written asynchronously (torch makes transient host copies of device
-  storages; those are staged, not referenced).
+  memory; the small records between them are staged in two 4 MiB page-aligned buffers. Nothing else is
+  copied: the archive never exists in memory. torch's own CRC-32 (one core, slower than the disk) is
+  off; the stream computes each record's CRC with zlib-ng right after queueing its write, so the CRC
+  overlaps that write, and puts it where torch's zip writer leaves it zero (the data descriptor after
+  the record, the central directory). The object is first pickled once into a null sink to learn which
+  storages it holds, because only memory that outlives the call may be written asynchronously (torch
+  makes transient host copies of device storages; those are staged, not referenced).
   The save is atomic: a temporary file in the same directory, fsync, rename over the path, fsync of the
   directory. A crash leaves the previous file intact (and at worst a temporary
   `.<name>.<host>.<pid>.<random>.deepnvme-tmp`, which the next successful save of that path removes once
   its process is gone).
-- load hands torch.load a reader over the file. torch allocates each storage and asks the reader to fill
-  it with one readinto(); the reader recognises the payload from the archive's directory and reads it
-  through the handle into that very memory (O_DIRECT for the whole pages; the partial first and last
-  page are read buffered). map_location, weights_only and the rest are therefore exactly torch.load's.
-  The reader also checks every record's CRC-32, which torch.load does not, so a damaged file raises
-  CheckpointFormatError naming it rather than loading garbage; the check of one chunk overlaps the read
-  of the next.
+- load reads the whole archive before torch.load unpickles it, in deep batches of asynchronous reads on
+  two handles: every large storage payload straight into memory of its own, allocated at the payload's
+  offset from a page so that the handle reads it O_DIRECT with no copy, and the rest of the file into
+  one scratch buffer; a worker thread checks every record's CRC-32 (which torch.load does not, so a
+  damaged file raises CheckpointFormatError naming it rather than loading garbage) while the next batch
+  is read. torch.load then reads through a file object of ours: when it asks for a payload read ahead
+  this way, it gets nothing, and the map_location hook hands it the storage read ahead in place of the
+  one it allocated; everything else is copied out of the scratch buffer. Storage sizes, views,
+  map_location and weights_only are therefore torch.load's own. Where torch would not read the payloads
+  (map_location="meta") or byte-swaps them first (a big-endian file), torch's own storages are filled.
 """
 
 from __future__ import annotations
@@ -100,10 +105,10 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
     `handle` is an aio_handle (default: deepnvme.io.default_handle()). Raises FileNotFoundError when the
     directory is missing, IsADirectoryError when `path` is a directory, OSError (errno, path) when a write
     fails — ENOSPC included — and pickling errors as torch.save does; in every case a file that was at
-    `path` before is left as it was. `checksum=False` skips torch's CRC-32 of every record (one core,
-    about 2 GB/s, often the bound on a save): stock torch.load still reads the file, but neither zip tools
-    nor deepnvme.load can then check it. A symbolic link at `path` is written through, as torch.save
-    does: its target is atomically replaced and the link stays.
+    `path` before is left as it was. `checksum=False` leaves every record's CRC-32 zero, as torch does
+    with compute_crc32 off: stock torch.load still reads the file, but neither zip tools nor
+    deepnvme.load can then check it. A symbolic link at `path` is written through, as torch.save does:
+    its target is atomically replaced and the link stays.
     """
     import torch
 
