@@ -121,6 +121,7 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
     storages = _storages_of(obj, pickle_module, pickle_protocol)  # pickling errors surface before any file
+    _join_closers()
     handle = default_handle() if handle is None else handle
     tmp = os.path.join(directory, f".{name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
     # Allocated before the temporary exists, so a failure here (ENOMEM from the mmap) leaves nothing behind.
@@ -147,15 +148,23 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
             raise
         finally:
             close_pair(direct_fd, buffered_fd)
-        os.replace(tmp, target)
+        replaced = _hold_replaced(target)
+        try:
+            os.replace(tmp, target)
+        except BaseException:
+            _close_quietly(replaced)
+            raise
     except OSError as exc:
         _unlink_quietly(tmp)
         raise _with_path(exc, path) from exc
     except BaseException:
         _unlink_quietly(tmp)
         raise
-    fsync_directory(directory)
-    _remove_stale_temps(directory, name)
+    try:
+        fsync_directory(directory)
+        _remove_stale_temps(directory, name)
+    finally:
+        _close_later(replaced)
 
 
 class _SaveStream:
@@ -440,6 +449,49 @@ def _process_exists(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _hold_replaced(target: str) -> int:
+    """An open descriptor of the regular file at `target`, or -1. While it is open, the rename over the
+    file does not free its blocks (for a large file that takes a file system hundreds of milliseconds);
+    _close_later frees them off the caller's thread."""
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return -1
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        regular = False
+    if not regular:
+        os.close(fd)
+        return -1
+    return fd
+
+
+_closers: set[threading.Thread] = set()
+
+
+def _join_closers() -> None:
+    """Wait until the files earlier saves replaced are freed (a save should not find the disk fuller)."""
+    for closer in list(_closers):
+        closer.join()
+        _closers.discard(closer)
+
+
+def _close_later(fd: int) -> None:
+    if fd < 0:
+        return
+
+    closer = threading.Thread(target=_close_quietly, args=(fd,), name="deepnvme-free-replaced", daemon=True)
+    closer.start()
+    _closers.add(closer)  # started first: a concurrent _join_closers may join anything in the set
+
+
+def _close_quietly(fd: int) -> None:
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _unlink_quietly(path: str) -> None:

@@ -164,3 +164,20 @@ def test_empty_at_residue_checks_its_arguments(aio_module: ModuleType) -> None:
     for nbytes, residue in ((-1, 0), (10, -1), (10, PAGE)):
         with pytest.raises(ValueError, match="nbytes|residue"):
             aio_module.empty_at_residue(nbytes, residue)
+
+
+def test_replacing_a_file_frees_it_after_the_rename(tmp_path: Path, handle: Any) -> None:
+    """The replaced file is held open across the rename and closed on another thread: no descriptor
+    stays open once that is done, the new content is there, and no other file is left."""
+    import os
+
+    path = tmp_path / "c.pt"
+    deepnvme.save({"w": torch.randn(BIG)}, path, handle=handle)
+    serialization._join_closers()
+    before = set(os.listdir("/proc/self/fd"))
+    new = {"w": torch.randn(BIG // 2)}
+    deepnvme.save(new, path, handle=handle)
+    serialization._join_closers()
+    assert set(os.listdir("/proc/self/fd")) == before
+    assert torch.equal(deepnvme.load(path, handle=handle)["w"], new["w"])
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
