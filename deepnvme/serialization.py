@@ -531,22 +531,22 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool =
         if records is None or mmap:  # the legacy format, or torch's mmap path: torch reads it itself
             return _torch_load(path, path, kwargs | {"mmap": mmap} if mmap else kwargs)
         handles = [default_handle(), _second_handle()] if handle is None else [handle]
-        if restore is not None:
-            reader = _ArchiveReader(fd, path, records, handles[0], verify)
-            try:
-                reader.prefetch(handles)
-            except _Mispredicted:  # an archive not laid out as torch's writer does: read its headers
-                reader.close()
-                reader = _ArchiveReader(fd, path, _records(fd, path), handles[0], verify)
-                reader.prefetch(handles)
-            kwargs["map_location"] = reader.substituting(restore)
-        else:
-            reader = _ArchiveReader(fd, path, records, handles[0], verify)
-        with reader:
+        reader = _ArchiveReader(fd, path, records, handles[0], verify)
+        try:
+            if restore is not None:
+                try:
+                    reader.prefetch(handles)
+                except _Mispredicted:  # an archive not laid out as torch's writer does: read its headers
+                    reader.close()
+                    reader = _ArchiveReader(fd, path, _records(fd, path), handles[0], verify)
+                    reader.prefetch(handles)
+                kwargs["map_location"] = reader.substituting(restore)
             result = _torch_load(reader, path, kwargs)
             if reader.error is not None:
                 raise reader.error
             return result
+        finally:
+            reader.close()
     finally:
         os.close(fd)
 
@@ -941,6 +941,9 @@ class _Prefetched:
                 handle = handles[batch % len(handles)]
                 if len(inflight) == len(handles):
                     self._complete(inflight, finish, worker, checks, verify)
+                    for c in checks:  # a damaged member already found: read no further
+                        if c.done():
+                            c.result()
                 while i < len(pieces) and pieces[i].batch == batch:
                     handle.async_pread(pieces[i].tensor, fd, pieces[i].offset)
                     i += 1

@@ -169,15 +169,49 @@ def test_empty_at_residue_checks_its_arguments(aio_module: ModuleType) -> None:
 def test_replacing_a_file_frees_it_after_the_rename(tmp_path: Path, handle: Any) -> None:
     """The replaced file is held open across the rename and closed on another thread: no descriptor
     stays open once that is done, the new content is there, and no other file is left."""
-    import os
-
     path = tmp_path / "c.pt"
     deepnvme.save({"w": torch.randn(BIG)}, path, handle=handle)
     serialization._join_closers()
-    before = set(os.listdir("/proc/self/fd"))
+    before = _fds()
     new = {"w": torch.randn(BIG // 2)}
     deepnvme.save(new, path, handle=handle)
     serialization._join_closers()
-    assert set(os.listdir("/proc/self/fd")) == before
+    assert _fds() - before == set()  # (other tests' objects may close theirs meanwhile)
     assert torch.equal(deepnvme.load(path, handle=handle)["w"], new["w"])
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_failed_loads_leave_no_descriptor_open(tmp_path: Path, handle: Any, verify: bool) -> None:
+    """A damaged payload (found by its CRC) or a pickle torch rejects: the error, and no descriptor left
+    open by the read-ahead (its O_DIRECT reopen included)."""
+    path = tmp_path / "c.pt"
+    deepnvme.save({"w": torch.randn(BIG), "o": Opaque()}, path, handle=handle)
+    data = bytearray(path.read_bytes())
+    bad = tmp_path / "bad.pt"
+    data[len(data) // 2] ^= 0x5A
+    bad.write_bytes(bytes(data))
+    before = _fds()
+    if verify:
+        with pytest.raises(serialization.CheckpointFormatError, match="CRC-32"):
+            deepnvme.load(bad, handle=handle)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        deepnvme.load(path, handle=handle, verify=verify)
+    assert _fds() - before == set()  # (other tests' objects may close theirs meanwhile)
+
+
+def _fds() -> set[tuple[str, str]]:
+    """This process's open descriptors with what they point at."""
+    import os
+
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+        except OSError:  # the listing's own descriptor, gone by now
+            pass
+    return out
+
+
+class Opaque:
+    """Not allowed by weights_only=True."""
