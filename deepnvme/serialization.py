@@ -77,9 +77,8 @@ READ_CHUNK_BYTES = 4 << 20
 # one scratch buffer): a page of alignment slack is small beside them.
 PREFETCH_OWN_BYTES = 64 << 10
 # Bytes per batch of load's reads: the CRCs of one batch are checked while the next is read. Smaller
-# batches read slower here (each hand-over between the two handles thins the queue: 64 MiB gave 0.85x,
-# 128 MiB 0.81x, 256 MiB 0.98x, 512 MiB 0.87x the raw handle's read of the same bytes, interleaved);
-# larger ones leave more CRC work after the last read.
+# batches read slower (each hand-over between the two handles thins the disk's queue), larger ones leave
+# more CRC work after the last read; of 64 MiB to 512 MiB, this size came closest to the raw read.
 BATCH_BYTES = 256 << 20
 TEMP_SUFFIX = ".deepnvme-tmp"
 # What stock torch.save's legacy (non-zip) format starts with: pickle protocol 2 and its magic number.

@@ -215,3 +215,25 @@ def _fds() -> set[tuple[str, str]]:
 
 class Opaque:
     """Not allowed by weights_only=True."""
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_many_read_batches_on_two_handles(tmp_path: Path, aio_module: ModuleType,
+                                          monkeypatch: pytest.MonkeyPatch, damaged: bool) -> None:
+    """Batches far smaller than the payloads: the reads alternate between the default handle and this
+    thread's second one, each batch's CRCs are checked while the next is read, a damaged member stops
+    the load with its name, and an intact file loads exactly."""
+    monkeypatch.setattr(serialization, "BATCH_BYTES", 16 * PAGE)
+    obj = {f"w{i}": torch.randn(BIG // 4 + 1000 * i) for i in range(6)} | {"s": torch.arange(9)}
+    path = tmp_path / "m.pt"
+    deepnvme.save(obj, path)
+    if damaged:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 3] ^= 0x5A
+        path.write_bytes(bytes(data))
+        with pytest.raises(serialization.CheckpointFormatError, match="CRC-32") as caught:
+            deepnvme.load(path)
+        assert caught.value.filename == str(path)
+    else:
+        got = deepnvme.load(path)
+        assert all(torch.equal(got[k], obj[k]) for k in obj)
