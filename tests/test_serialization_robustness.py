@@ -35,8 +35,8 @@ def _replace_path_once_records_are_read(monkeypatch: pytest.MonkeyPatch, path: P
     i.e. before any payload is read: the race of an evaluator loading while a trainer saves."""
     read_records = serialization._records
 
-    def records_then_replace(fd: int, name: str) -> Any:
-        found = read_records(fd, name)
+    def records_then_replace(fd: int, name: str, **how: Any) -> Any:
+        found = read_records(fd, name, **how)
         if other.exists():
             os.replace(other, path)
         return found

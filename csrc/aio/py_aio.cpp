@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "aligned_tensor.h"
 #include "engine.h"
 #include "handle.h"
 #include "bind_handle.h"
@@ -75,6 +76,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               return 0;
           },
           py::arg("dest"), py::arg("src"));
+    m.def("empty_at_residue", &empty_at_residue, py::arg("nbytes"), py::arg("residue"),
+          "A uint8 CPU tensor whose memory starts `residue` bytes past a page boundary (deepnvme.load).");
     m.def("available_engines", &available_engines, "Engines usable here, in the order 'auto' tries them.");
     m.def("engine_status", [] {
         py::dict d;
