@@ -242,7 +242,7 @@ def test_no_fd_leak(aio_module: ModuleType, available_engines: list[str], workdi
     path = str(workdir / "f")
     src, _ = random_tensor(10000)
     dst = torch.empty(10000, dtype=torch.uint8)
-    monkeypatch.setenv("DEEPNVME_FAULT", "eio@3")
+    monkeypatch.setenv("DEEPNVME_FAULT", "eio@1")
     fault = aio_module.aio_handle(4096, 4, False, False, 1, engine="fault")
     handles = [aio_module.aio_handle(4096, 4, False, True, 2, engine=e) for e in available_engines]
     with_handles = None
