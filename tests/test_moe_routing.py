@@ -334,11 +334,11 @@ def test_compiled_functions_check_their_own_inputs(moe_op: None) -> None:
     with pytest.raises(ValueError, match="expert_idx"):
         module.assign_slots(idx, 2, 1, None, None, True)
     with pytest.raises(ValueError, match="slot"):
-        module.dispatch_forward(torch.randn(1, 3), torch.tensor([[0, 1]]), torch.tensor([[0, 9]]), 2, 2)
+        module.scatter(torch.randn(1, 3), torch.tensor([[0, 1]]), torch.tensor([[0, 9]]), 2, 2)
     with pytest.raises(ValueError, match="expert_idx"):
-        module.combine_forward(torch.randn(2, 2, 3), idx, torch.tensor([[0, 0]]), torch.rand(1, 2))
+        module.gather(torch.randn(2, 2, 3), idx, torch.tensor([[0, 0]]), torch.rand(1, 2))
     with pytest.raises(TypeError, match="x"):
-        module.dispatch_forward(torch.randn(1, 3, dtype=torch.float64), idx % 2, idx * 0, 2, 2)
+        module.scatter(torch.randn(1, 3, dtype=torch.float64), idx % 2, idx * 0, 2, 2)
     with pytest.raises(ValueError, match="NaN"):
         module.top_k(torch.tensor([[0.0, float("nan")]]), 1)
     with pytest.raises(ValueError, match="k must"):

@@ -46,18 +46,27 @@ float dot(const T* a, const T* b, int64_t n) {
 
 }  // namespace
 
-at::Tensor dispatch_forward(const at::Tensor& x, const RouteRows& routes, int64_t k, int64_t num_experts,
-                            int64_t capacity) {
+at::Tensor scatter_rows(const at::Tensor& x, const RouteRows& routes, int64_t k, int64_t num_experts,
+                        int64_t capacity, const float* weight) {
     const int64_t tokens = x.size(0), width = x.size(1);
     at::Tensor out = at::empty({num_experts, capacity, width}, x.options());
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "moe_dispatch_forward", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "moe_scatter_rows", [&] {
         const scalar_t* src = x.const_data_ptr<scalar_t>();
         scalar_t* dst = out.mutable_data_ptr<scalar_t>();
         at::parallel_for(0, tokens, token_grain(width * k), [&](int64_t begin, int64_t end) {
             for (int64_t s = begin; s < end; ++s) {
+                const scalar_t* xs = src + s * width;
                 for (int64_t j = 0; j < k; ++j) {
-                    const int64_t row = routes.row[static_cast<size_t>(s * k + j)];
-                    if (row >= 0) std::memcpy(dst + row * width, src + s * width, sizeof(scalar_t) * width);
+                    const int64_t route = s * k + j;
+                    const int64_t row = routes.row[static_cast<size_t>(route)];
+                    if (row < 0) continue;
+                    scalar_t* d = dst + row * width;
+                    if (weight == nullptr) {
+                        std::memcpy(d, xs, sizeof(scalar_t) * width);
+                        continue;
+                    }
+                    const float ws = weight[route];
+                    for (int64_t m = 0; m < width; ++m) d[m] = static_cast<scalar_t>(static_cast<float>(xs[m]) * ws);
                 }
             }
         });
@@ -66,45 +75,38 @@ at::Tensor dispatch_forward(const at::Tensor& x, const RouteRows& routes, int64_
     return out;
 }
 
-at::Tensor dispatch_backward(const at::Tensor& grad, const RouteRows& routes, int64_t tokens, int64_t k) {
-    const int64_t width = grad.size(2);
-    at::Tensor grad_x = at::empty({tokens, width}, grad.options());
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "moe_dispatch_backward", [&] {
-        const scalar_t* g = grad.const_data_ptr<scalar_t>();
-        scalar_t* dst = grad_x.mutable_data_ptr<scalar_t>();
-        at::parallel_for(0, tokens, token_grain(width * k), [&](int64_t begin, int64_t end) {
-            std::vector<float> acc(static_cast<size_t>(width));
-            for (int64_t s = begin; s < end; ++s) {
-                std::fill(acc.begin(), acc.end(), 0.0f);
-                for (int64_t j = 0; j < k; ++j) {
-                    const int64_t row = routes.row[static_cast<size_t>(s * k + j)];
-                    if (row < 0) continue;
-                    const scalar_t* src = g + row * width;
-                    for (int64_t m = 0; m < width; ++m) acc[m] += static_cast<float>(src[m]);
-                }
-                scalar_t* out = dst + s * width;
-                for (int64_t m = 0; m < width; ++m) out[m] = static_cast<scalar_t>(acc[m]);
-            }
-        });
-    });
-    return grad_x;
-}
-
-at::Tensor combine_forward(const at::Tensor& y, const RouteRows& routes, const at::Tensor& weight) {
-    const int64_t tokens = weight.size(0), k = weight.size(1), width = y.size(2);
+at::Tensor gather_rows(const at::Tensor& y, const RouteRows& routes, int64_t tokens, int64_t k,
+                       const float* weight) {
+    const int64_t width = y.size(2);
     at::Tensor out = at::empty({tokens, width}, y.options());
-    const float* w = weight.const_data_ptr<float>();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "moe_combine_forward", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "moe_gather_rows", [&] {
         const scalar_t* rows = y.const_data_ptr<scalar_t>();
         scalar_t* dst = out.mutable_data_ptr<scalar_t>();
         at::parallel_for(0, tokens, token_grain(width * k), [&](int64_t begin, int64_t end) {
-            std::vector<float> acc(static_cast<size_t>(width));
+            std::vector<float> acc(k > 1 ? static_cast<size_t>(width) : 0);
             for (int64_t s = begin; s < end; ++s) {
+                scalar_t* o = dst + s * width;
+                if (k == 1) {
+                    // One route: its weighted row is the sum; 0.0f + part keeps the accumulator's bits (-0 -> +0).
+                    const int64_t row = routes.row[static_cast<size_t>(s)];
+                    if (row < 0) {
+                        std::fill(o, o + width, scalar_t(0));
+                        continue;
+                    }
+                    const scalar_t* src = rows + row * width;
+                    const float ws = weight == nullptr ? 1.0f : weight[s];
+                    for (int64_t m = 0; m < width; ++m) {
+                        const float part = static_cast<float>(src[m]) * ws;
+                        o[m] = static_cast<scalar_t>(0.0f + part);
+                    }
+                    continue;
+                }
                 std::fill(acc.begin(), acc.end(), 0.0f);
                 for (int64_t j = 0; j < k; ++j) {
-                    const int64_t row = routes.row[static_cast<size_t>(s * k + j)];
+                    const int64_t route = s * k + j;
+                    const int64_t row = routes.row[static_cast<size_t>(route)];
                     if (row < 0) continue;
-                    const float ws = w[s * k + j];
+                    const float ws = weight == nullptr ? 1.0f : weight[route];
                     const scalar_t* src = rows + row * width;
                     // A product rounded on its own, then added: the same two roundings as the torch path.
                     for (int64_t m = 0; m < width; ++m) {
@@ -112,7 +114,6 @@ at::Tensor combine_forward(const at::Tensor& y, const RouteRows& routes, const a
                         acc[m] += part;
                     }
                 }
-                scalar_t* o = dst + s * width;
                 for (int64_t m = 0; m < width; ++m) o[m] = static_cast<scalar_t>(acc[m]);
             }
         });
@@ -120,42 +121,24 @@ at::Tensor combine_forward(const at::Tensor& y, const RouteRows& routes, const a
     return out;
 }
 
-std::pair<at::Tensor, at::Tensor> combine_backward(const at::Tensor& grad, const at::Tensor& y,
-                                                   const RouteRows& routes, const at::Tensor& weight,
-                                                   bool need_y, bool need_weight) {
-    const int64_t tokens = weight.size(0), k = weight.size(1), width = y.size(2);
-    at::Tensor grad_y, grad_w;
-    if (need_y) grad_y = at::empty(y.sizes(), y.options());
-    if (need_weight) grad_w = at::zeros({tokens, k}, weight.options());
-    const float* w = weight.const_data_ptr<float>();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "moe_combine_backward", [&] {
+at::Tensor route_dots(const at::Tensor& grad, const at::Tensor& y, const RouteRows& routes, int64_t tokens,
+                      int64_t k) {
+    const int64_t width = y.size(2);
+    at::Tensor dots = at::zeros({tokens, k}, grad.options().dtype(at::kFloat));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "moe_route_dots", [&] {
         const scalar_t* g = grad.const_data_ptr<scalar_t>();
         const scalar_t* rows = y.const_data_ptr<scalar_t>();
-        scalar_t* gy = need_y ? grad_y.mutable_data_ptr<scalar_t>() : nullptr;
-        float* gw = need_weight ? grad_w.mutable_data_ptr<float>() : nullptr;
+        float* d = dots.mutable_data_ptr<float>();
         at::parallel_for(0, tokens, token_grain(width * k), [&](int64_t begin, int64_t end) {
             for (int64_t s = begin; s < end; ++s) {
-                const scalar_t* gs = g + s * width;
                 for (int64_t j = 0; j < k; ++j) {
                     const int64_t row = routes.row[static_cast<size_t>(s * k + j)];
-                    if (row < 0) continue;
-                    if (gy != nullptr) {
-                        const float ws = w[s * k + j];
-                        scalar_t* dst = gy + row * width;
-                        for (int64_t m = 0; m < width; ++m) {
-                            dst[m] = static_cast<scalar_t>(static_cast<float>(gs[m]) * ws);
-                        }
-                    }
-                    if (gw != nullptr) {
-                        const scalar_t* src = rows + row * width;
-                        gw[s * k + j] = dot(gs, src, width);
-                    }
+                    if (row >= 0) d[s * k + j] = dot(g + s * width, rows + row * width, width);
                 }
             }
         });
-        if (gy != nullptr) zero_empty_rows(gy, routes.filled, width);
     });
-    return {grad_y, grad_w};
+    return dots;
 }
 
 }  // namespace dnv::moe

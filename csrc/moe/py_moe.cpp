@@ -88,8 +88,15 @@ std::tuple<at::Tensor, at::Tensor> py_assign_slots(const at::Tensor& expert_idx,
     return {slot, counts};
 }
 
-at::Tensor py_dispatch_forward(const at::Tensor& x, const at::Tensor& expert_idx, const at::Tensor& slot,
-                               int64_t num_experts, int64_t capacity) {
+// The optional per-route weights as contiguous float32 (kept alive by the returned tensor), or undefined.
+at::Tensor optional_weight(const std::optional<at::Tensor>& weight, const at::Tensor& idx) {
+    return weight.has_value() ? weight_tensor(*weight, idx) : at::Tensor();
+}
+
+const float* data_or_null(const at::Tensor& w) { return w.defined() ? w.const_data_ptr<float>() : nullptr; }
+
+at::Tensor py_scatter(const at::Tensor& x, const at::Tensor& expert_idx, const at::Tensor& slot, int64_t num_experts,
+                      int64_t capacity, const std::optional<at::Tensor>& weight) {
     check_data(x, "x", 2);
     const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
     const at::Tensor sl = index_tensor(slot, "slot");
@@ -97,44 +104,33 @@ at::Tensor py_dispatch_forward(const at::Tensor& x, const at::Tensor& expert_idx
     TORCH_CHECK_VALUE(capacity >= 0, "capacity must be >= 0, got ", capacity);
     TORCH_CHECK_VALUE(idx.size(0) == x.size(0), "expert_idx must have ", x.size(0), " rows (one per token), got ",
                       idx.size(0));
+    const at::Tensor w = optional_weight(weight, idx);
     const RouteRows routes = rows_of(idx, sl, num_experts, capacity);
-    return dispatch_forward(x.contiguous(), routes, idx.size(1), num_experts, capacity);
+    return scatter_rows(x.contiguous(), routes, idx.size(1), num_experts, capacity, data_or_null(w));
 }
 
-at::Tensor py_dispatch_backward(const at::Tensor& grad, const at::Tensor& expert_idx, const at::Tensor& slot) {
-    check_data(grad, "grad", 3);
-    const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
-    const at::Tensor sl = index_tensor(slot, "slot");
-    const RouteRows routes = rows_of(idx, sl, grad.size(0), grad.size(1));
-    return dispatch_backward(grad.contiguous(), routes, idx.size(0), idx.size(1));
-}
-
-at::Tensor py_combine_forward(const at::Tensor& y, const at::Tensor& expert_idx, const at::Tensor& slot,
-                              const at::Tensor& weight) {
+at::Tensor py_gather(const at::Tensor& y, const at::Tensor& expert_idx, const at::Tensor& slot,
+                     const std::optional<at::Tensor>& weight) {
     check_data(y, "y", 3);
     const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
     const at::Tensor sl = index_tensor(slot, "slot");
-    const at::Tensor w = weight_tensor(weight, idx);
+    const at::Tensor w = optional_weight(weight, idx);
     const RouteRows routes = rows_of(idx, sl, y.size(0), y.size(1));
-    return combine_forward(y.contiguous(), routes, w);
+    return gather_rows(y.contiguous(), routes, idx.size(0), idx.size(1), data_or_null(w));
 }
 
-std::tuple<at::Tensor, at::Tensor> py_combine_backward(const at::Tensor& grad, const at::Tensor& y,
-                                                       const at::Tensor& expert_idx, const at::Tensor& slot,
-                                                       const at::Tensor& weight, bool need_y, bool need_weight) {
+at::Tensor py_route_dots(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& expert_idx,
+                         const at::Tensor& slot) {
     check_data(y, "y", 3);
     check_data(grad, "grad", 2);
     TORCH_CHECK_TYPE(grad.scalar_type() == y.scalar_type(), "grad must have y's dtype ", y.scalar_type(), ", got ",
                      grad.scalar_type());
     const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
     const at::Tensor sl = index_tensor(slot, "slot");
-    const at::Tensor w = weight_tensor(weight, idx);
     TORCH_CHECK_VALUE(grad.size(0) == idx.size(0) && grad.size(1) == y.size(2), "grad must have shape [",
                       idx.size(0), ", ", y.size(2), "], got ", grad.sizes());
     const RouteRows routes = rows_of(idx, sl, y.size(0), y.size(1));
-    auto [grad_y, grad_w] = combine_backward(grad.contiguous(), y.contiguous(), routes, w, need_y, need_weight);
-    if (grad_w.defined() && grad_w.scalar_type() != weight.scalar_type()) grad_w = grad_w.to(weight.scalar_type());
-    return {grad_y, grad_w};
+    return route_dots(grad.contiguous(), y.contiguous(), routes, idx.size(0), idx.size(1));
 }
 
 std::tuple<at::Tensor, at::Tensor> py_top_k(const at::Tensor& scores, int64_t k) {
@@ -161,11 +157,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "(slot[S,k] int64 with -1 for dropped, exp_counts[E]); capacity -1 keeps every route");
     m.def("top_k", &py_top_k, py::arg("scores"), py::arg("k"),
           "(values, indices) of the k largest scores per row, largest first, ties to the lower index");
-    m.def("dispatch_forward", &py_dispatch_forward, py::arg("x"), py::arg("expert_idx"), py::arg("slot"),
-          py::arg("num_experts"), py::arg("capacity"));
-    m.def("dispatch_backward", &py_dispatch_backward, py::arg("grad"), py::arg("expert_idx"), py::arg("slot"));
-    m.def("combine_forward", &py_combine_forward, py::arg("y"), py::arg("expert_idx"), py::arg("slot"),
-          py::arg("weight"));
-    m.def("combine_backward", &py_combine_backward, py::arg("grad"), py::arg("y"), py::arg("expert_idx"),
-          py::arg("slot"), py::arg("weight"), py::arg("need_y"), py::arg("need_weight"));
+    m.def("scatter", &py_scatter, py::arg("x"), py::arg("expert_idx"), py::arg("slot"), py::arg("num_experts"),
+          py::arg("capacity"), py::arg("weight") = py::none(),
+          "x[S,M] -> [E,C,M]: each kept route's row gets its token (times its weight); empty rows are zero");
+    m.def("gather", &py_gather, py::arg("y"), py::arg("expert_idx"), py::arg("slot"), py::arg("weight") = py::none(),
+          "y[E,C,M] -> [S,M]: each token's kept rows (times their weights) summed in float32, choice order");
+    m.def("route_dots", &py_route_dots, py::arg("grad"), py::arg("y"), py::arg("expert_idx"), py::arg("slot"),
+          "[S,k] float32: grad[s] . y[row(s,j)] for kept routes, 0 for dropped");
 }

@@ -344,14 +344,17 @@ def combine(y: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor, weigh
 
 # --------------------------------------------------------------------------------------------- autograd
 class _DispatchOp(torch.autograd.Function):
-    """Compiled dispatch; its backward gathers each token's rows back and sums them."""
+    """Compiled dispatch (a scatter of token rows); its backward gathers each token's rows back and sums them.
+
+    Saves only the routes: the copy itself needs no data for its gradient.
+    """
 
     @staticmethod
     def forward(ctx: Any, module: Any, x: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor,
                 num_experts: int, capacity: int) -> torch.Tensor:
         ctx.module = module
         ctx.save_for_backward(expert_idx, slot)
-        return module.dispatch_forward(x.contiguous(), expert_idx, slot, num_experts, capacity)
+        return module.scatter(x.contiguous(), expert_idx, slot, num_experts, capacity)
 
     @staticmethod
     @once_differentiable  # the compiled backward is not itself differentiable: say so instead of a wrong 0
@@ -359,12 +362,19 @@ class _DispatchOp(torch.autograd.Function):
         expert_idx, slot = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[1]:
-            grad_x = ctx.module.dispatch_backward(grad_out.contiguous(), expert_idx, slot)
+            grad_x = ctx.module.gather(grad_out.contiguous(), expert_idx, slot)
         return None, grad_x, None, None, None, None
 
 
 class _CombineOp(torch.autograd.Function):
-    """Compiled combine; backward scatters weighted gradients to the rows and dots them for the weights."""
+    """Compiled combine (a weighted gather of buffer rows).
+
+    Backward: the weights' gradient needs the expert outputs ``y`` (one dot product per route), the gradient
+    of ``y`` needs only the weights (a weighted scatter). So the dots come first, then the saved tensors are
+    released (unless the graph is kept for another backward), and only then is the ``[E, C, M]`` gradient
+    allocated: where the combine held the last reference to ``y``, its memory is free again by then, and the
+    step's peak holds one ``[E, C, M]`` buffer here instead of two.
+    """
 
     @staticmethod
     def forward(ctx: Any, module: Any, y: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor,
@@ -373,13 +383,30 @@ class _CombineOp(torch.autograd.Function):
         y = y.contiguous()
         weight = weight.contiguous()
         ctx.save_for_backward(y, expert_idx, slot, weight)
-        return module.combine_forward(y, expert_idx, slot, weight)
+        return module.gather(y, expert_idx, slot, weight)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         y, expert_idx, slot, weight = ctx.saved_tensors
-        grad_y, grad_w = ctx.module.combine_backward(grad_out.contiguous(), y, expert_idx, slot, weight,
-                                                     ctx.needs_input_grad[1], ctx.needs_input_grad[4])
-        return (None, grad_y if ctx.needs_input_grad[1] else None, None, None,
-                grad_w if ctx.needs_input_grad[4] else None)
+        grad_out = grad_out.contiguous()
+        num_experts, capacity = y.shape[0], y.shape[1]
+        grad_w = None
+        if ctx.needs_input_grad[4]:
+            grad_w = ctx.module.route_dots(grad_out, y, expert_idx, slot).to(weight.dtype)
+        del y
+        _release_saved_tensors(ctx)
+        grad_y = None
+        if ctx.needs_input_grad[1]:
+            grad_y = ctx.module.scatter(grad_out, expert_idx, slot, num_experts, capacity, weight)
+        return None, grad_y, None, None, grad_w
+
+
+def _release_saved_tensors(ctx: Any) -> None:
+    """Drop ``ctx``'s saved tensors now instead of after its backward returns, unless the graph is kept
+    (``retain_graph``/``create_graph``), when a later backward still needs them. The hook is torch's own
+    (AOT autograd calls it the same way); without it the tensors are simply freed at the usual time.
+    """
+    release = getattr(ctx, "maybe_clear_saved_tensors", None)
+    if release is not None:
+        release()
