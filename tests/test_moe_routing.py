@@ -6,7 +6,9 @@ import os
 import shutil
 import subprocess
 import sys
+import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -268,6 +270,98 @@ def test_op_gradients_are_the_analytic_ones(moe_op: None) -> None:
     filled = torch.zeros(5, 8, dtype=torch.bool)
     filled[idx[slot >= 0], slot[slot >= 0]] = True
     assert not y.grad[~filled].any()
+
+
+def combine_step(case: str) -> tuple[list[bool], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One combine forward/backward on an intermediate y, in a given ownership situation. Returns whether
+    y's gradient reused y's memory, the gradients of x (upstream of y) and w, and the tensor kept (if any)."""
+    gen = torch.Generator().manual_seed(9)
+    num_tokens, num_experts, capacity, width, k = 40, 4, 16, 6, 2
+    idx = choices(num_tokens, num_experts, k, gen)
+    slot, _ = assign_slots(idx, num_experts, capacity)
+    x = torch.randn(num_experts, capacity, width, generator=gen, requires_grad=True)
+    w = torch.rand(num_tokens, k, generator=gen, requires_grad=True)
+    g = torch.randn(num_tokens, width, generator=gen)
+    y = x * 3 if case != "saved by exp" else (x * 3).exp()
+    # Reused means y's gradient is y's own tensor (a data pointer would not tell: a fresh buffer may get the
+    # memory y just gave back). The weak reference adds no reference the combine could count.
+    y_ref, reused = weakref.ref(y), []
+    y.register_hook(lambda grad: reused.append(grad is y_ref()))
+    kept = {"user keeps y": y, "detached alias": y.detach()}.get(case)
+    out = combine(y if case != "view" else y.view(num_experts, capacity, width), idx, slot, w, impl="op")
+    del y
+    out.backward(g, retain_graph=case == "retain_graph")
+    if case == "retain_graph":  # the second backward must find everything the first one used
+        grads = (x.grad.clone(), w.grad.clone())
+        x.grad = w.grad = None
+        out.backward(g)
+        assert torch.equal(x.grad, grads[0]) and torch.equal(w.grad, grads[1])
+    return reused, x.grad, w.grad, kept
+
+
+def test_combine_backward_reuses_y_only_when_nothing_else_can_see_it(moe_op: None) -> None:
+    """y's gradient is written over y only when y is the combine's alone; the gradients never change."""
+    reused, gx, gw, _ = combine_step("alone")
+    assert reused == [True]
+    for case in ("user keeps y", "detached alias", "view", "saved by exp", "retain_graph"):
+        reused_here, gx_here, gw_here, kept = combine_step(case)
+        assert reused_here[0] is False, case  # (retain_graph: the second backward may reuse, the first not)
+        if case != "saved by exp":
+            torch.testing.assert_close(gx_here, gx, rtol=0, atol=0)
+            torch.testing.assert_close(gw_here, gw, rtol=0, atol=0)
+        if kept is not None:  # what the user holds still has y's values
+            gen = torch.Generator().manual_seed(9)
+            choices(40, 4, 2, gen)
+            torch.testing.assert_close(kept, torch.randn(4, 16, 6, generator=gen) * 3, rtol=0, atol=0)
+
+
+def peak_allocated_bytes(fn: Any) -> int:
+    """Most bytes allocated at once while ``fn`` runs, above what was allocated before (profiler's CPU
+    allocation events: exact, unlike resident memory)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+
+    def walk(node: Any) -> None:
+        if node.tag == torch._C._profiler._EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    live = peak = 0
+    for _, size in sorted(events):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_routing_step_holds_one_expert_buffer_at_a_time(moe_op: None, k: int) -> None:
+    """dispatch -> combine, forward and backward: besides the [S, M] output and its gradient, never more than
+    one [E, C, M] buffer is alive (the combine's backward releases y before y's gradient exists)."""
+    num_tokens, num_experts, width = 512, 4, 256
+    capacity = num_tokens * k * 5 // (4 * num_experts)
+    gen = torch.Generator().manual_seed(k)
+    idx = choices(num_tokens, num_experts, k, gen)
+    slot, _ = assign_slots(idx, num_experts, capacity)
+    x = torch.randn(num_tokens, width, generator=gen, requires_grad=True)
+    w = torch.rand(num_tokens, k, generator=gen, requires_grad=True)
+    g = torch.randn(num_tokens, width, generator=gen)
+
+    def step() -> None:
+        out = combine(dispatch(x, idx, slot, num_experts, capacity, impl="op"), idx, slot, w, impl="op")
+        out.backward(g)
+
+    step()
+    x.grad = w.grad = None
+    row_bytes = width * 4
+    peak = peak_allocated_bytes(step)
+    one_buffer = (2 * num_tokens + num_experts * capacity) * row_bytes  # out, its gradient, one buffer
+    assert one_buffer <= peak < one_buffer + 64 * 1024  # slack: index tensors, routes, weight gradients
 
 
 def test_env_var_and_argument_select_the_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -141,4 +141,28 @@ at::Tensor route_dots(const at::Tensor& grad, const at::Tensor& y, const RouteRo
     return dots;
 }
 
+void scatter_rows_over(at::Tensor& y, const at::Tensor& grad, const RouteRows& routes, int64_t k,
+                       const float* weight, float* dots) {
+    const int64_t tokens = grad.size(0), width = grad.size(1);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "moe_scatter_rows_over", [&] {
+        const scalar_t* g = grad.const_data_ptr<scalar_t>();
+        scalar_t* rows = y.mutable_data_ptr<scalar_t>();
+        at::parallel_for(0, tokens, token_grain(width * k), [&](int64_t begin, int64_t end) {
+            for (int64_t s = begin; s < end; ++s) {
+                const scalar_t* gs = g + s * width;
+                for (int64_t j = 0; j < k; ++j) {
+                    const int64_t route = s * k + j;
+                    const int64_t row = routes.row[static_cast<size_t>(route)];
+                    if (row < 0) continue;
+                    scalar_t* d = rows + row * width;
+                    if (dots != nullptr) dots[route] = dot(gs, d, width);
+                    const float ws = weight[route];
+                    for (int64_t m = 0; m < width; ++m) d[m] = static_cast<scalar_t>(static_cast<float>(gs[m]) * ws);
+                }
+            }
+        });
+        zero_empty_rows(rows, routes.filled, width);
+    });
+}
+
 }  // namespace dnv::moe

@@ -133,6 +133,27 @@ at::Tensor py_route_dots(const at::Tensor& grad, const at::Tensor& y, const at::
     return route_dots(grad.contiguous(), y.contiguous(), routes, idx.size(0), idx.size(1));
 }
 
+std::optional<at::Tensor> py_scatter_over(at::Tensor y, const at::Tensor& grad, const at::Tensor& expert_idx,
+                                         const at::Tensor& slot, const at::Tensor& weight, bool need_dots) {
+    check_data(y, "y", 3);
+    check_data(grad, "grad", 2);
+    TORCH_CHECK_VALUE(y.is_contiguous(), "y must be contiguous (it is overwritten in place)");
+    TORCH_CHECK_TYPE(grad.scalar_type() == y.scalar_type(), "grad must have y's dtype ", y.scalar_type(), ", got ",
+                     grad.scalar_type());
+    const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
+    const at::Tensor sl = index_tensor(slot, "slot");
+    const at::Tensor w = weight_tensor(weight, idx);
+    TORCH_CHECK_VALUE(grad.size(0) == idx.size(0) && grad.size(1) == y.size(2), "grad must have shape [",
+                      idx.size(0), ", ", y.size(2), "], got ", grad.sizes());
+    const RouteRows routes = rows_of(idx, sl, y.size(0), y.size(1));
+    at::Tensor dots;
+    if (need_dots) dots = at::zeros({idx.size(0), idx.size(1)}, w.options());
+    scatter_rows_over(y, grad.contiguous(), routes, idx.size(1), w.const_data_ptr<float>(),
+                      need_dots ? dots.mutable_data_ptr<float>() : nullptr);
+    if (!need_dots) return std::nullopt;
+    return dots;
+}
+
 std::tuple<at::Tensor, at::Tensor> py_top_k(const at::Tensor& scores, int64_t k) {
     check_cpu(scores, "scores");
     TORCH_CHECK_TYPE(scores.scalar_type() == at::kFloat, "scores must be float32, got ", scores.scalar_type());
@@ -164,4 +185,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "y[E,C,M] -> [S,M]: each token's kept rows (times their weights) summed in float32, choice order");
     m.def("route_dots", &py_route_dots, py::arg("grad"), py::arg("y"), py::arg("expert_idx"), py::arg("slot"),
           "[S,k] float32: grad[s] . y[row(s,j)] for kept routes, 0 for dropped");
+    m.def("scatter_over", &py_scatter_over, py::arg("y"), py::arg("grad"), py::arg("expert_idx"), py::arg("slot"),
+          py::arg("weight"), py::arg("need_dots"),
+          "the combine's backward in y's own memory: y becomes scatter(grad, weight); returns route_dots first "
+          "(or None)");
 }

@@ -69,6 +69,9 @@ class MOELayer(nn.Module):
         buffer = dispatch(tokens, routes.expert_idx, routes.slot, routes.num_experts, c)
         buffer = all_to_all(buffer, self.ep_group)
         out = self.experts(buffer.reshape(self.ep_size, self.num_local_experts, c, d_model))
-        out = all_to_all(out.reshape(self.ep_size * self.num_local_experts, c, out.shape[-1]), self.ep_group)
+        if self.ep_size > 1:
+            num_experts = self.ep_size * self.num_local_experts
+            out = all_to_all(out.reshape(num_experts, c, out.shape[-1]), self.ep_group)
+        # [ep, E_local, C, M] goes in as it is, not as a reshaped view: the combine's backward may reuse it.
         combined = combine(out, routes.expert_idx, routes.slot, routes.weight)
         return combined.reshape(x.shape[:-1] + combined.shape[-1:])

@@ -27,7 +27,9 @@ variable set to ``op``) demands the op and raises if it cannot load.
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 import threading
 from typing import Any
 
@@ -318,11 +320,15 @@ def combine(y: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor, weigh
 
     ``out[s] = sum over kept j of weight[s, j] * y[expert_idx[s, j], slot[s, j]]``.
 
+    ``y`` may also be ``[..., C, M]`` with leading dims that multiply to E (the ``[ep, E_local, C, M]`` the
+    experts return): taking it unreshaped lets the compiled backward reuse its memory (see ``_CombineOp``).
     Accumulates in float32 (float64 for float64 inputs) in choice order and returns ``y``'s dtype, as
     DeepSpeed's decode does; weights of dropped routes are ignored. Differentiable in ``y`` and ``weight``.
     """
-    _check_float("y", y, ndim=3)
-    num_experts, capacity, _ = y.shape
+    _check_float("y", y)
+    if y.dim() < 3:
+        raise ValueError(f"y must be [E, C, M] (or [..., C, M]), got shape {tuple(y.shape)}")
+    num_experts, capacity = math.prod(y.shape[:-2]), y.shape[-2]
     _check_index("expert_idx", expert_idx)
     _check_float("weight", weight, shape=tuple(expert_idx.shape))
     _check_routes(expert_idx, slot, num_experts, capacity, expert_idx.shape[0])
@@ -332,8 +338,8 @@ def combine(y: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor, weigh
         return _CombineOp.apply(module, y, expert_idx.contiguous(), slot.contiguous(), weight)
     _flat_routes(expert_idx, slot, capacity)
     acc_dtype = torch.float64 if torch.float64 in (y.dtype, weight.dtype) else torch.float32
-    y_rows = y.reshape(num_experts * capacity, y.shape[2])
-    out = torch.zeros(expert_idx.shape[0], y.shape[2], dtype=acc_dtype, device=y.device)
+    y_rows = y.reshape(num_experts * capacity, y.shape[-1])
+    out = torch.zeros(expert_idx.shape[0], y.shape[-1], dtype=acc_dtype, device=y.device)
     for j in range(expert_idx.shape[1]):  # k is small; one gather per choice keeps the sum in choice order
         token = (slot[:, j] >= 0).nonzero(as_tuple=True)[0]
         rows = expert_idx[token, j].long() * capacity + slot[token, j].long()
@@ -370,36 +376,53 @@ class _CombineOp(torch.autograd.Function):
     """Compiled combine (a weighted gather of buffer rows).
 
     Backward: the weights' gradient needs the expert outputs ``y`` (one dot product per route), the gradient
-    of ``y`` needs only the weights (a weighted scatter). So the dots come first, then the saved tensors are
-    released (unless the graph is kept for another backward), and only then is the ``[E, C, M]`` gradient
-    allocated: where the combine held the last reference to ``y``, its memory is free again by then, and the
-    step's peak holds one ``[E, C, M]`` buffer here instead of two.
+    of ``y`` needs only the weights (a weighted scatter), and each buffer row belongs to one route. The saved
+    tensors are released first (unless the graph is kept for another backward). Then, when nothing else can
+    reach ``y``'s memory any more (:func:`_sole_owner`), one pass takes each row's dot product and overwrites
+    the row with its gradient, which is returned as ``y``'s gradient: no second ``[E, C, M]`` buffer, and no
+    fresh pages to fault in. Otherwise the dots come first, ``y`` is let go, and the gradient is a new
+    buffer; either way the step's peak holds one ``[E, C, M]`` buffer here, not two.
     """
 
     @staticmethod
     def forward(ctx: Any, module: Any, y: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor,
                 weight: torch.Tensor) -> torch.Tensor:
         ctx.module = module
+        ctx.y_shape = y.shape
         y = y.contiguous()
         weight = weight.contiguous()
         ctx.save_for_backward(y, expert_idx, slot, weight)
-        return module.gather(y, expert_idx, slot, weight)
+        return module.gather(_as_buffer(y), expert_idx, slot, weight)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         y, expert_idx, slot, weight = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        num_experts, capacity = y.shape[0], y.shape[1]
-        grad_w = None
-        if ctx.needs_input_grad[4]:
-            grad_w = ctx.module.route_dots(grad_out, y, expert_idx, slot).to(weight.dtype)
-        del y
         _release_saved_tensors(ctx)
-        grad_y = None
-        if ctx.needs_input_grad[1]:
-            grad_y = ctx.module.scatter(grad_out, expert_idx, slot, num_experts, capacity, weight)
+        grad_out = grad_out.contiguous()
+        need_y, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[4]
+        grad_y = grad_w = None
+        if need_y and grad_out.dtype == y.dtype and _sole_owner(y):
+            grad_w = ctx.module.scatter_over(_as_buffer(y), grad_out, expert_idx, slot, weight, need_w)
+            torch.autograd.graph.increment_version(y)  # its values changed under the same tensor
+            grad_y = y
+        else:
+            buffer = _as_buffer(y)
+            if need_w:
+                grad_w = ctx.module.route_dots(grad_out, buffer, expert_idx, slot)
+            num_experts, capacity = buffer.shape[0], buffer.shape[1]
+            del y, buffer  # the last references to y's memory, if the combine held them
+            if need_y:
+                grad_y = ctx.module.scatter(grad_out, expert_idx, slot, num_experts, capacity, weight)
+                grad_y = grad_y.view(ctx.y_shape)
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
         return None, grad_y, None, None, grad_w
+
+
+def _as_buffer(y: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``[..., C, M]`` tensor viewed as the ``[E, C, M]`` buffer the op takes."""
+    return y if y.dim() == 3 else y.view(math.prod(y.shape[:-2]), y.shape[-2], y.shape[-1])
 
 
 def _release_saved_tensors(ctx: Any) -> None:
@@ -410,3 +433,27 @@ def _release_saved_tensors(ctx: Any) -> None:
     release = getattr(ctx, "maybe_clear_saved_tensors", None)
     if release is not None:
         release()
+
+
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether the caller's one local name is the only way left to ``t``'s memory, so overwriting it is
+    invisible to everyone else.
+
+    Every way to reach the memory is counted: other C++ holders of the tensor (a saved variable that was not
+    released, e.g. under ``retain_graph``, or another node that saved it), other tensors on the same storage
+    (views, ``detach()`` aliases, a view's base), and other Python references to the tensor object (a user
+    variable, a forward hook's stash). Leaves are the user's and never qualify. Any doubt, including torch
+    internals this relies on going away, answers False, which costs only a fresh buffer.
+    """
+    if t._base is not None or t.is_leaf or not t.is_contiguous():
+        return False
+    try:
+        if t._use_count() != 1:
+            return False
+        storage = t.untyped_storage()
+        holders = torch._C._storage_Use_Count(storage._cdata) - 1  # less our own storage object
+        del storage
+    except (AttributeError, RuntimeError):
+        return False
+    # References to t: the caller's local, this argument and getrefcount's own argument.
+    return holders == 1 and sys.getrefcount(t) == 3
