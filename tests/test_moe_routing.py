@@ -430,7 +430,9 @@ def test_compiled_functions_check_their_own_inputs(moe_op: None) -> None:
     with pytest.raises(ValueError, match="slot"):
         module.scatter(torch.randn(1, 3), torch.tensor([[0, 1]]), torch.tensor([[0, 9]]), 2, 2)
     with pytest.raises(ValueError, match="expert_idx"):
-        module.gather(torch.randn(2, 2, 3), idx, torch.tensor([[0, 0]]), torch.rand(1, 2))
+        module.gather([torch.randn(2, 2, 3)], idx, torch.tensor([[0, 0]]), 2, 2, torch.rand(1, 2))
+    with pytest.raises(ValueError, match="blocks"):
+        module.gather([torch.randn(2, 3), torch.randn(3, 3)], idx % 2, torch.tensor([[0, 0]]), 2, 2)
     with pytest.raises(TypeError, match="x"):
         module.scatter(torch.randn(1, 3, dtype=torch.float64), idx % 2, idx * 0, 2, 2)
     with pytest.raises(ValueError, match="NaN"):

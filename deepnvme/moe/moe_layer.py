@@ -7,8 +7,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from deepnvme.moe.comm import all_to_all
+from deepnvme.moe.experts import Experts
 from deepnvme.moe.gating import TopKGate
-from deepnvme.moe.routing import combine, dispatch
+from deepnvme.moe.routing import combine, combine_per_expert, dispatch, dispatch_per_expert
 
 
 class MOELayer(nn.Module):
@@ -66,6 +67,14 @@ class MOELayer(nn.Module):
         routes = self.gate.route(tokens, used_token)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
         c = routes.capacity
+        if self.ep_size == 1 and isinstance(self.experts, Experts) and self.experts.runs_each_as_forward():
+            # One buffer per expert, each expert's output combined as it is: what forward below does, without
+            # the split of one [E, C, M] buffer, the concatenation after the experts, and their backwards.
+            blocks = dispatch_per_expert(tokens, routes.expert_idx, routes.slot, routes.num_experts, c,
+                                         (1, 1, c, d_model))
+            outs = self.experts.run_each(blocks)
+            combined = combine_per_expert(outs, routes.expert_idx, routes.slot, routes.weight)
+            return combined.reshape(x.shape[:-1] + combined.shape[-1:])
         buffer = dispatch(tokens, routes.expert_idx, routes.slot, routes.num_experts, c)
         buffer = all_to_all(buffer, self.ep_group)
         out = self.experts(buffer.reshape(self.ep_size, self.num_local_experts, c, d_model))

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["IMPL_ENV", "assign_slots", "combine", "dispatch", "op_available", "top_k"]
+__all__ = ["IMPL_ENV", "assign_slots", "combine", "combine_per_expert", "dispatch", "dispatch_per_expert",
+           "op_available", "top_k"]
 
 IMPL_ENV = "DEEPNVME_MOE_IMPL"
 _IMPLS = ("auto", "op", "torch")
@@ -348,6 +349,61 @@ def combine(y: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor, weigh
     return out.to(y.dtype)
 
 
+# --------------------------------------------------------------------------------------------- per expert
+def dispatch_per_expert(x: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor, num_experts: int,
+                        capacity: int, block_shape: tuple[int, ...], *,
+                        impl: str | None = None) -> tuple[torch.Tensor, ...]:
+    """:func:`dispatch` into one buffer per expert: ``num_experts`` tensors of ``block_shape`` (``capacity``
+    x M elements each, e.g. the ``[1, 1, C, M]`` an expert sees at ``ep_size=1``), each expert's rows.
+
+    The MoE layer runs each expert on its own buffer and hands the outputs to :func:`combine_per_expert`, so
+    no ``[E, C, M]`` tensor is split for the experts or concatenated after them (forward and backward: two
+    copies and two fresh ``[E, C, M]`` allocations fewer per step). Differentiable in ``x``.
+    """
+    _check_float("x", x, ndim=2)
+    _check_int("num_experts", num_experts, 1)
+    _check_int("capacity", capacity, 0)
+    if math.prod(block_shape) != capacity * x.shape[1] or not block_shape or block_shape[-1] != x.shape[1]:
+        raise ValueError(f"block_shape must hold capacity x width ({capacity} x {x.shape[1]}), "
+                         f"got {block_shape}")
+    _check_routes(expert_idx, slot, num_experts, capacity, x.shape[0])
+    _check_same_device(x=x, expert_idx=expert_idx, slot=slot)
+    module = _resolve_impl(impl, x, expert_idx)
+    if module is not None:
+        return _DispatchBlocksOp.apply(module, x, expert_idx.contiguous(), slot.contiguous(), num_experts,
+                                       capacity, tuple(block_shape))
+    buffer = dispatch(x, expert_idx, slot, num_experts, capacity, impl="torch")
+    return tuple(b.reshape(block_shape) for b in buffer.unbind(0))
+
+
+def combine_per_expert(ys: list[torch.Tensor] | tuple[torch.Tensor, ...], expert_idx: torch.Tensor,
+                       slot: torch.Tensor, weight: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
+    """:func:`combine` from one output per expert (each of ``capacity x M`` elements, last dim M), as
+    :func:`dispatch_per_expert` hands them out. Differentiable in every ``ys[e]`` and ``weight``; the
+    compiled backward writes each output's gradient over the output where nothing else can reach it."""
+    if not ys:
+        raise ValueError("ys must hold one tensor per expert, got none")
+    for e, y in enumerate(ys):
+        _check_float(f"ys[{e}]", y)
+    width = ys[0].shape[-1]
+    capacity = ys[0].numel() // width if width else 0
+    if any(y.shape[-1] != width or y.numel() != capacity * width for y in ys):
+        raise ValueError(f"ys must all hold the same rows of width {width}, "
+                         f"got {[tuple(y.shape) for y in ys]}")
+    if len({y.dtype for y in ys}) > 1:
+        raise TypeError(f"ys must share one dtype, got {sorted({str(y.dtype) for y in ys})}")
+    module = _resolve_impl(impl, *ys, weight, expert_idx)
+    if module is None or width == 0:
+        return combine(torch.stack([y.reshape(capacity, width) for y in ys]), expert_idx, slot, weight,
+                       impl="torch" if module is None else impl)
+    _check_index("expert_idx", expert_idx)
+    _check_float("weight", weight, shape=tuple(expert_idx.shape))
+    _check_routes(expert_idx, slot, len(ys), capacity, expert_idx.shape[0])
+    _check_same_device(expert_idx=expert_idx, slot=slot, weight=weight,
+                       **{f"ys[{e}]": y for e, y in enumerate(ys)})
+    return _CombineBlocksOp.apply(module, expert_idx.contiguous(), slot.contiguous(), weight, *ys)
+
+
 # --------------------------------------------------------------------------------------------- autograd
 class _DispatchOp(torch.autograd.Function):
     """Compiled dispatch (a scatter of token rows); its backward gathers each token's rows back and sums them.
@@ -368,7 +424,8 @@ class _DispatchOp(torch.autograd.Function):
         expert_idx, slot = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[1]:
-            grad_x = ctx.module.gather(grad_out.contiguous(), expert_idx, slot)
+            grad = grad_out.contiguous()
+            grad_x = ctx.module.gather([grad], expert_idx, slot, grad.shape[0], grad.shape[1])
         return None, grad_x, None, None, None, None
 
 
@@ -392,7 +449,8 @@ class _CombineOp(torch.autograd.Function):
         y = y.contiguous()
         weight = weight.contiguous()
         ctx.save_for_backward(y, expert_idx, slot, weight)
-        return module.gather(_as_buffer(y), expert_idx, slot, weight)
+        buffer = _as_buffer(y)
+        return module.gather([buffer], expert_idx, slot, buffer.shape[0], buffer.shape[1], weight)
 
     @staticmethod
     @once_differentiable
@@ -403,14 +461,16 @@ class _CombineOp(torch.autograd.Function):
         need_y, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[4]
         grad_y = grad_w = None
         if need_y and grad_out.dtype == y.dtype and _sole_owner(y):
-            grad_w = ctx.module.scatter_over(_as_buffer(y), grad_out, expert_idx, slot, weight, need_w)
+            buffer = _as_buffer(y)
+            grad_w = ctx.module.scatter_over([buffer], grad_out, expert_idx, slot, buffer.shape[0],
+                                             buffer.shape[1], weight, need_w)
             torch.autograd.graph.increment_version(y)  # its values changed under the same tensor
             grad_y = y
         else:
             buffer = _as_buffer(y)
-            if need_w:
-                grad_w = ctx.module.route_dots(grad_out, buffer, expert_idx, slot)
             num_experts, capacity = buffer.shape[0], buffer.shape[1]
+            if need_w:
+                grad_w = ctx.module.route_dots(grad_out, [buffer], expert_idx, slot, num_experts, capacity)
             del y, buffer  # the last references to y's memory, if the combine held them
             if need_y:
                 grad_y = ctx.module.scatter(grad_out, expert_idx, slot, num_experts, capacity, weight)
@@ -457,3 +517,76 @@ def _sole_owner(t: torch.Tensor) -> bool:
         return False
     # References to t: the caller's local, this argument and getrefcount's own argument.
     return holders == 1 and sys.getrefcount(t) == 3
+
+
+class _DispatchBlocksOp(torch.autograd.Function):
+    """Compiled dispatch into one new buffer per expert; backward gathers the per-expert gradients (a missing
+    one, from an expert output nobody used, reads as zeros)."""
+
+    @staticmethod
+    def forward(ctx: Any, module: Any, x: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor,
+                num_experts: int, capacity: int, block_shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        ctx.module = module
+        ctx.set_materialize_grads(False)  # no zero [C, M] tensors for unused experts
+        ctx.shape = (num_experts, capacity, x.shape[0], x.shape[1], x.dtype)
+        ctx.save_for_backward(expert_idx, slot)
+        blocks = module.scatter_blocks(x.contiguous(), expert_idx, slot, num_experts, capacity, block_shape)
+        return tuple(blocks)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        expert_idx, slot = ctx.saved_tensors
+        num_experts, capacity, tokens, width, dtype = ctx.shape
+        grad_x = None
+        if ctx.needs_input_grad[1]:
+            blocks = [None if g is None else g.contiguous() for g in grads]
+            if all(b is None for b in blocks):
+                grad_x = torch.zeros(tokens, width, dtype=dtype)
+            else:
+                grad_x = ctx.module.gather(blocks, expert_idx, slot, num_experts, capacity)
+        return None, grad_x, None, None, None, None, None
+
+
+class _CombineBlocksOp(torch.autograd.Function):
+    """Compiled combine from one output per expert; backward as :class:`_CombineOp`'s, block by block: the
+    weight dots from every output first, then each output's gradient written over the output where
+    :func:`_sole_owner` allows, else into a new tensor."""
+
+    @staticmethod
+    def forward(ctx: Any, module: Any, expert_idx: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor,
+                *ys: torch.Tensor) -> torch.Tensor:
+        ctx.module = module
+        ys = tuple(y.contiguous() for y in ys)
+        ctx.save_for_backward(expert_idx, slot, weight.contiguous(), *ys)
+        capacity = ys[0].numel() // ys[0].shape[-1]
+        return module.gather(list(ys), expert_idx, slot, len(ys), capacity, weight)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        expert_idx, slot, weight, *ys = ctx.saved_tensors
+        _release_saved_tensors(ctx)
+        grad_out = grad_out.contiguous()
+        num_experts = len(ys)
+        capacity = ys[0].numel() // ys[0].shape[-1]
+        need_w = ctx.needs_input_grad[3]
+        need_y = [ctx.needs_input_grad[4 + e] for e in range(num_experts)]
+        grad_w = None
+        if need_w:
+            grad_w = ctx.module.route_dots(grad_out, ys, expert_idx, slot, num_experts, capacity)
+            grad_w = grad_w.to(weight.dtype)
+        if not any(need_y):
+            return (None, None, None, grad_w, *([None] * num_experts))
+        targets: list[torch.Tensor] = []
+        for e in range(num_experts):
+            y, ys[e] = ys[e], None  # only `y` refers to it now, unless someone else does
+            if need_y[e] and y.dtype == grad_out.dtype and _sole_owner(y):
+                torch.autograd.graph.increment_version(y)  # its values are about to change under it
+                targets.append(y)
+            else:
+                targets.append(torch.empty_like(y, memory_format=torch.contiguous_format))
+            del y
+        ctx.module.scatter_over(targets, grad_out, expert_idx, slot, num_experts, capacity, weight, False)
+        grads = [t if need else None for t, need in zip(targets, need_y)]
+        return (None, None, None, grad_w, *grads)
