@@ -17,7 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deepnvme.moe import routing
-from deepnvme.moe.routing import assign_slots, combine, dispatch, top_k
+from deepnvme.moe.routing import (
+    assign_slots,
+    combine,
+    combine_per_expert,
+    dispatch,
+    dispatch_per_expert,
+    top_k,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IMPLS = ("torch", "op")
@@ -270,6 +277,53 @@ def test_op_gradients_are_the_analytic_ones(moe_op: None) -> None:
     filled = torch.zeros(5, 8, dtype=torch.bool)
     filled[idx[slot >= 0], slot[slot >= 0]] = True
     assert not y.grad[~filled].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 2])
+def test_per_expert_buffers_match_the_single_buffer(impl: str, dtype: torch.dtype, k: int) -> None:
+    """dispatch_per_expert/combine_per_expert give dispatch/combine's values and gradients, expert by expert;
+    an expert output that feeds nothing (no gradient) counts as zeros."""
+    gen = torch.Generator().manual_seed(k)
+    num_tokens, num_experts, capacity, width = 48, 4, 15, 10
+    idx = choices(num_tokens, num_experts, k, gen)
+    slot, _ = assign_slots(idx, num_experts, capacity, torch.rand(num_tokens, k, generator=gen))
+    x0 = torch.randn(num_tokens, width, generator=gen).to(dtype)
+    w0 = torch.rand(num_tokens, k, generator=gen)
+    scale = torch.rand(num_experts, 1, 1, generator=gen).to(dtype)
+    g = torch.randn(num_tokens, width, generator=gen).to(dtype)
+    results = []
+    for per_expert in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        if per_expert:
+            shape = (1, 1, capacity, width)
+            blocks = dispatch_per_expert(x, idx, slot, num_experts, capacity, shape, impl=impl)
+            assert len(blocks) == num_experts and all(b.shape == (1, 1, capacity, width) for b in blocks)
+            outs = [b * scale[e] for e, b in enumerate(blocks)]
+            outs[1] = torch.ones_like(outs[1])  # expert 1's buffer feeds nothing: its gradient is None
+            out = combine_per_expert(outs, idx, slot, w, impl=impl)
+        else:
+            buffer = dispatch(x, idx, slot, num_experts, capacity, impl=impl)
+            ys = buffer * scale
+            ys = torch.cat([ys[:1], torch.ones_like(ys[1:2]), ys[2:]])
+            out = combine(ys, idx, slot, w, impl=impl)
+        out.backward(g)
+        results.append((out.detach(), x.grad, w.grad))
+    for single, each in zip(*results):
+        torch.testing.assert_close(each, single, rtol=0, atol=0)
+
+
+def test_per_expert_bad_inputs_name_themselves(moe_op: None) -> None:
+    idx, slot = torch.tensor([[0], [1]]), torch.tensor([[0], [0]])
+    w = torch.rand(2, 1)
+    with pytest.raises(ValueError, match="ys"):
+        combine_per_expert([], idx, slot, w)
+    with pytest.raises(ValueError, match="ys"):
+        combine_per_expert([torch.randn(1, 3), torch.randn(2, 3)], idx, slot, w)
+    with pytest.raises(TypeError, match="ys"):
+        combine_per_expert([torch.randn(1, 3), torch.randn(1, 3, dtype=torch.float64)], idx, slot, w)
+    with pytest.raises(ValueError, match="block_shape"):
+        dispatch_per_expert(torch.randn(2, 3), idx, slot, 2, 1, (1, 2, 3))
 
 
 def combine_step(case: str) -> tuple[list[bool], torch.Tensor, torch.Tensor, torch.Tensor | None]:
