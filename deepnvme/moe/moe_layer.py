@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from deepnvme.moe.comm import all_to_all
 from deepnvme.moe.experts import Experts
 from deepnvme.moe.gating import TopKGate
-from deepnvme.moe.routing import combine, combine_per_expert, dispatch, dispatch_per_expert
+from deepnvme.moe.routing import combine, combine_per_expert, dispatch, dispatch_per_expert, uses_op
 
 
 class MOELayer(nn.Module):
@@ -67,9 +67,11 @@ class MOELayer(nn.Module):
         routes = self.gate.route(tokens, used_token)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
         c = routes.capacity
-        if self.ep_size == 1 and isinstance(self.experts, Experts) and self.experts.runs_each_as_forward():
-            # One buffer per expert, each expert's output combined as it is: what forward below does, without
-            # the split of one [E, C, M] buffer, the concatenation after the experts, and their backwards.
+        if (self.ep_size == 1 and isinstance(self.experts, Experts) and self.experts.runs_each_as_forward()
+                and uses_op(tokens)):
+            # One buffer per expert, each expert's output combined as it is: what the path below does, without
+            # the split of one [E, C, M] buffer, the concatenation after the experts, and their backwards (the
+            # compiled op reads and writes the buffers in place; the pure-torch path would copy them instead).
             blocks = dispatch_per_expert(tokens, routes.expert_idx, routes.slot, routes.num_experts, c,
                                          (1, 1, c, d_model))
             outs = self.experts.run_each(blocks)

@@ -91,6 +91,11 @@ def _resolve_impl(impl: str | None, *tensors: torch.Tensor) -> Any:
     return _load_op() if fits else None
 
 
+def uses_op(*tensors: torch.Tensor) -> bool:
+    """Whether dispatch/combine on these tensors run the compiled op (per ``impl``'s environment default)."""
+    return _resolve_impl(None, *tensors) is not None
+
+
 # --------------------------------------------------------------------------------------------- validation
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
