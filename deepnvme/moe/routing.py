@@ -4,7 +4,14 @@ A *route* is one (token s, choice j) pair of the gate's ``expert_idx[S, k]``. :f
 each route its row in its expert's capacity buffer (or -1 when the route is dropped), :func:`dispatch` copies
 tokens into the ``[E, C, M]`` buffers the experts run on, and :func:`combine` brings the expert outputs back,
 weighted per route. Everything works by index (gather/scatter): nothing of size S x E x C is ever built,
-unlike the one-hot einsum DeepSpeed used before its index dispatch.
+unlike the one-hot einsum DeepSpeed used before its index dispatch. :func:`dispatch_per_expert` and
+:func:`combine_per_expert` do the same with one buffer per expert, so experts run on buffers of their own
+and nothing is split or concatenated around them.
+
+Memory: the compiled dispatch saves only the routes for its backward, the combine the expert outputs (the
+weights' gradient needs them). The combine's backward takes those dots first and then lets the outputs go, or
+writes their gradient over them when nothing else can reach them, so one ``[E, C, M]`` buffer at a time is
+alive where the combine's gradient is formed.
 
 Slot order is DeepSpeed's, so the same gate decisions put the same token in the same row:
 
