@@ -20,8 +20,10 @@ class MOELayer(nn.Module):
     combine gathers rows back, so memory is O(E·C·M + S·k·M), never an ``S×E×C`` mask. With ``ep_size > 1``
     the buffer is exchanged over the expert-parallel group (chunk r of the E experts goes to EP rank r), each
     rank runs its ``num_local_experts`` experts on ``[ep, E_local, C, M]``, and a second exchange brings
-    results back. After ``forward``, ``l_aux`` and ``exp_counts`` hold the batch's aux loss and per-expert
-    counts.
+    results back. At ``ep_size == 1``, with the compiled op and an unhooked :class:`Experts`, each expert gets
+    a ``[1, 1, C, M]`` buffer of its own and its output goes to the combine as it is (nothing is split or
+    concatenated around the experts). After ``forward``, ``l_aux`` and ``exp_counts`` hold the batch's aux
+    loss and per-expert counts.
     """
 
     def __init__(
