@@ -301,7 +301,9 @@ def test_per_expert_buffers_match_the_single_buffer(impl: str, dtype: torch.dtyp
             assert len(blocks) == num_experts and all(b.shape == (1, 1, capacity, width) for b in blocks)
             outs = [b * scale[e] for e, b in enumerate(blocks)]
             outs[1] = torch.ones_like(outs[1])  # expert 1's buffer feeds nothing: its gradient is None
+            kept, kept_values = outs[2], outs[2].detach().clone()  # held here: must not get its gradient
             out = combine_per_expert(outs, idx, slot, w, impl=impl)
+            del outs
         else:
             buffer = dispatch(x, idx, slot, num_experts, capacity, impl=impl)
             ys = buffer * scale
@@ -309,6 +311,7 @@ def test_per_expert_buffers_match_the_single_buffer(impl: str, dtype: torch.dtyp
             out = combine(ys, idx, slot, w, impl=impl)
         out.backward(g)
         results.append((out.detach(), x.grad, w.grad))
+    assert torch.equal(kept, kept_values)
     for single, each in zip(*results):
         torch.testing.assert_close(each, single, rtol=0, atol=0)
 

@@ -561,9 +561,10 @@ class _DispatchBlocksOp(torch.autograd.Function):
 
 
 class _CombineBlocksOp(torch.autograd.Function):
-    """Compiled combine from one output per expert; backward as :class:`_CombineOp`'s, block by block: the
-    weight dots from every output first, then each output's gradient written over the output where
-    :func:`_sole_owner` allows, else into a new tensor."""
+    """Compiled combine from one output per expert; backward as :class:`_CombineOp`'s: when
+    :func:`_sole_owner` allows it for every output, one pass takes the weight dots and writes each output's
+    gradient over it; otherwise the dots come first and the outputs nobody else holds still take their
+    gradients, the others get new tensors."""
 
     @staticmethod
     def forward(ctx: Any, module: Any, expert_idx: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor,
@@ -584,21 +585,34 @@ class _CombineBlocksOp(torch.autograd.Function):
         capacity = ys[0].numel() // ys[0].shape[-1]
         need_w = ctx.needs_input_grad[3]
         need_y = [ctx.needs_input_grad[4 + e] for e in range(num_experts)]
-        grad_w = None
-        if need_w:
-            grad_w = ctx.module.route_dots(grad_out, ys, expert_idx, slot, num_experts, capacity)
-            grad_w = grad_w.to(weight.dtype)
-        if not any(need_y):
-            return (None, None, None, grad_w, *([None] * num_experts))
-        targets: list[torch.Tensor] = []
+        owned = []
         for e in range(num_experts):
             y, ys[e] = ys[e], None  # only `y` refers to it now, unless someone else does
-            if need_y[e] and y.dtype == grad_out.dtype and _sole_owner(y):
-                torch.autograd.graph.increment_version(y)  # its values are about to change under it
-                targets.append(y)
-            else:
-                targets.append(torch.empty_like(y, memory_format=torch.contiguous_format))
+            owned.append(need_y[e] and y.dtype == grad_out.dtype and _sole_owner(y))
+            ys[e] = y
             del y
-        ctx.module.scatter_over(targets, grad_out, expert_idx, slot, num_experts, capacity, weight, False)
+        grad_w = None
+        if all(owned):  # one pass: each row's dot product, then its gradient over it
+            for y in ys:
+                torch.autograd.graph.increment_version(y)  # its values change under the same tensor
+            grad_w = ctx.module.scatter_over(ys, grad_out, expert_idx, slot, num_experts, capacity, weight,
+                                             need_w)
+            targets = ys
+        else:
+            if need_w:
+                grad_w = ctx.module.route_dots(grad_out, ys, expert_idx, slot, num_experts, capacity)
+            if not any(need_y):
+                return (None, None, None, None if grad_w is None else grad_w.to(weight.dtype),
+                        *([None] * num_experts))
+            targets = []
+            for e in range(num_experts):
+                y, ys[e] = ys[e], None
+                if owned[e]:
+                    torch.autograd.graph.increment_version(y)
+                    targets.append(y)
+                else:
+                    targets.append(torch.empty_like(y, memory_format=torch.contiguous_format))
+                del y  # the last reference to an output it did not own, if the combine held that
+            ctx.module.scatter_over(targets, grad_out, expert_idx, slot, num_experts, capacity, weight, False)
         grads = [t if need else None for t, need in zip(targets, need_y)]
-        return (None, None, None, grad_w, *grads)
+        return (None, None, None, None if grad_w is None else grad_w.to(weight.dtype), *grads)
