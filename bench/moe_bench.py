@@ -2,8 +2,8 @@
 """One MoE layer, forward + backward: deepnvme (compiled routing op and pure-torch path) beside DeepSpeed's
 MoE and a plain-PyTorch dense-mask layer, in one run with interleaved repeats.
 
-    python3 bench/moe_bench.py [--tokens 4096,16384] [--experts 8,64] [--k 1,2] [--expert scale|ffn]
-                               [--repeats 3] [--threads 1] [--out _bench_out/moe_bench]
+    python3 bench/moe_bench.py [--tokens 4096,16384] [--experts 8,64] [--k 1,2] [--shapes SxExk,...]
+                               [--expert scale|ffn] [--repeats 3] [--threads 1] [--out _bench_out/moe_bench]
 
 Every contender runs in a worker process of its own, answering one JSON request per line on stdin/stdout:
 deepnvme and the dense-mask layer in this interpreter, DeepSpeed in ``$DEEPNVME_DEEPSPEED_PYTHON`` or
@@ -26,7 +26,9 @@ Measured:
 ``--expert scale`` (the default) gives every expert an elementwise scale, so the step is the routing (gate,
 capacity, dispatch, combine and their backward); ``--expert ffn`` gives each a Linear-ReLU-Linear of width
 ``--ffn``, whose matrix products then dominate and are the same work in every contender. The dense-mask layer
-builds ``S x E x C`` tensors (k * cf * S^2 elements) and runs only up to ``--dense-max-tokens``.
+builds ``S x E x C`` tensors (k * cf * S^2 elements) and runs only up to ``--dense-max-tokens``; being 30-100x
+slower than the others, it is timed in the first round only and its memory taken for the routing alone, which
+keeps the full run (8 shapes, 3 repeats) to a few minutes.
 Writes a markdown table to stdout and <out>.md, every sample to <out>.json.
 """
 
@@ -243,6 +245,10 @@ def step(layer: Any, x: Any, g: Any, fn: Any = None) -> None:
     xx = x.detach().requires_grad_(True)
     out, l_aux, _ = (fn or layer)(xx)
     ((out * g).sum() + AUX_COEFF * l_aux).backward()
+    # Both layers keep the step's l_aux (through its graph, the input leaf and its gradient) until the next
+    # forward replaces it; drop that [S, M] gradient now, or it sits in the next step's baseline and is freed
+    # inside the measured step, which shrinks both sides' extra memory by the same amount.
+    xx.grad = None
 
 
 # --------------------------------------------------------------------------------------------- worker side
@@ -276,23 +282,27 @@ def serve(family: str, threads: int) -> int:
         print("UNAVAILABLE " + f"{type(exc).__name__}: {exc}".replace("\n", " "), file=proto)
         return 0
     print(f"READY {json.dumps({'version': version, 'torch': torch.__version__})}", file=proto)
-    current: dict[str, Any] = {}
+    # The layers of the configuration being measured, kept across requests so that interleaved contenders
+    # sharing this worker (deepnvme and the dense mask) are built and warmed once per configuration.
+    layers: dict[tuple[Any, ...], Any] = {}
+    warm: set[tuple[Any, ...]] = set()
     for line in sys.stdin:
         try:
             req = json.loads(line)
             cfg = Config(**req["config"])
             key = (req["layer"], cfg, req["expert"], req["ffn"])
-            if current.get("key") != key:
-                current.clear()
-                current.update(key=key, layer=build_layer(req["layer"], cfg, req["expert"], req["ffn"]),
-                               inputs=make_inputs(cfg))
+            if key not in layers:
+                if any(k[1:] != key[1:] for k in layers):
+                    layers.clear()
+                    warm.clear()
+                layers[key] = (build_layer(req["layer"], cfg, req["expert"], req["ffn"]), make_inputs(cfg))
             if "impl" in req:
                 os.environ["DEEPNVME_MOE_IMPL"] = req["impl"]
-            layer, (x, _, g) = current["layer"], current["inputs"]
+            layer, (x, _, g) = layers[key]
             if req["cmd"] == "time":
-                if not current.get("warm_" + req.get("impl", "")):
+                if (*key, req.get("impl")) not in warm:
                     step(layer, x, g)  # first touch of this layer and path: not timed
-                    current["warm_" + req.get("impl", "")] = True
+                    warm.add((*key, req.get("impl")))
                 samples = []
                 for _ in range(req["steps"]):
                     w0, c0 = time.perf_counter(), time.process_time()
@@ -410,7 +420,8 @@ def measure(args: argparse.Namespace, configs: list[Config]) -> dict[str, Any]:
     try:
         for rep in range(args.repeats):
             for cfg in configs:
-                order = [c for c in CONTENDERS if c != "dense mask" or dense_allowed(cfg, args)]
+                order = [c for c in CONTENDERS
+                         if c != "dense mask" or (dense_allowed(cfg, args) and rep == 0)]
                 order = order[rep % len(order):] + order[:rep % len(order)]  # rotate who goes first
                 for contender in order:
                     side = sides.get(side_of(contender))
@@ -427,8 +438,8 @@ def measure(args: argparse.Namespace, configs: list[Config]) -> dict[str, Any]:
             for scope in SCOPES:
                 for contender in CONTENDERS:
                     side = mem_sides.get(side_of(contender))
-                    if side is None or side.error or (contender == "dense mask"
-                                                      and not dense_allowed(cfg, args)):
+                    if side is None or side.error or (contender == "dense mask" and (
+                            scope != "routing" or not dense_allowed(cfg, args))):
                         continue
                     req = request_for(contender, cfg, args, "memory", "scale")
                     answer = side.ask({**req, "scope": scope})
@@ -523,7 +534,8 @@ def render(args: argparse.Namespace, configs: list[Config], res: dict[str, Any],
              "", f"host: {platform.node()} {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
              f"versions: {json.dumps(res['versions'])}", "",
              "Step time: median wall s (median CPU s); ratio = DeepSpeed's wall time / this one's "
-             "(>1: faster).",
+             "(>1: faster). The dense mask is timed in the first round only, its memory for the routing "
+             "alone.",
              "", "| config | C | " + " | ".join(CONTENDERS) + " | DS/op | DS/torch |",
              "|---|---|" + "---|" * (len(CONTENDERS) + 2)]
     for cfg in configs:
@@ -574,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="4096,16384", help="comma-separated S values")
     p.add_argument("--experts", default="8,64", help="comma-separated E values")
     p.add_argument("--k", default="1,2", help="comma-separated k values (1 and/or 2)")
+    p.add_argument("--shapes", help="comma-separated SxExk shapes (e.g. 16384x64x1,4096x8x1); replaces the "
+                   "--tokens x --experts x --k grid")
     p.add_argument("--expert", choices=("scale", "ffn"), default="scale", help="expert module (see above)")
     p.add_argument("--ffn", type=int, default=1024, help="inner width of --expert ffn")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds over every case")
@@ -596,10 +610,19 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("repeats", "steps", "threads"):
         if getattr(args, name) < 1:
             p.error(f"argument --{name}: must be at least 1")
-    ks = parse_list(args.k)
+    if args.shapes:
+        try:
+            configs = [Config(*(int(v) for v in shape.lower().split("x"))) for shape in args.shapes.split(",")
+                       if shape.strip()]
+        except (TypeError, ValueError):
+            p.error(f"argument --shapes: expected SxExk[,SxExk...], got {args.shapes!r}")
+        ks = [c.k for c in configs]
+    else:
+        ks = parse_list(args.k)
+        configs = [Config(s, e, k) for s in parse_list(args.tokens) for e in parse_list(args.experts)
+                   for k in ks]
     if not ks or any(k not in (1, 2) for k in ks):
         p.error("argument --k: values must be 1 or 2")
-    configs = [Config(s, e, k) for s in parse_list(args.tokens) for e in parse_list(args.experts) for k in ks]
     if not configs or any(c.tokens < 1 or c.experts < 1 for c in configs):
         p.error("--tokens and --experts need positive values")
     t0 = time.time()

@@ -139,6 +139,24 @@ def test_matches_dense_reference_and_gradients(k: int, drop: bool) -> None:
     assert g_ours[1].abs().sum() > 0  # the gate learns through the combine weights
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_per_expert_path_equals_the_single_buffer_path_and_hooks_still_fire(k: int) -> None:
+    """At ep_size 1 the layer runs each expert on its own buffer; a forward hook on the experts container
+    (which that path would skip) sends it back through Experts.forward. Both give the same numbers."""
+    results, calls = [], []
+    for hooked in (False, True):
+        moe = make(k=k, capacity_factor=0.75, min_capacity=2)
+        if hooked:
+            moe.deepspeed_moe.experts.register_forward_hook(lambda mod, inp, out: calls.append(out.shape))
+        x = torch.randn(2, 24, M, generator=torch.Generator().manual_seed(k), requires_grad=True)
+        out, l_aux, _ = moe(x)
+        grads = torch.autograd.grad((out * out.detach()).sum() + l_aux, [x, *moe.parameters()])
+        results.append((out.detach(), *grads))
+    assert len(calls) == 1  # the hooked layer took the single-buffer path, whose call the hook saw
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     tokens=st.integers(1, 40),

@@ -6,7 +6,9 @@ import os
 import shutil
 import subprocess
 import sys
+import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deepnvme.moe import routing
-from deepnvme.moe.routing import assign_slots, combine, dispatch, top_k
+from deepnvme.moe.routing import (
+    assign_slots,
+    combine,
+    combine_per_expert,
+    dispatch,
+    dispatch_per_expert,
+    top_k,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IMPLS = ("torch", "op")
@@ -270,6 +279,148 @@ def test_op_gradients_are_the_analytic_ones(moe_op: None) -> None:
     assert not y.grad[~filled].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 2])
+def test_per_expert_buffers_match_the_single_buffer(impl: str, dtype: torch.dtype, k: int) -> None:
+    """dispatch_per_expert/combine_per_expert give dispatch/combine's values and gradients, expert by expert;
+    an expert output that feeds nothing (no gradient) counts as zeros."""
+    gen = torch.Generator().manual_seed(k)
+    num_tokens, num_experts, capacity, width = 48, 4, 15, 10
+    idx = choices(num_tokens, num_experts, k, gen)
+    slot, _ = assign_slots(idx, num_experts, capacity, torch.rand(num_tokens, k, generator=gen))
+    x0 = torch.randn(num_tokens, width, generator=gen).to(dtype)
+    w0 = torch.rand(num_tokens, k, generator=gen)
+    scale = torch.rand(num_experts, 1, 1, generator=gen).to(dtype)
+    g = torch.randn(num_tokens, width, generator=gen).to(dtype)
+    results = []
+    for per_expert in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        if per_expert:
+            shape = (1, 1, capacity, width)
+            blocks = dispatch_per_expert(x, idx, slot, num_experts, capacity, shape, impl=impl)
+            assert len(blocks) == num_experts and all(b.shape == (1, 1, capacity, width) for b in blocks)
+            outs = [b * scale[e] for e, b in enumerate(blocks)]
+            outs[1] = torch.ones_like(outs[1])  # expert 1's buffer feeds nothing: its gradient is None
+            kept, kept_values = outs[2], outs[2].detach().clone()  # held here: must not get its gradient
+            out = combine_per_expert(outs, idx, slot, w, impl=impl)
+            del outs
+        else:
+            buffer = dispatch(x, idx, slot, num_experts, capacity, impl=impl)
+            ys = buffer * scale
+            ys = torch.cat([ys[:1], torch.ones_like(ys[1:2]), ys[2:]])
+            out = combine(ys, idx, slot, w, impl=impl)
+        out.backward(g)
+        results.append((out.detach(), x.grad, w.grad))
+    assert torch.equal(kept, kept_values)
+    for single, each in zip(*results):
+        torch.testing.assert_close(each, single, rtol=0, atol=0)
+
+
+def test_per_expert_bad_inputs_name_themselves(moe_op: None) -> None:
+    idx, slot = torch.tensor([[0], [1]]), torch.tensor([[0], [0]])
+    w = torch.rand(2, 1)
+    with pytest.raises(ValueError, match="ys"):
+        combine_per_expert([], idx, slot, w)
+    with pytest.raises(ValueError, match="ys"):
+        combine_per_expert([torch.randn(1, 3), torch.randn(2, 3)], idx, slot, w)
+    with pytest.raises(TypeError, match="ys"):
+        combine_per_expert([torch.randn(1, 3), torch.randn(1, 3, dtype=torch.float64)], idx, slot, w)
+    with pytest.raises(ValueError, match="block_shape"):
+        dispatch_per_expert(torch.randn(2, 3), idx, slot, 2, 1, (1, 2, 3))
+
+
+def combine_step(case: str) -> tuple[list[bool], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One combine forward/backward on an intermediate y, in a given ownership situation. Returns whether
+    y's gradient reused y's memory, the gradients of x (upstream of y) and w, and the tensor kept (if any)."""
+    gen = torch.Generator().manual_seed(9)
+    num_tokens, num_experts, capacity, width, k = 40, 4, 16, 6, 2
+    idx = choices(num_tokens, num_experts, k, gen)
+    slot, _ = assign_slots(idx, num_experts, capacity)
+    x = torch.randn(num_experts, capacity, width, generator=gen, requires_grad=True)
+    w = torch.rand(num_tokens, k, generator=gen, requires_grad=True)
+    g = torch.randn(num_tokens, width, generator=gen)
+    y = x * 3 if case != "saved by exp" else (x * 3).exp()
+    # Reused means y's gradient is y's own tensor (a data pointer would not tell: a fresh buffer may get the
+    # memory y just gave back). The weak reference adds no reference the combine could count.
+    y_ref, reused = weakref.ref(y), []
+    y.register_hook(lambda grad: reused.append(grad is y_ref()))
+    kept = {"user keeps y": y, "detached alias": y.detach()}.get(case)
+    out = combine(y if case != "view" else y.view(num_experts, capacity, width), idx, slot, w, impl="op")
+    del y
+    out.backward(g, retain_graph=case == "retain_graph")
+    if case == "retain_graph":  # the second backward must find everything the first one used
+        grads = (x.grad.clone(), w.grad.clone())
+        x.grad = w.grad = None
+        out.backward(g)
+        assert torch.equal(x.grad, grads[0]) and torch.equal(w.grad, grads[1])
+    return reused, x.grad, w.grad, kept
+
+
+def test_combine_backward_reuses_y_only_when_nothing_else_can_see_it(moe_op: None) -> None:
+    """y's gradient is written over y only when y is the combine's alone; the gradients never change."""
+    reused, gx, gw, _ = combine_step("alone")
+    assert reused == [True]
+    for case in ("user keeps y", "detached alias", "view", "saved by exp", "retain_graph"):
+        reused_here, gx_here, gw_here, kept = combine_step(case)
+        assert reused_here[0] is False, case  # (retain_graph: the second backward may reuse, the first not)
+        if case != "saved by exp":
+            torch.testing.assert_close(gx_here, gx, rtol=0, atol=0)
+            torch.testing.assert_close(gw_here, gw, rtol=0, atol=0)
+        if kept is not None:  # what the user holds still has y's values
+            gen = torch.Generator().manual_seed(9)
+            choices(40, 4, 2, gen)
+            torch.testing.assert_close(kept, torch.randn(4, 16, 6, generator=gen) * 3, rtol=0, atol=0)
+
+
+def peak_allocated_bytes(fn: Any) -> int:
+    """Most bytes allocated at once while ``fn`` runs, above what was allocated before (profiler's CPU
+    allocation events: exact, unlike resident memory)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+
+    def walk(node: Any) -> None:
+        if node.tag == torch._C._profiler._EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    live = peak = 0
+    for _, size in sorted(events):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_routing_step_holds_one_expert_buffer_at_a_time(moe_op: None, k: int) -> None:
+    """dispatch -> combine, forward and backward: besides the [S, M] output and its gradient, never more than
+    one [E, C, M] buffer is alive (the combine's backward releases y before y's gradient exists)."""
+    num_tokens, num_experts, width = 512, 4, 256
+    capacity = num_tokens * k * 5 // (4 * num_experts)
+    gen = torch.Generator().manual_seed(k)
+    idx = choices(num_tokens, num_experts, k, gen)
+    slot, _ = assign_slots(idx, num_experts, capacity)
+    x = torch.randn(num_tokens, width, generator=gen, requires_grad=True)
+    w = torch.rand(num_tokens, k, generator=gen, requires_grad=True)
+    g = torch.randn(num_tokens, width, generator=gen)
+
+    def step() -> None:
+        out = combine(dispatch(x, idx, slot, num_experts, capacity, impl="op"), idx, slot, w, impl="op")
+        out.backward(g)
+
+    step()
+    x.grad = w.grad = None
+    row_bytes = width * 4
+    peak = peak_allocated_bytes(step)
+    one_buffer = (2 * num_tokens + num_experts * capacity) * row_bytes  # out, its gradient, one buffer
+    assert one_buffer <= peak < one_buffer + 64 * 1024  # slack: index tensors, routes, weight gradients
+
+
 def test_env_var_and_argument_select_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
     idx = torch.tensor([[0], [1]])
     monkeypatch.setenv(routing.IMPL_ENV, "bogus")
@@ -334,11 +485,13 @@ def test_compiled_functions_check_their_own_inputs(moe_op: None) -> None:
     with pytest.raises(ValueError, match="expert_idx"):
         module.assign_slots(idx, 2, 1, None, None, True)
     with pytest.raises(ValueError, match="slot"):
-        module.dispatch_forward(torch.randn(1, 3), torch.tensor([[0, 1]]), torch.tensor([[0, 9]]), 2, 2)
+        module.scatter(torch.randn(1, 3), torch.tensor([[0, 1]]), torch.tensor([[0, 9]]), 2, 2)
     with pytest.raises(ValueError, match="expert_idx"):
-        module.combine_forward(torch.randn(2, 2, 3), idx, torch.tensor([[0, 0]]), torch.rand(1, 2))
+        module.gather([torch.randn(2, 2, 3)], idx, torch.tensor([[0, 0]]), 2, 2, torch.rand(1, 2))
+    with pytest.raises(ValueError, match="blocks"):
+        module.gather([torch.randn(2, 3), torch.randn(3, 3)], idx % 2, torch.tensor([[0, 0]]), 2, 2)
     with pytest.raises(TypeError, match="x"):
-        module.dispatch_forward(torch.randn(1, 3, dtype=torch.float64), idx % 2, idx * 0, 2, 2)
+        module.scatter(torch.randn(1, 3, dtype=torch.float64), idx % 2, idx * 0, 2, 2)
     with pytest.raises(ValueError, match="NaN"):
         module.top_k(torch.tensor([[0.0, float("nan")]]), 1)
     with pytest.raises(ValueError, match="k must"):

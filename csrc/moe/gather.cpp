@@ -17,17 +17,6 @@ namespace {
 // Enough work per task that thread hand-off stays small next to the copying.
 int64_t token_grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1)); }
 
-// Zero the rows of a [rows, width] buffer that no route writes, in parallel.
-template <typename T>
-void zero_empty_rows(T* data, const std::vector<uint8_t>& filled, int64_t width) {
-    const auto rows = static_cast<int64_t>(filled.size());
-    at::parallel_for(0, rows, token_grain(width), [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-            if (!filled[static_cast<size_t>(r)]) std::fill(data + r * width, data + (r + 1) * width, T(0));
-        }
-    });
-}
-
 // Float dot product over independent lanes: the compiler vectorises the lanes (a single running sum it may
 // not reorder), and the lanes are added in double at the end.
 template <typename T>
@@ -44,75 +33,102 @@ float dot(const T* a, const T* b, int64_t n) {
     return static_cast<float>(total);
 }
 
+// The first element of each block's rows (null for an undefined block, which reads as zeros).
+template <typename T>
+std::vector<T*> block_starts(const Blocks& b) {
+    std::vector<T*> starts(static_cast<size_t>(b.num_experts), nullptr);
+    for (int64_t e = 0; e < b.num_experts; ++e) {
+        const at::Tensor& t = b.whole.defined() ? b.whole : b.each[static_cast<size_t>(e)];
+        if (!t.defined()) continue;
+        T* base = static_cast<T*>(t.data_ptr());
+        starts[static_cast<size_t>(e)] = b.whole.defined() ? base + e * b.capacity * b.width : base;
+    }
+    return starts;
+}
+
+// Row r of the buffer (expert r / C, slot r % C), or null inside an undefined block.
+template <typename T>
+T* row_at(const std::vector<T*>& starts, const Blocks& b, int64_t r) {
+    T* start = starts[static_cast<size_t>(r / b.capacity)];
+    return start == nullptr ? nullptr : start + (r % b.capacity) * b.width;
+}
+
 }  // namespace
 
-at::Tensor dispatch_forward(const at::Tensor& x, const RouteRows& routes, int64_t k, int64_t num_experts,
-                            int64_t capacity) {
-    const int64_t tokens = x.size(0), width = x.size(1);
-    at::Tensor out = at::empty({num_experts, capacity, width}, x.options());
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "moe_dispatch_forward", [&] {
+void scatter_rows(const at::Tensor& x, const RouteRows& routes, int64_t k, const Blocks& blocks,
+                  const float* weight, float* dots) {
+    const int64_t tokens = x.size(0), width = blocks.width;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "moe_scatter_rows", [&] {
         const scalar_t* src = x.const_data_ptr<scalar_t>();
-        scalar_t* dst = out.mutable_data_ptr<scalar_t>();
+        const std::vector<scalar_t*> starts = block_starts<scalar_t>(blocks);
         at::parallel_for(0, tokens, token_grain(width * k), [&](int64_t begin, int64_t end) {
             for (int64_t s = begin; s < end; ++s) {
+                const scalar_t* xs = src + s * width;
                 for (int64_t j = 0; j < k; ++j) {
-                    const int64_t row = routes.row[static_cast<size_t>(s * k + j)];
-                    if (row >= 0) std::memcpy(dst + row * width, src + s * width, sizeof(scalar_t) * width);
+                    const int64_t route = s * k + j;
+                    const int64_t row = routes.row[static_cast<size_t>(route)];
+                    if (row < 0) continue;
+                    scalar_t* d = row_at(starts, blocks, row);
+                    if (dots != nullptr) dots[route] = dot(xs, d, width);
+                    if (weight == nullptr) {
+                        std::memcpy(d, xs, sizeof(scalar_t) * width);
+                        continue;
+                    }
+                    const float ws = weight[route];
+                    for (int64_t m = 0; m < width; ++m) d[m] = static_cast<scalar_t>(static_cast<float>(xs[m]) * ws);
                 }
             }
         });
-        zero_empty_rows(dst, routes.filled, width);
-    });
-    return out;
-}
-
-at::Tensor dispatch_backward(const at::Tensor& grad, const RouteRows& routes, int64_t tokens, int64_t k) {
-    const int64_t width = grad.size(2);
-    at::Tensor grad_x = at::empty({tokens, width}, grad.options());
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "moe_dispatch_backward", [&] {
-        const scalar_t* g = grad.const_data_ptr<scalar_t>();
-        scalar_t* dst = grad_x.mutable_data_ptr<scalar_t>();
-        at::parallel_for(0, tokens, token_grain(width * k), [&](int64_t begin, int64_t end) {
-            std::vector<float> acc(static_cast<size_t>(width));
-            for (int64_t s = begin; s < end; ++s) {
-                std::fill(acc.begin(), acc.end(), 0.0f);
-                for (int64_t j = 0; j < k; ++j) {
-                    const int64_t row = routes.row[static_cast<size_t>(s * k + j)];
-                    if (row < 0) continue;
-                    const scalar_t* src = g + row * width;
-                    for (int64_t m = 0; m < width; ++m) acc[m] += static_cast<float>(src[m]);
-                }
-                scalar_t* out = dst + s * width;
-                for (int64_t m = 0; m < width; ++m) out[m] = static_cast<scalar_t>(acc[m]);
+        const auto rows = static_cast<int64_t>(routes.filled.size());
+        at::parallel_for(0, rows, token_grain(width), [&](int64_t begin, int64_t end) {
+            for (int64_t r = begin; r < end; ++r) {
+                if (routes.filled[static_cast<size_t>(r)]) continue;
+                scalar_t* d = row_at(starts, blocks, r);
+                std::fill(d, d + width, scalar_t(0));
             }
         });
     });
-    return grad_x;
 }
 
-at::Tensor combine_forward(const at::Tensor& y, const RouteRows& routes, const at::Tensor& weight) {
-    const int64_t tokens = weight.size(0), k = weight.size(1), width = y.size(2);
-    at::Tensor out = at::empty({tokens, width}, y.options());
-    const float* w = weight.const_data_ptr<float>();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "moe_combine_forward", [&] {
-        const scalar_t* rows = y.const_data_ptr<scalar_t>();
+at::Tensor gather_rows(const Blocks& blocks, const RouteRows& routes, int64_t tokens, int64_t k,
+                       const float* weight, at::ScalarType dtype) {
+    const int64_t width = blocks.width;
+    at::Tensor out = at::empty({tokens, width}, at::TensorOptions().dtype(dtype));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "moe_gather_rows", [&] {
+        const std::vector<scalar_t*> starts = block_starts<scalar_t>(blocks);
         scalar_t* dst = out.mutable_data_ptr<scalar_t>();
         at::parallel_for(0, tokens, token_grain(width * k), [&](int64_t begin, int64_t end) {
-            std::vector<float> acc(static_cast<size_t>(width));
+            std::vector<float> acc(k > 1 ? static_cast<size_t>(width) : 0);
             for (int64_t s = begin; s < end; ++s) {
+                scalar_t* o = dst + s * width;
+                if (k == 1) {
+                    // One route: its weighted row is the sum; 0.0f + part keeps the accumulator's bits (-0 -> +0).
+                    const int64_t row = routes.row[static_cast<size_t>(s)];
+                    const scalar_t* src = row < 0 ? nullptr : row_at(starts, blocks, row);
+                    if (src == nullptr) {
+                        std::fill(o, o + width, scalar_t(0));
+                        continue;
+                    }
+                    const float ws = weight == nullptr ? 1.0f : weight[s];
+                    for (int64_t m = 0; m < width; ++m) {
+                        const float part = static_cast<float>(src[m]) * ws;
+                        o[m] = static_cast<scalar_t>(0.0f + part);
+                    }
+                    continue;
+                }
                 std::fill(acc.begin(), acc.end(), 0.0f);
                 for (int64_t j = 0; j < k; ++j) {
-                    const int64_t row = routes.row[static_cast<size_t>(s * k + j)];
-                    if (row < 0) continue;
-                    const float ws = w[s * k + j];
-                    const scalar_t* src = rows + row * width;
+                    const int64_t route = s * k + j;
+                    const int64_t row = routes.row[static_cast<size_t>(route)];
+                    const scalar_t* src = row < 0 ? nullptr : row_at(starts, blocks, row);
+                    if (src == nullptr) continue;
+                    const float ws = weight == nullptr ? 1.0f : weight[route];
                     // A product rounded on its own, then added: the same two roundings as the torch path.
                     for (int64_t m = 0; m < width; ++m) {
                         const float part = static_cast<float>(src[m]) * ws;
                         acc[m] += part;
                     }
                 }
-                scalar_t* o = dst + s * width;
                 for (int64_t m = 0; m < width; ++m) o[m] = static_cast<scalar_t>(acc[m]);
             }
         });
@@ -120,42 +136,24 @@ at::Tensor combine_forward(const at::Tensor& y, const RouteRows& routes, const a
     return out;
 }
 
-std::pair<at::Tensor, at::Tensor> combine_backward(const at::Tensor& grad, const at::Tensor& y,
-                                                   const RouteRows& routes, const at::Tensor& weight,
-                                                   bool need_y, bool need_weight) {
-    const int64_t tokens = weight.size(0), k = weight.size(1), width = y.size(2);
-    at::Tensor grad_y, grad_w;
-    if (need_y) grad_y = at::empty(y.sizes(), y.options());
-    if (need_weight) grad_w = at::zeros({tokens, k}, weight.options());
-    const float* w = weight.const_data_ptr<float>();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "moe_combine_backward", [&] {
+at::Tensor route_dots(const at::Tensor& grad, const Blocks& blocks, const RouteRows& routes, int64_t k) {
+    const int64_t tokens = grad.size(0), width = blocks.width;
+    at::Tensor dots = at::zeros({tokens, k}, grad.options().dtype(at::kFloat));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "moe_route_dots", [&] {
         const scalar_t* g = grad.const_data_ptr<scalar_t>();
-        const scalar_t* rows = y.const_data_ptr<scalar_t>();
-        scalar_t* gy = need_y ? grad_y.mutable_data_ptr<scalar_t>() : nullptr;
-        float* gw = need_weight ? grad_w.mutable_data_ptr<float>() : nullptr;
+        const std::vector<scalar_t*> starts = block_starts<scalar_t>(blocks);
+        float* d = dots.mutable_data_ptr<float>();
         at::parallel_for(0, tokens, token_grain(width * k), [&](int64_t begin, int64_t end) {
             for (int64_t s = begin; s < end; ++s) {
-                const scalar_t* gs = g + s * width;
                 for (int64_t j = 0; j < k; ++j) {
                     const int64_t row = routes.row[static_cast<size_t>(s * k + j)];
-                    if (row < 0) continue;
-                    if (gy != nullptr) {
-                        const float ws = w[s * k + j];
-                        scalar_t* dst = gy + row * width;
-                        for (int64_t m = 0; m < width; ++m) {
-                            dst[m] = static_cast<scalar_t>(static_cast<float>(gs[m]) * ws);
-                        }
-                    }
-                    if (gw != nullptr) {
-                        const scalar_t* src = rows + row * width;
-                        gw[s * k + j] = dot(gs, src, width);
-                    }
+                    const scalar_t* src = row < 0 ? nullptr : row_at(starts, blocks, row);
+                    if (src != nullptr) d[s * k + j] = dot(g + s * width, src, width);
                 }
             }
         });
-        if (gy != nullptr) zero_empty_rows(gy, routes.filled, width);
     });
-    return {grad_y, grad_w};
+    return dots;
 }
 
 }  // namespace dnv::moe

@@ -1,30 +1,42 @@
-// Index dispatch and combine of MoE tokens, forward and backward, parallel over tokens.
+// Index dispatch and combine of MoE tokens, parallel over tokens. Two movements cover all four directions:
+// scatter_rows (token rows -> expert buffer rows: the dispatch, and the combine's gradient for the buffer) and
+// gather_rows (expert buffer rows -> token rows: the combine, and the dispatch's gradient), each with optional
+// per-route float32 weights; route_dots is the combine's gradient for those weights.
 // Float32, bfloat16 and float16 data; sums and weights are taken in float32.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
-#include <utility>
+#include <vector>
 
 #include "routes.h"
 
 namespace dnv::moe {
 
-// x[S, M] -> [E, C, M]: each kept route copies its token into its row; rows nobody fills are zero.
-at::Tensor dispatch_forward(const at::Tensor& x, const RouteRows& routes, int64_t k, int64_t num_experts,
-                            int64_t capacity);
+// The expert buffer: num_experts blocks of `capacity` rows of `width` elements, held either as one contiguous
+// [E, C, M] tensor (`whole`) or as one contiguous tensor of C * M elements per expert (`each`), so experts
+// can run on buffers of their own. An undefined tensor in `each` reads as zeros (a gradient nobody produced).
+struct Blocks {
+    at::Tensor whole;
+    std::vector<at::Tensor> each;
+    int64_t num_experts = 0;
+    int64_t capacity = 0;
+    int64_t width = 0;
+};
 
-// grad[E, C, M] -> grad_x[S, M]: each token sums (in float32, choice order) the rows its kept routes filled.
-at::Tensor dispatch_backward(const at::Tensor& grad, const RouteRows& routes, int64_t tokens, int64_t k);
+// x[S, M] -> blocks (written, all defined, x's dtype): the row of each kept route (s, j) gets x[s] (times
+// weight[s, j] when weight is not null, the product rounded to x's dtype); rows nobody fills are zeroed. With
+// `dots`, dots[s * k + j] first gets x[s] . the row's old content (each row belongs to one route, so the
+// combine's backward can take its weight dots and overwrite the expert output in one pass).
+void scatter_rows(const at::Tensor& x, const RouteRows& routes, int64_t k, const Blocks& blocks,
+                  const float* weight, float* dots);
 
-// y[E, C, M], weight[S, k] (float32) -> out[S, M] in y's dtype: sum over kept j of weight * row, in
-// float32 and choice order.
-at::Tensor combine_forward(const at::Tensor& y, const RouteRows& routes, const at::Tensor& weight);
+// blocks -> out[S, M] in `dtype`: out[s] = sum over kept j of weight[s, j] * row(s, j) (weight 1 when null),
+// summed in float32 in choice order; a token with no kept route gets zeros.
+at::Tensor gather_rows(const Blocks& blocks, const RouteRows& routes, int64_t tokens, int64_t k,
+                       const float* weight, at::ScalarType dtype);
 
-// The gradients of combine_forward: grad_y[E, C, M] (y's dtype, zero rows where empty) and grad_weight[S, k]
-// (float32, zero for dropped routes); either may be skipped (undefined tensor).
-std::pair<at::Tensor, at::Tensor> combine_backward(const at::Tensor& grad, const at::Tensor& y,
-                                                   const RouteRows& routes, const at::Tensor& weight,
-                                                   bool need_y, bool need_weight);
+// grad[S, M], blocks -> [S, k] float32: the dot product of grad[s] and row(s, j), 0 for dropped routes.
+at::Tensor route_dots(const at::Tensor& grad, const Blocks& blocks, const RouteRows& routes, int64_t k);
 
 }  // namespace dnv::moe

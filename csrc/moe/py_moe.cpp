@@ -88,8 +88,69 @@ std::tuple<at::Tensor, at::Tensor> py_assign_slots(const at::Tensor& expert_idx,
     return {slot, counts};
 }
 
-at::Tensor py_dispatch_forward(const at::Tensor& x, const at::Tensor& expert_idx, const at::Tensor& slot,
-                               int64_t num_experts, int64_t capacity) {
+// The optional per-route weights as contiguous float32 (kept alive by the returned tensor), or undefined.
+at::Tensor optional_weight(const std::optional<at::Tensor>& weight, const at::Tensor& idx) {
+    return weight.has_value() ? weight_tensor(*weight, idx) : at::Tensor();
+}
+
+const float* data_or_null(const at::Tensor& w) { return w.defined() ? w.const_data_ptr<float>() : nullptr; }
+
+// The expert buffer handed over as a list: one [E, C, M] tensor, or one tensor of C * M elements per expert
+// (None allowed where `allow_missing`: a block of zeros). Every block must be contiguous, of one dtype.
+Blocks blocks_of(const std::vector<std::optional<at::Tensor>>& list, int64_t num_experts, int64_t capacity,
+                 bool allow_missing) {
+    TORCH_CHECK_VALUE(num_experts >= 1, "num_experts must be >= 1, got ", num_experts);
+    TORCH_CHECK_VALUE(capacity >= 0, "capacity must be >= 0, got ", capacity);
+    Blocks b;
+    b.num_experts = num_experts;
+    b.capacity = capacity;
+    std::optional<at::ScalarType> dtype;
+    auto check = [&](const at::Tensor& t) {
+        check_cpu(t, "blocks");
+        const auto st = t.scalar_type();
+        TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
+                         "blocks must be float32, bfloat16 or float16, got ", st);
+        TORCH_CHECK_TYPE(!dtype.has_value() || *dtype == st, "blocks must share one dtype, got ", *dtype, " and ", st);
+        TORCH_CHECK_VALUE(t.is_contiguous(), "blocks must be contiguous");
+        dtype = st;
+    };
+    if (list.size() == 1 && list[0].has_value() && list[0]->dim() == 3) {
+        b.whole = *list[0];
+        check(b.whole);
+        TORCH_CHECK_VALUE(b.whole.size(0) == num_experts && b.whole.size(1) == capacity, "blocks must be [",
+                          num_experts, ", ", capacity, ", M], got ", b.whole.sizes());
+        b.width = b.whole.size(2);
+        return b;
+    }
+    TORCH_CHECK_VALUE(static_cast<int64_t>(list.size()) == num_experts, "blocks must hold one [E, C, M] tensor or ",
+                      num_experts, " per-expert tensors, got ", list.size());
+    b.width = -1;
+    for (const auto& t : list) {
+        if (!t.has_value()) {
+            TORCH_CHECK_VALUE(allow_missing, "blocks must all be tensors here");
+            b.each.emplace_back();
+            continue;
+        }
+        check(*t);
+        TORCH_CHECK_VALUE(t->dim() >= 1, "blocks must not be 0-D");
+        if (b.width < 0) b.width = t->size(-1);
+        TORCH_CHECK_VALUE(t->size(-1) == b.width && t->numel() == capacity * b.width,
+                          "blocks: every block must hold ", capacity, " rows of width ", b.width, ", got ", t->sizes());
+        b.each.push_back(*t);
+    }
+    TORCH_CHECK_VALUE(b.width >= 0, "blocks must hold at least one tensor");
+    return b;
+}
+
+at::ScalarType dtype_of(const Blocks& b) {
+    if (b.whole.defined()) return b.whole.scalar_type();
+    for (const auto& t : b.each)
+        if (t.defined()) return t.scalar_type();
+    return at::kFloat;
+}
+
+at::Tensor py_scatter(const at::Tensor& x, const at::Tensor& expert_idx, const at::Tensor& slot, int64_t num_experts,
+                      int64_t capacity, const std::optional<at::Tensor>& weight) {
     check_data(x, "x", 2);
     const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
     const at::Tensor sl = index_tensor(slot, "slot");
@@ -97,44 +158,85 @@ at::Tensor py_dispatch_forward(const at::Tensor& x, const at::Tensor& expert_idx
     TORCH_CHECK_VALUE(capacity >= 0, "capacity must be >= 0, got ", capacity);
     TORCH_CHECK_VALUE(idx.size(0) == x.size(0), "expert_idx must have ", x.size(0), " rows (one per token), got ",
                       idx.size(0));
+    const at::Tensor w = optional_weight(weight, idx);
     const RouteRows routes = rows_of(idx, sl, num_experts, capacity);
-    return dispatch_forward(x.contiguous(), routes, idx.size(1), num_experts, capacity);
+    Blocks b;
+    b.whole = at::empty({num_experts, capacity, x.size(1)}, x.options());
+    b.num_experts = num_experts;
+    b.capacity = capacity;
+    b.width = x.size(1);
+    scatter_rows(x.contiguous(), routes, idx.size(1), b, data_or_null(w), nullptr);
+    return b.whole;
 }
 
-at::Tensor py_dispatch_backward(const at::Tensor& grad, const at::Tensor& expert_idx, const at::Tensor& slot) {
-    check_data(grad, "grad", 3);
+std::vector<at::Tensor> py_scatter_blocks(const at::Tensor& x, const at::Tensor& expert_idx, const at::Tensor& slot,
+                                          int64_t num_experts, int64_t capacity, at::IntArrayRef block_shape) {
+    check_data(x, "x", 2);
     const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
     const at::Tensor sl = index_tensor(slot, "slot");
-    const RouteRows routes = rows_of(idx, sl, grad.size(0), grad.size(1));
-    return dispatch_backward(grad.contiguous(), routes, idx.size(0), idx.size(1));
+    TORCH_CHECK_VALUE(num_experts >= 1, "num_experts must be >= 1, got ", num_experts);
+    TORCH_CHECK_VALUE(capacity >= 0, "capacity must be >= 0, got ", capacity);
+    TORCH_CHECK_VALUE(idx.size(0) == x.size(0), "expert_idx must have ", x.size(0), " rows (one per token), got ",
+                      idx.size(0));
+    TORCH_CHECK_VALUE(c10::multiply_integers(block_shape) == capacity * x.size(1) && !block_shape.empty() &&
+                          block_shape.back() == x.size(1),
+                      "block_shape must hold capacity x width (", capacity, " x ", x.size(1), "), got ", block_shape);
+    const RouteRows routes = rows_of(idx, sl, num_experts, capacity);
+    Blocks b;
+    b.num_experts = num_experts;
+    b.capacity = capacity;
+    b.width = x.size(1);
+    for (int64_t e = 0; e < num_experts; ++e) b.each.push_back(at::empty(block_shape, x.options()));
+    scatter_rows(x.contiguous(), routes, idx.size(1), b, nullptr, nullptr);
+    return b.each;
 }
 
-at::Tensor py_combine_forward(const at::Tensor& y, const at::Tensor& expert_idx, const at::Tensor& slot,
-                              const at::Tensor& weight) {
-    check_data(y, "y", 3);
-    const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
-    const at::Tensor sl = index_tensor(slot, "slot");
-    const at::Tensor w = weight_tensor(weight, idx);
-    const RouteRows routes = rows_of(idx, sl, y.size(0), y.size(1));
-    return combine_forward(y.contiguous(), routes, w);
-}
-
-std::tuple<at::Tensor, at::Tensor> py_combine_backward(const at::Tensor& grad, const at::Tensor& y,
-                                                       const at::Tensor& expert_idx, const at::Tensor& slot,
-                                                       const at::Tensor& weight, bool need_y, bool need_weight) {
-    check_data(y, "y", 3);
+std::optional<at::Tensor> py_scatter_over(const std::vector<std::optional<at::Tensor>>& blocks,
+                                          const at::Tensor& grad, const at::Tensor& expert_idx,
+                                          const at::Tensor& slot, int64_t num_experts, int64_t capacity,
+                                          const at::Tensor& weight, bool need_dots) {
     check_data(grad, "grad", 2);
-    TORCH_CHECK_TYPE(grad.scalar_type() == y.scalar_type(), "grad must have y's dtype ", y.scalar_type(), ", got ",
-                     grad.scalar_type());
     const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
     const at::Tensor sl = index_tensor(slot, "slot");
     const at::Tensor w = weight_tensor(weight, idx);
-    TORCH_CHECK_VALUE(grad.size(0) == idx.size(0) && grad.size(1) == y.size(2), "grad must have shape [",
-                      idx.size(0), ", ", y.size(2), "], got ", grad.sizes());
-    const RouteRows routes = rows_of(idx, sl, y.size(0), y.size(1));
-    auto [grad_y, grad_w] = combine_backward(grad.contiguous(), y.contiguous(), routes, w, need_y, need_weight);
-    if (grad_w.defined() && grad_w.scalar_type() != weight.scalar_type()) grad_w = grad_w.to(weight.scalar_type());
-    return {grad_y, grad_w};
+    const Blocks b = blocks_of(blocks, num_experts, capacity, false);
+    TORCH_CHECK_TYPE(grad.scalar_type() == dtype_of(b), "grad must have the blocks' dtype ", dtype_of(b), ", got ",
+                     grad.scalar_type());
+    TORCH_CHECK_VALUE(grad.size(0) == idx.size(0) && grad.size(1) == b.width, "grad must have shape [", idx.size(0),
+                      ", ", b.width, "], got ", grad.sizes());
+    const RouteRows routes = rows_of(idx, sl, num_experts, capacity);
+    at::Tensor dots;
+    if (need_dots) dots = at::zeros({idx.size(0), idx.size(1)}, w.options());
+    scatter_rows(grad.contiguous(), routes, idx.size(1), b, w.const_data_ptr<float>(),
+                 need_dots ? dots.mutable_data_ptr<float>() : nullptr);
+    if (!need_dots) return std::nullopt;
+    return dots;
+}
+
+at::Tensor py_gather(const std::vector<std::optional<at::Tensor>>& blocks, const at::Tensor& expert_idx,
+                     const at::Tensor& slot, int64_t num_experts, int64_t capacity,
+                     const std::optional<at::Tensor>& weight) {
+    const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
+    const at::Tensor sl = index_tensor(slot, "slot");
+    const at::Tensor w = optional_weight(weight, idx);
+    const Blocks b = blocks_of(blocks, num_experts, capacity, true);
+    const RouteRows routes = rows_of(idx, sl, num_experts, capacity);
+    return gather_rows(b, routes, idx.size(0), idx.size(1), data_or_null(w), dtype_of(b));
+}
+
+at::Tensor py_route_dots(const at::Tensor& grad, const std::vector<std::optional<at::Tensor>>& blocks,
+                         const at::Tensor& expert_idx, const at::Tensor& slot, int64_t num_experts,
+                         int64_t capacity) {
+    check_data(grad, "grad", 2);
+    const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
+    const at::Tensor sl = index_tensor(slot, "slot");
+    const Blocks b = blocks_of(blocks, num_experts, capacity, true);
+    TORCH_CHECK_TYPE(grad.scalar_type() == dtype_of(b), "grad must have the blocks' dtype ", dtype_of(b), ", got ",
+                     grad.scalar_type());
+    TORCH_CHECK_VALUE(grad.size(0) == idx.size(0) && grad.size(1) == b.width, "grad must have shape [", idx.size(0),
+                      ", ", b.width, "], got ", grad.sizes());
+    const RouteRows routes = rows_of(idx, sl, num_experts, capacity);
+    return route_dots(grad.contiguous(), b, routes, idx.size(1));
 }
 
 std::tuple<at::Tensor, at::Tensor> py_top_k(const at::Tensor& scores, int64_t k) {
@@ -161,11 +263,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "(slot[S,k] int64 with -1 for dropped, exp_counts[E]); capacity -1 keeps every route");
     m.def("top_k", &py_top_k, py::arg("scores"), py::arg("k"),
           "(values, indices) of the k largest scores per row, largest first, ties to the lower index");
-    m.def("dispatch_forward", &py_dispatch_forward, py::arg("x"), py::arg("expert_idx"), py::arg("slot"),
-          py::arg("num_experts"), py::arg("capacity"));
-    m.def("dispatch_backward", &py_dispatch_backward, py::arg("grad"), py::arg("expert_idx"), py::arg("slot"));
-    m.def("combine_forward", &py_combine_forward, py::arg("y"), py::arg("expert_idx"), py::arg("slot"),
-          py::arg("weight"));
-    m.def("combine_backward", &py_combine_backward, py::arg("grad"), py::arg("y"), py::arg("expert_idx"),
-          py::arg("slot"), py::arg("weight"), py::arg("need_y"), py::arg("need_weight"));
+    m.def("scatter", &py_scatter, py::arg("x"), py::arg("expert_idx"), py::arg("slot"), py::arg("num_experts"),
+          py::arg("capacity"), py::arg("weight") = py::none(),
+          "x[S,M] -> new [E,C,M]: each kept route's row gets its token (times its weight); empty rows are zero");
+    m.def("scatter_blocks", &py_scatter_blocks, py::arg("x"), py::arg("expert_idx"), py::arg("slot"),
+          py::arg("num_experts"), py::arg("capacity"), py::arg("block_shape"),
+          "x[S,M] -> E new tensors of block_shape (C*M elements each), one expert's rows each");
+    m.def("scatter_over", &py_scatter_over, py::arg("blocks"), py::arg("grad"), py::arg("expert_idx"),
+          py::arg("slot"), py::arg("num_experts"), py::arg("capacity"), py::arg("weight"), py::arg("need_dots"),
+          "write scatter(grad, weight) over the given blocks; with need_dots first return each route's "
+          "grad . old row");
+    m.def("gather", &py_gather, py::arg("blocks"), py::arg("expert_idx"), py::arg("slot"), py::arg("num_experts"),
+          py::arg("capacity"), py::arg("weight") = py::none(),
+          "blocks -> [S,M]: each token's kept rows (times their weights) summed in float32, choice order");
+    m.def("route_dots", &py_route_dots, py::arg("grad"), py::arg("blocks"), py::arg("expert_idx"), py::arg("slot"),
+          py::arg("num_experts"), py::arg("capacity"),
+          "[S,k] float32: grad[s] . row(s,j) for kept routes, 0 for dropped");
 }

@@ -63,6 +63,30 @@ class Experts(nn.Module):
                 p.allreduce = False
                 p.group_name = expert_group_name
 
+    def run_each(self, inputs: list[Tensor] | tuple[Tensor, ...]) -> list[Tensor]:
+        """Run local expert i on ``inputs[i]`` (one buffer per expert, as the MoE layer dispatches them) and
+        return their outputs (a tuple output contributes its first element): what :meth:`forward` does
+        without splitting one tensor and concatenating the results."""
+        if len(inputs) != self.num_local_experts:
+            raise ValueError(
+                f"inputs must hold {self.num_local_experts} tensors, one per expert, got {len(inputs)}"
+            )
+        outputs = []
+        for chunk, expert in zip(inputs, self.deepspeed_experts):
+            out = expert(chunk)
+            outputs.append(out[0] if isinstance(out, tuple) else out)
+        return outputs
+
+    def runs_each_as_forward(self) -> bool:
+        """Whether :meth:`run_each` stands in for a call of this module: its ``forward`` is this class's and
+        no hook would miss the call (hooks on the module itself, or global module hooks)."""
+        from torch.nn.modules import module as nn_module
+
+        hooks = (self._forward_hooks, self._forward_pre_hooks, self._backward_hooks, self._backward_pre_hooks,
+                 nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks,
+                 nn_module._global_backward_hooks, nn_module._global_backward_pre_hooks)
+        return type(self).forward is Experts.forward and not any(hooks)
+
     def forward(self, inputs: Tensor) -> Tensor:
         """Run each local expert on its chunk of dim 1 and concatenate the results along dim 1."""
         if inputs.dim() < 2 or inputs.shape[1] % self.num_local_experts:

@@ -7,8 +7,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from deepnvme.moe.comm import all_to_all
+from deepnvme.moe.experts import Experts
 from deepnvme.moe.gating import TopKGate
-from deepnvme.moe.routing import combine, dispatch
+from deepnvme.moe.routing import combine, combine_per_expert, dispatch, dispatch_per_expert, uses_op
 
 
 class MOELayer(nn.Module):
@@ -19,8 +20,10 @@ class MOELayer(nn.Module):
     combine gathers rows back, so memory is O(E·C·M + S·k·M), never an ``S×E×C`` mask. With ``ep_size > 1``
     the buffer is exchanged over the expert-parallel group (chunk r of the E experts goes to EP rank r), each
     rank runs its ``num_local_experts`` experts on ``[ep, E_local, C, M]``, and a second exchange brings
-    results back. After ``forward``, ``l_aux`` and ``exp_counts`` hold the batch's aux loss and per-expert
-    counts.
+    results back. At ``ep_size == 1``, with the compiled op and an unhooked :class:`Experts`, each expert gets
+    a ``[1, 1, C, M]`` buffer of its own and its output goes to the combine as it is (nothing is split or
+    concatenated around the experts). After ``forward``, ``l_aux`` and ``exp_counts`` hold the batch's aux
+    loss and per-expert counts.
     """
 
     def __init__(
@@ -66,9 +69,22 @@ class MOELayer(nn.Module):
         routes = self.gate.route(tokens, used_token)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
         c = routes.capacity
+        if (self.ep_size == 1 and isinstance(self.experts, Experts) and self.experts.runs_each_as_forward()
+                and uses_op(tokens)):
+            # One buffer per expert, each expert's output combined as it is: what the path below does, without
+            # the split of one [E, C, M] buffer, the concatenation after the experts, and their backwards (the
+            # compiled op reads and writes the buffers in place; the pure-torch path would copy them instead).
+            blocks = dispatch_per_expert(tokens, routes.expert_idx, routes.slot, routes.num_experts, c,
+                                         (1, 1, c, d_model))
+            outs = self.experts.run_each(blocks)
+            combined = combine_per_expert(outs, routes.expert_idx, routes.slot, routes.weight)
+            return combined.reshape(x.shape[:-1] + combined.shape[-1:])
         buffer = dispatch(tokens, routes.expert_idx, routes.slot, routes.num_experts, c)
         buffer = all_to_all(buffer, self.ep_group)
         out = self.experts(buffer.reshape(self.ep_size, self.num_local_experts, c, d_model))
-        out = all_to_all(out.reshape(self.ep_size * self.num_local_experts, c, out.shape[-1]), self.ep_group)
+        if self.ep_size > 1:
+            num_experts = self.ep_size * self.num_local_experts
+            out = all_to_all(out.reshape(num_experts, c, out.shape[-1]), self.ep_group)
+        # [ep, E_local, C, M] goes in as it is, not as a reshaped view: the combine's backward may reuse it.
         combined = combine(out, routes.expert_idx, routes.slot, routes.weight)
         return combined.reshape(x.shape[:-1] + combined.shape[-1:])

@@ -4,7 +4,14 @@ A *route* is one (token s, choice j) pair of the gate's ``expert_idx[S, k]``. :f
 each route its row in its expert's capacity buffer (or -1 when the route is dropped), :func:`dispatch` copies
 tokens into the ``[E, C, M]`` buffers the experts run on, and :func:`combine` brings the expert outputs back,
 weighted per route. Everything works by index (gather/scatter): nothing of size S x E x C is ever built,
-unlike the one-hot einsum DeepSpeed used before its index dispatch.
+unlike the one-hot einsum DeepSpeed used before its index dispatch. :func:`dispatch_per_expert` and
+:func:`combine_per_expert` do the same with one buffer per expert, so experts run on buffers of their own
+and nothing is split or concatenated around them.
+
+Memory: the compiled dispatch saves only the routes for its backward, the combine the expert outputs (the
+weights' gradient needs them). The combine's backward takes those dots first and then lets the outputs go, or
+writes their gradient over them when nothing else can reach them, so one ``[E, C, M]`` buffer at a time is
+alive where the combine's gradient is formed.
 
 Slot order is DeepSpeed's, so the same gate decisions put the same token in the same row:
 
@@ -27,14 +34,17 @@ variable set to ``op``) demands the op and raises if it cannot load.
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 import threading
 from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["IMPL_ENV", "assign_slots", "combine", "dispatch", "op_available", "top_k"]
+__all__ = ["IMPL_ENV", "assign_slots", "combine", "combine_per_expert", "dispatch", "dispatch_per_expert",
+           "op_available", "top_k"]
 
 IMPL_ENV = "DEEPNVME_MOE_IMPL"
 _IMPLS = ("auto", "op", "torch")
@@ -86,6 +96,11 @@ def _resolve_impl(impl: str | None, *tensors: torch.Tensor) -> Any:
             raise RuntimeError(f"deepnvme.moe: the compiled routing op is unavailable: {_op_state['error']}")
         return module
     return _load_op() if fits else None
+
+
+def uses_op(*tensors: torch.Tensor) -> bool:
+    """Whether dispatch/combine on these tensors run the compiled op (per ``impl``'s environment default)."""
+    return _resolve_impl(None, *tensors) is not None
 
 
 # --------------------------------------------------------------------------------------------- validation
@@ -318,11 +333,15 @@ def combine(y: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor, weigh
 
     ``out[s] = sum over kept j of weight[s, j] * y[expert_idx[s, j], slot[s, j]]``.
 
+    ``y`` may also be ``[..., C, M]`` with leading dims that multiply to E (the ``[ep, E_local, C, M]`` the
+    experts return): taking it unreshaped lets the compiled backward reuse its memory (see ``_CombineOp``).
     Accumulates in float32 (float64 for float64 inputs) in choice order and returns ``y``'s dtype, as
     DeepSpeed's decode does; weights of dropped routes are ignored. Differentiable in ``y`` and ``weight``.
     """
-    _check_float("y", y, ndim=3)
-    num_experts, capacity, _ = y.shape
+    _check_float("y", y)
+    if y.dim() < 3:
+        raise ValueError(f"y must be [E, C, M] (or [..., C, M]), got shape {tuple(y.shape)}")
+    num_experts, capacity = math.prod(y.shape[:-2]), y.shape[-2]
     _check_index("expert_idx", expert_idx)
     _check_float("weight", weight, shape=tuple(expert_idx.shape))
     _check_routes(expert_idx, slot, num_experts, capacity, expert_idx.shape[0])
@@ -332,8 +351,8 @@ def combine(y: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor, weigh
         return _CombineOp.apply(module, y, expert_idx.contiguous(), slot.contiguous(), weight)
     _flat_routes(expert_idx, slot, capacity)
     acc_dtype = torch.float64 if torch.float64 in (y.dtype, weight.dtype) else torch.float32
-    y_rows = y.reshape(num_experts * capacity, y.shape[2])
-    out = torch.zeros(expert_idx.shape[0], y.shape[2], dtype=acc_dtype, device=y.device)
+    y_rows = y.reshape(num_experts * capacity, y.shape[-1])
+    out = torch.zeros(expert_idx.shape[0], y.shape[-1], dtype=acc_dtype, device=y.device)
     for j in range(expert_idx.shape[1]):  # k is small; one gather per choice keeps the sum in choice order
         token = (slot[:, j] >= 0).nonzero(as_tuple=True)[0]
         rows = expert_idx[token, j].long() * capacity + slot[token, j].long()
@@ -342,16 +361,74 @@ def combine(y: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor, weigh
     return out.to(y.dtype)
 
 
+# --------------------------------------------------------------------------------------------- per expert
+def dispatch_per_expert(x: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor, num_experts: int,
+                        capacity: int, block_shape: tuple[int, ...], *,
+                        impl: str | None = None) -> tuple[torch.Tensor, ...]:
+    """:func:`dispatch` into one buffer per expert: ``num_experts`` tensors of ``block_shape`` (``capacity``
+    x M elements each, e.g. the ``[1, 1, C, M]`` an expert sees at ``ep_size=1``), each expert's rows.
+
+    The MoE layer runs each expert on its own buffer and hands the outputs to :func:`combine_per_expert`, so
+    no ``[E, C, M]`` tensor is split for the experts or concatenated after them (forward and backward: two
+    copies and two fresh ``[E, C, M]`` allocations fewer per step). Differentiable in ``x``.
+    """
+    _check_float("x", x, ndim=2)
+    _check_int("num_experts", num_experts, 1)
+    _check_int("capacity", capacity, 0)
+    if math.prod(block_shape) != capacity * x.shape[1] or not block_shape or block_shape[-1] != x.shape[1]:
+        raise ValueError(f"block_shape must hold capacity x width ({capacity} x {x.shape[1]}), "
+                         f"got {block_shape}")
+    _check_routes(expert_idx, slot, num_experts, capacity, x.shape[0])
+    _check_same_device(x=x, expert_idx=expert_idx, slot=slot)
+    module = _resolve_impl(impl, x, expert_idx)
+    if module is not None:
+        return _DispatchBlocksOp.apply(module, x, expert_idx.contiguous(), slot.contiguous(), num_experts,
+                                       capacity, tuple(block_shape))
+    buffer = dispatch(x, expert_idx, slot, num_experts, capacity, impl="torch")
+    return tuple(b.reshape(block_shape) for b in buffer.unbind(0))
+
+
+def combine_per_expert(ys: list[torch.Tensor] | tuple[torch.Tensor, ...], expert_idx: torch.Tensor,
+                       slot: torch.Tensor, weight: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
+    """:func:`combine` from one output per expert (each of ``capacity x M`` elements, last dim M), as
+    :func:`dispatch_per_expert` hands them out. Differentiable in every ``ys[e]`` and ``weight``; the
+    compiled backward writes each output's gradient over the output where nothing else can reach it."""
+    if not ys:
+        raise ValueError("ys must hold one tensor per expert, got none")
+    for e, y in enumerate(ys):
+        _check_float(f"ys[{e}]", y)
+    width = ys[0].shape[-1]
+    capacity = ys[0].numel() // width if width else 0
+    if any(y.shape[-1] != width or y.numel() != capacity * width for y in ys):
+        raise ValueError(f"ys must all hold the same rows of width {width}, "
+                         f"got {[tuple(y.shape) for y in ys]}")
+    if len({y.dtype for y in ys}) > 1:
+        raise TypeError(f"ys must share one dtype, got {sorted({str(y.dtype) for y in ys})}")
+    module = _resolve_impl(impl, *ys, weight, expert_idx)
+    if module is None or width == 0:
+        return combine(torch.stack([y.reshape(capacity, width) for y in ys]), expert_idx, slot, weight,
+                       impl="torch" if module is None else impl)
+    _check_index("expert_idx", expert_idx)
+    _check_float("weight", weight, shape=tuple(expert_idx.shape))
+    _check_routes(expert_idx, slot, len(ys), capacity, expert_idx.shape[0])
+    _check_same_device(expert_idx=expert_idx, slot=slot, weight=weight,
+                       **{f"ys[{e}]": y for e, y in enumerate(ys)})
+    return _CombineBlocksOp.apply(module, expert_idx.contiguous(), slot.contiguous(), weight, *ys)
+
+
 # --------------------------------------------------------------------------------------------- autograd
 class _DispatchOp(torch.autograd.Function):
-    """Compiled dispatch; its backward gathers each token's rows back and sums them."""
+    """Compiled dispatch (a scatter of token rows); its backward gathers each token's rows back and sums them.
+
+    Saves only the routes: the copy itself needs no data for its gradient.
+    """
 
     @staticmethod
     def forward(ctx: Any, module: Any, x: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor,
                 num_experts: int, capacity: int) -> torch.Tensor:
         ctx.module = module
         ctx.save_for_backward(expert_idx, slot)
-        return module.dispatch_forward(x.contiguous(), expert_idx, slot, num_experts, capacity)
+        return module.scatter(x.contiguous(), expert_idx, slot, num_experts, capacity)
 
     @staticmethod
     @once_differentiable  # the compiled backward is not itself differentiable: say so instead of a wrong 0
@@ -359,27 +436,183 @@ class _DispatchOp(torch.autograd.Function):
         expert_idx, slot = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[1]:
-            grad_x = ctx.module.dispatch_backward(grad_out.contiguous(), expert_idx, slot)
+            grad = grad_out.contiguous()
+            grad_x = ctx.module.gather([grad], expert_idx, slot, grad.shape[0], grad.shape[1])
         return None, grad_x, None, None, None, None
 
 
 class _CombineOp(torch.autograd.Function):
-    """Compiled combine; backward scatters weighted gradients to the rows and dots them for the weights."""
+    """Compiled combine (a weighted gather of buffer rows).
+
+    Backward: the weights' gradient needs the expert outputs ``y`` (one dot product per route), the gradient
+    of ``y`` needs only the weights (a weighted scatter), and each buffer row belongs to one route. The saved
+    tensors are released first (unless the graph is kept for another backward). Then, when nothing else can
+    reach ``y``'s memory any more (:func:`_sole_owner`), one pass takes each row's dot product and overwrites
+    the row with its gradient, which is returned as ``y``'s gradient: no second ``[E, C, M]`` buffer, and no
+    fresh pages to fault in. Otherwise the dots come first, ``y`` is let go, and the gradient is a new
+    buffer; either way the step's peak holds one ``[E, C, M]`` buffer here, not two.
+    """
 
     @staticmethod
     def forward(ctx: Any, module: Any, y: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor,
                 weight: torch.Tensor) -> torch.Tensor:
         ctx.module = module
+        ctx.y_shape = y.shape
         y = y.contiguous()
         weight = weight.contiguous()
         ctx.save_for_backward(y, expert_idx, slot, weight)
-        return module.combine_forward(y, expert_idx, slot, weight)
+        buffer = _as_buffer(y)
+        return module.gather([buffer], expert_idx, slot, buffer.shape[0], buffer.shape[1], weight)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         y, expert_idx, slot, weight = ctx.saved_tensors
-        grad_y, grad_w = ctx.module.combine_backward(grad_out.contiguous(), y, expert_idx, slot, weight,
-                                                     ctx.needs_input_grad[1], ctx.needs_input_grad[4])
-        return (None, grad_y if ctx.needs_input_grad[1] else None, None, None,
-                grad_w if ctx.needs_input_grad[4] else None)
+        _release_saved_tensors(ctx)
+        grad_out = grad_out.contiguous()
+        need_y, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[4]
+        grad_y = grad_w = None
+        if need_y and grad_out.dtype == y.dtype and _sole_owner(y):
+            buffer = _as_buffer(y)
+            grad_w = ctx.module.scatter_over([buffer], grad_out, expert_idx, slot, buffer.shape[0],
+                                             buffer.shape[1], weight, need_w)
+            torch.autograd.graph.increment_version(y)  # its values changed under the same tensor
+            grad_y = y
+        else:
+            buffer = _as_buffer(y)
+            num_experts, capacity = buffer.shape[0], buffer.shape[1]
+            if need_w:
+                grad_w = ctx.module.route_dots(grad_out, [buffer], expert_idx, slot, num_experts, capacity)
+            del y, buffer  # the last references to y's memory, if the combine held them
+            if need_y:
+                grad_y = ctx.module.scatter(grad_out, expert_idx, slot, num_experts, capacity, weight)
+                grad_y = grad_y.view(ctx.y_shape)
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        return None, grad_y, None, None, grad_w
+
+
+def _as_buffer(y: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``[..., C, M]`` tensor viewed as the ``[E, C, M]`` buffer the op takes."""
+    return y if y.dim() == 3 else y.view(math.prod(y.shape[:-2]), y.shape[-2], y.shape[-1])
+
+
+def _release_saved_tensors(ctx: Any) -> None:
+    """Drop ``ctx``'s saved tensors now instead of after its backward returns, unless the graph is kept
+    (``retain_graph``/``create_graph``), when a later backward still needs them. The hook is torch's own
+    (AOT autograd calls it the same way); without it the tensors are simply freed at the usual time.
+    """
+    release = getattr(ctx, "maybe_clear_saved_tensors", None)
+    if release is not None:
+        release()
+
+
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether the caller's one local name is the only way left to ``t``'s memory, so overwriting it is
+    invisible to everyone else.
+
+    Every way to reach the memory is counted: other C++ holders of the tensor (a saved variable that was not
+    released, e.g. under ``retain_graph``, or another node that saved it), other tensors on the same storage
+    (views, ``detach()`` aliases, a view's base), and other Python references to the tensor object (a user
+    variable, a forward hook's stash). Leaves are the user's and never qualify. Any doubt, including torch
+    internals this relies on going away, answers False, which costs only a fresh buffer.
+    """
+    if t._base is not None or t.is_leaf or not t.is_contiguous():
+        return False
+    try:
+        if t._use_count() != 1:
+            return False
+        storage = t.untyped_storage()
+        holders = torch._C._storage_Use_Count(storage._cdata) - 1  # less our own storage object
+        del storage
+    except (AttributeError, RuntimeError):
+        return False
+    # References to t: the caller's local, this argument and getrefcount's own argument.
+    return holders == 1 and sys.getrefcount(t) == 3
+
+
+class _DispatchBlocksOp(torch.autograd.Function):
+    """Compiled dispatch into one new buffer per expert; backward gathers the per-expert gradients (a missing
+    one, from an expert output nobody used, reads as zeros)."""
+
+    @staticmethod
+    def forward(ctx: Any, module: Any, x: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor,
+                num_experts: int, capacity: int, block_shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        ctx.module = module
+        ctx.set_materialize_grads(False)  # no zero [C, M] tensors for unused experts
+        ctx.shape = (num_experts, capacity, x.shape[0], x.shape[1], x.dtype)
+        ctx.save_for_backward(expert_idx, slot)
+        blocks = module.scatter_blocks(x.contiguous(), expert_idx, slot, num_experts, capacity, block_shape)
+        return tuple(blocks)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        expert_idx, slot = ctx.saved_tensors
+        num_experts, capacity, tokens, width, dtype = ctx.shape
+        grad_x = None
+        if ctx.needs_input_grad[1]:
+            blocks = [None if g is None else g.contiguous() for g in grads]
+            if all(b is None for b in blocks):
+                grad_x = torch.zeros(tokens, width, dtype=dtype)
+            else:
+                grad_x = ctx.module.gather(blocks, expert_idx, slot, num_experts, capacity)
+        return None, grad_x, None, None, None, None, None
+
+
+class _CombineBlocksOp(torch.autograd.Function):
+    """Compiled combine from one output per expert; backward as :class:`_CombineOp`'s: when
+    :func:`_sole_owner` allows it for every output, one pass takes the weight dots and writes each output's
+    gradient over it; otherwise the dots come first and the outputs nobody else holds still take their
+    gradients, the others get new tensors."""
+
+    @staticmethod
+    def forward(ctx: Any, module: Any, expert_idx: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor,
+                *ys: torch.Tensor) -> torch.Tensor:
+        ctx.module = module
+        ys = tuple(y.contiguous() for y in ys)
+        ctx.save_for_backward(expert_idx, slot, weight.contiguous(), *ys)
+        capacity = ys[0].numel() // ys[0].shape[-1]
+        return module.gather(list(ys), expert_idx, slot, len(ys), capacity, weight)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        expert_idx, slot, weight, *ys = ctx.saved_tensors
+        _release_saved_tensors(ctx)
+        grad_out = grad_out.contiguous()
+        num_experts = len(ys)
+        capacity = ys[0].numel() // ys[0].shape[-1]
+        need_w = ctx.needs_input_grad[3]
+        need_y = [ctx.needs_input_grad[4 + e] for e in range(num_experts)]
+        owned = []
+        for e in range(num_experts):
+            y, ys[e] = ys[e], None  # only `y` refers to it now, unless someone else does
+            owned.append(need_y[e] and y.dtype == grad_out.dtype and _sole_owner(y))
+            ys[e] = y
+            del y
+        grad_w = None
+        if all(owned):  # one pass: each row's dot product, then its gradient over it
+            for y in ys:
+                torch.autograd.graph.increment_version(y)  # its values change under the same tensor
+            grad_w = ctx.module.scatter_over(ys, grad_out, expert_idx, slot, num_experts, capacity, weight,
+                                             need_w)
+            targets = ys
+        else:
+            if need_w:
+                grad_w = ctx.module.route_dots(grad_out, ys, expert_idx, slot, num_experts, capacity)
+            if not any(need_y):
+                return (None, None, None, None if grad_w is None else grad_w.to(weight.dtype),
+                        *([None] * num_experts))
+            targets = []
+            for e in range(num_experts):
+                y, ys[e] = ys[e], None
+                if owned[e]:
+                    torch.autograd.graph.increment_version(y)
+                    targets.append(y)
+                else:
+                    targets.append(torch.empty_like(y, memory_format=torch.contiguous_format))
+                del y  # the last reference to an output it did not own, if the combine held that
+            ctx.module.scatter_over(targets, grad_out, expert_idx, slot, num_experts, capacity, weight, False)
+        grads = [t if need else None for t, need in zip(targets, need_y)]
+        return (None, None, None, None if grad_w is None else grad_w.to(weight.dtype), *grads)
