@@ -187,8 +187,9 @@ def mismatch_warning(what: str, ratio: float) -> str | None:
 #: what to check when mismatch_warning fires
 MISMATCH_CAUSES = ("(a ratio that far from 1 at the same settings points at the measurement, not the "
                    "software: file layout, jobs per file, page cache, another load at the time, the "
-                   "handle's huge-page locked memory against fio's 4 KiB pages (and, with libaio, fio's "
-                   "first touch of its read buffers); at small sizes also the handle's timed open and "
+                   "memory under each (fio's buffers are huge pages only where glibc honours "
+                   "glibc.malloc.hugetlb, and with libaio fio's reads touch their buffers first inside its "
+                   "clock), or the other side being faster; at small sizes also the handle's timed open and "
                    "thread start, which fio's figure leaves out)")
 
 
