@@ -42,18 +42,23 @@ DEFAULT_HANDLE_SETTINGS = {"block_size": 1 << 20, "queue_depth": 32, "single_sub
 _local = threading.local()
 
 
-def default_handle() -> Any:
-    """This thread's aio_handle with DEFAULT_HANDLE_SETTINGS, made on first use (the op is built once).
+def default_handle(slot: int = 0) -> Any:
+    """This thread's aio_handle number `slot` with DEFAULT_HANDLE_SETTINGS, made on first use (the op is
+    built once). load keeps a second one (slot 1) so that one batch of reads is queued while the other's
+    complete.
 
     One per thread because a handle's wait() completes every request queued on it: two threads sharing one
     would wait for, and receive the errors of, each other's requests. A forked child makes its own.
     """
-    handle = getattr(_local, "handle", None)
-    if handle is None or _local.pid != os.getpid():
+    handles = getattr(_local, "handles", None)
+    if handles is None or _local.pid != os.getpid():
+        handles = _local.handles = {}
+        _local.pid = os.getpid()
+    handle = handles.get(slot)
+    if handle is None:
         from deepnvme import AsyncIOBuilder
 
-        handle = AsyncIOBuilder().load().aio_handle(**DEFAULT_HANDLE_SETTINGS)
-        _local.handle, _local.pid = handle, os.getpid()
+        handle = handles[slot] = AsyncIOBuilder().load().aio_handle(**DEFAULT_HANDLE_SETTINGS)
     return handle
 
 

@@ -532,7 +532,7 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool =
         records = _records(fd, path, exact=restore is None)
         if records is None or mmap:  # the legacy format, or torch's mmap path: torch reads it itself
             return _torch_load(path, path, kwargs | {"mmap": mmap} if mmap else kwargs)
-        handles = [default_handle(), _second_handle()] if handle is None else [handle]
+        handles = [default_handle(), default_handle(1)] if handle is None else [handle]
         reader = _ArchiveReader(fd, path, records, handles[0], verify)
         try:
             if restore is not None:
@@ -551,22 +551,6 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool =
             reader.close()
     finally:
         os.close(fd)
-
-
-_local = threading.local()
-
-
-def _second_handle() -> Any:
-    """A second handle of this thread, so that one batch of reads is queued while the other's are checked."""
-    from deepnvme.io import DEFAULT_HANDLE_SETTINGS
-
-    handle = getattr(_local, "second", None)
-    if handle is None or _local.pid != os.getpid():
-        from deepnvme import AsyncIOBuilder
-
-        handle = AsyncIOBuilder().load().aio_handle(**DEFAULT_HANDLE_SETTINGS)
-        _local.second, _local.pid = handle, os.getpid()
-    return handle
 
 
 def _restore_location(map_location: Any) -> Any:

@@ -191,6 +191,14 @@ std::vector<at::Tensor> py_scatter_blocks(const at::Tensor& x, const at::Tensor&
     return b.each;
 }
 
+// A combine gradient [S, M] that fits the routes (S rows) and the expert blocks (width M, their dtype).
+void check_grad(const at::Tensor& grad, const at::Tensor& idx, const Blocks& b) {
+    TORCH_CHECK_TYPE(grad.scalar_type() == dtype_of(b), "grad must have the blocks' dtype ", dtype_of(b), ", got ",
+                     grad.scalar_type());
+    TORCH_CHECK_VALUE(grad.size(0) == idx.size(0) && grad.size(1) == b.width, "grad must have shape [", idx.size(0),
+                      ", ", b.width, "], got ", grad.sizes());
+}
+
 std::optional<at::Tensor> py_scatter_over(const std::vector<std::optional<at::Tensor>>& blocks,
                                           const at::Tensor& grad, const at::Tensor& expert_idx,
                                           const at::Tensor& slot, int64_t num_experts, int64_t capacity,
@@ -200,10 +208,7 @@ std::optional<at::Tensor> py_scatter_over(const std::vector<std::optional<at::Te
     const at::Tensor sl = index_tensor(slot, "slot");
     const at::Tensor w = weight_tensor(weight, idx);
     const Blocks b = blocks_of(blocks, num_experts, capacity, false);
-    TORCH_CHECK_TYPE(grad.scalar_type() == dtype_of(b), "grad must have the blocks' dtype ", dtype_of(b), ", got ",
-                     grad.scalar_type());
-    TORCH_CHECK_VALUE(grad.size(0) == idx.size(0) && grad.size(1) == b.width, "grad must have shape [", idx.size(0),
-                      ", ", b.width, "], got ", grad.sizes());
+    check_grad(grad, idx, b);
     const RouteRows routes = rows_of(idx, sl, num_experts, capacity);
     at::Tensor dots;
     if (need_dots) dots = at::zeros({idx.size(0), idx.size(1)}, w.options());
@@ -231,10 +236,7 @@ at::Tensor py_route_dots(const at::Tensor& grad, const std::vector<std::optional
     const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
     const at::Tensor sl = index_tensor(slot, "slot");
     const Blocks b = blocks_of(blocks, num_experts, capacity, true);
-    TORCH_CHECK_TYPE(grad.scalar_type() == dtype_of(b), "grad must have the blocks' dtype ", dtype_of(b), ", got ",
-                     grad.scalar_type());
-    TORCH_CHECK_VALUE(grad.size(0) == idx.size(0) && grad.size(1) == b.width, "grad must have shape [", idx.size(0),
-                      ", ", b.width, "], got ", grad.sizes());
+    check_grad(grad, idx, b);
     const RouteRows routes = rows_of(idx, sl, num_experts, capacity);
     return route_dots(grad.contiguous(), b, routes, idx.size(1));
 }
