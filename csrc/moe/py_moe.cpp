@@ -149,43 +149,46 @@ at::ScalarType dtype_of(const Blocks& b) {
     return at::kFloat;
 }
 
-at::Tensor py_scatter(const at::Tensor& x, const at::Tensor& expert_idx, const at::Tensor& slot, int64_t num_experts,
-                      int64_t capacity, const std::optional<at::Tensor>& weight) {
+// The checked routes of a dispatch of x [S, M]: expert_idx as the op's index tensor, one row per token.
+at::Tensor checked_dispatch_index(const at::Tensor& x, const at::Tensor& expert_idx, int64_t num_experts,
+                                  int64_t capacity) {
     check_data(x, "x", 2);
     const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
-    const at::Tensor sl = index_tensor(slot, "slot");
     TORCH_CHECK_VALUE(num_experts >= 1, "num_experts must be >= 1, got ", num_experts);
     TORCH_CHECK_VALUE(capacity >= 0, "capacity must be >= 0, got ", capacity);
     TORCH_CHECK_VALUE(idx.size(0) == x.size(0), "expert_idx must have ", x.size(0), " rows (one per token), got ",
                       idx.size(0));
-    const at::Tensor w = optional_weight(weight, idx);
-    const RouteRows routes = rows_of(idx, sl, num_experts, capacity);
+    return idx;
+}
+
+// Blocks of num_experts x capacity rows of `width`, their tensors still to be attached.
+Blocks empty_blocks(int64_t num_experts, int64_t capacity, int64_t width) {
     Blocks b;
-    b.whole = at::empty({num_experts, capacity, x.size(1)}, x.options());
     b.num_experts = num_experts;
     b.capacity = capacity;
-    b.width = x.size(1);
+    b.width = width;
+    return b;
+}
+
+at::Tensor py_scatter(const at::Tensor& x, const at::Tensor& expert_idx, const at::Tensor& slot, int64_t num_experts,
+                      int64_t capacity, const std::optional<at::Tensor>& weight) {
+    const at::Tensor idx = checked_dispatch_index(x, expert_idx, num_experts, capacity);
+    const at::Tensor w = optional_weight(weight, idx);
+    const RouteRows routes = rows_of(idx, index_tensor(slot, "slot"), num_experts, capacity);
+    Blocks b = empty_blocks(num_experts, capacity, x.size(1));
+    b.whole = at::empty({num_experts, capacity, x.size(1)}, x.options());
     scatter_rows(x.contiguous(), routes, idx.size(1), b, data_or_null(w), nullptr);
     return b.whole;
 }
 
 std::vector<at::Tensor> py_scatter_blocks(const at::Tensor& x, const at::Tensor& expert_idx, const at::Tensor& slot,
                                           int64_t num_experts, int64_t capacity, at::IntArrayRef block_shape) {
-    check_data(x, "x", 2);
-    const at::Tensor idx = index_tensor(expert_idx, "expert_idx");
-    const at::Tensor sl = index_tensor(slot, "slot");
-    TORCH_CHECK_VALUE(num_experts >= 1, "num_experts must be >= 1, got ", num_experts);
-    TORCH_CHECK_VALUE(capacity >= 0, "capacity must be >= 0, got ", capacity);
-    TORCH_CHECK_VALUE(idx.size(0) == x.size(0), "expert_idx must have ", x.size(0), " rows (one per token), got ",
-                      idx.size(0));
+    const at::Tensor idx = checked_dispatch_index(x, expert_idx, num_experts, capacity);
     TORCH_CHECK_VALUE(c10::multiply_integers(block_shape) == capacity * x.size(1) && !block_shape.empty() &&
                           block_shape.back() == x.size(1),
                       "block_shape must hold capacity x width (", capacity, " x ", x.size(1), "), got ", block_shape);
-    const RouteRows routes = rows_of(idx, sl, num_experts, capacity);
-    Blocks b;
-    b.num_experts = num_experts;
-    b.capacity = capacity;
-    b.width = x.size(1);
+    const RouteRows routes = rows_of(idx, index_tensor(slot, "slot"), num_experts, capacity);
+    Blocks b = empty_blocks(num_experts, capacity, x.size(1));
     for (int64_t e = 0; e < num_experts; ++e) b.each.push_back(at::empty(block_shape, x.options()));
     scatter_rows(x.contiguous(), routes, idx.size(1), b, nullptr, nullptr);
     return b.each;

@@ -115,22 +115,20 @@ def groups_named(name: str) -> ExpertGroups | None:
 
 def get_expert_parallel_group(name: str) -> Any:
     """The EP group registered under ``name`` (``ep_size_{ep}``); KeyError names it if it does not exist."""
-    _drop_stale()
-    if name not in _GROUPS:
-        raise KeyError(
-            f"no expert-parallel groups named {name!r}; build an MoE layer with that ep_size first"
-        )
-    return _GROUPS[name].ep_group
+    return _registered(name, "expert-parallel").ep_group
 
 
 def get_expert_data_parallel_group(name: str) -> Any:
     """The EDP group registered under ``name``; ``None`` means this rank alone (no torch.distributed)."""
+    return _registered(name, "expert-data-parallel").edp_group
+
+
+def _registered(name: str, kind: str) -> Any:
+    """The groups registered under ``name``; KeyError naming it and the `kind` asked for if there are none."""
     _drop_stale()
     if name not in _GROUPS:
-        raise KeyError(
-            f"no expert-data-parallel groups named {name!r}; build an MoE layer with that ep_size first"
-        )
-    return _GROUPS[name].edp_group
+        raise KeyError(f"no {kind} groups named {name!r}; build an MoE layer with that ep_size first")
+    return _GROUPS[name]
 
 
 def _ep_size_of(group_name: str) -> int:
