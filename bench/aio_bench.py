@@ -46,6 +46,7 @@ if str(ROOT) not in sys.path:
 
 from deepnvme.files import fsync_path, mount_of  # noqa: E402
 from deepnvme.tools.pagecache import DESCRIPTIONS, drop_file_cache, read_mode  # noqa: E402
+from deepnvme.tools.resident import touch_pages  # noqa: E402
 from deepnvme.tools.sizes import format_size, parse_size  # noqa: E402
 from deepnvme.tools.tune.fio import (  # noqa: E402
     MISMATCH,
@@ -131,8 +132,10 @@ def handle_settings(engine: str, depth: int, threads: int, block: int = MIB) -> 
 
 
 def aio_seq(handle, tensor, path: str, op: str) -> Callable[[], tuple[float, float]]:
-    """One sync_pwrite or sync_pread of the whole tensor, open included; the cache dropped before reads."""
+    """One sync_pwrite or sync_pread of the whole tensor, open included; the cache dropped before reads and
+    the tensor's pages made resident (see deepnvme.tools.resident) before the clock starts."""
     def run() -> tuple[float, float]:
+        touch_pages(tensor)
         if op == "read":
             drop_file_cache(path)
             return timed(lambda: handle.sync_pread(tensor, path))
@@ -169,7 +172,8 @@ def fio_seq(path: str, op: str, engine: str, s: Setting, total: int) -> Callable
         if op == "read":
             drop_file_cache(path)
         r = run_fio_command(cmd)
-        return r.seconds, r.cpu_reported, {"cpu_rusage": r.cpu, "fixedbufs": r.fixedbufs}
+        return r.seconds, r.cpu_reported, {"cpu_rusage": r.cpu, "fixedbufs": r.fixedbufs,
+                                           "fio_own_seconds": r.fio_seconds}
 
     return run
 
@@ -226,14 +230,21 @@ def baseline_cases(aio: Any, size: int, plain: Any, locked: Any, seq: str, engin
             return timed(fn)
         return run
 
+    def resident(t: Any, fn: Callable[[], tuple[float, float]]) -> Callable[[], tuple[float, float]]:
+        def run() -> tuple[float, float]:
+            touch_pages(t)  # as aio_seq does: the source's pages resident before the clock
+            return fn()
+        return run
+
     writes = [Case("baseline", "torch.save+fsync / torch.load", "write",
-                   leave_no_cache(pt, lambda: timed(lambda: (torch.save(plain, pt), fsync_path(pt)))), size,
-                   size),
+                   leave_no_cache(pt, resident(plain, lambda: timed(lambda: (torch.save(plain, pt),
+                                                                             fsync_path(pt))))), size, size),
               Case("baseline", "numpy tofile+fsync / fromfile", "write",
-                   leave_no_cache(npf, lambda: timed(lambda: (arr.tofile(npf), fsync_path(npf)))), size,
-                   size),
+                   leave_no_cache(npf, resident(plain, lambda: timed(
+                       lambda: (arr.tofile(npf), fsync_path(npf))))), size, size),
               Case("baseline", f"deepnvme write+fsync ({engine} bs 8M QD128 x2, locked)", "write",
-                   lambda: timed(lambda: (h.sync_pwrite(locked, seq), fsync_path(seq))), size, size)]
+                   resident(locked, lambda: timed(lambda: (h.sync_pwrite(locked, seq), fsync_path(seq)))),
+                   size, size)]
     reads = [Case("baseline", "torch.save+fsync / torch.load", "read",
                   leave_no_cache(pt, load(pt, lambda: torch.load(pt))), size, size),
              Case("baseline", "numpy tofile+fsync / fromfile", "read",
@@ -724,7 +735,19 @@ def bench(args: argparse.Namespace, work: str) -> int:
         notes.append(f"{unfixed} fio io_uring run(s) were refused --fixedbufs (RLIMIT_MEMLOCK below "
                      "bs x iodepth without CAP_IPC_LOCK) and ran without: their reads include "
                      "first-touch page faults.")
+    own = [(x["fio_own_seconds"], x["seconds"]) for c in cases if c.group == "fio" and c.setting
+           and c.setting.jobs > 1 for x in c.samples if x.get("fio_own_seconds")]
+    if own:
+        notes.append("fio with several jobs is timed from the first request any job issued to the last one "
+                     "completed (its per-request latency log), as the handle is: fio's own group figure "
+                     "clocks each job from the end of its own set-up and took the jobs to overlap; over "
+                     f"{len(own)} runs a transfer took {statistics.median(s / o for o, s in own):.2f}x as "
+                     f"long as fio's own figure says (median; {min(s / o for o, s in own):.2f}-"
+                     f"{max(s / o for o, s in own):.2f}x; fio_own_seconds in the JSON).")
     notes += [
+        "Every deepnvme and DeepSpeed tensor has its pages touched before its clock starts "
+        "(deepnvme.tools.resident): on this VM the host reclaims idle guest memory while fio allocates, and "
+        "the next touch then costs about 0.2 s per 128 MiB, booked as CPU time of the staging copies.",
         "Same file layout for every contender: each size's file is written in full (buffered, fsynced, "
         "evicted) before any case, and both sides overwrite it in place (the handle opens without O_TRUNC; "
         "fio finds the file at full size and does not lay it out, --fallocate=none). A fallocated, "

@@ -29,6 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from deepnvme.tools.pagecache import drop_file_cache  # noqa: E402
+from deepnvme.tools.resident import touch_pages  # noqa: E402
 from deepnvme.tools.sizes import parse_size  # noqa: E402
 
 FULL_BLOCKS = "128K,256K,1M,4M,8M,16M"
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                             h, t = handles[kind], tensors[kind]
                             if op == "read":
                                 drop_file_cache(path)
+                            touch_pages(t)  # resident before the clock (see deepnvme.tools.resident)
                             fn = h.sync_pwrite if op == "write" else h.sync_pread
                             runs.setdefault((kind, op), []).append(timed(lambda fn=fn, t=t: fn(t, path)))
                 for op in ("write", "read"):

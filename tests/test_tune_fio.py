@@ -83,11 +83,27 @@ def test_real_fio_overwrites_both_slices_in_place(engine: str, tmp_path: Path) -
         raise
     after = Path(path).read_bytes()
     assert run.nbytes == 4 * MIB and run.seconds > 0 and run.cpu >= 0
+    assert run.seconds >= run.fio_seconds > 0  # the jobs' common span, never less than fio's own figure
     assert tf.layout_of(path) == laid
     half = 2 * MIB
     assert after[:half] != before[:half] and after[half:] != before[half:]
     back = tf.run_fio_command(tf.fio_command(path, "read", engine, MIB, 2, 2, 4 * MIB), timeout=60)
     assert back.nbytes == 4 * MIB and Path(path).read_bytes() == after
+
+
+def test_span_runs_from_the_first_issue_to_the_last_completion_over_all_jobs(tmp_path: Path) -> None:
+    """Two jobs that ran one after the other: 30 ms of transfers each, 100 ms from first issue to last end,
+    which is what the run took, whatever each job's own clock says."""
+    ms = 1_000_000  # latencies are logged in ns
+    (tmp_path / "req_lat.1.log").write_text(f"1000010, {10 * ms}, 0, 1048576, 0\n"
+                                            f"1000030, {20 * ms}, 0, 1048576, 0\n")
+    (tmp_path / "req_lat.2.log").write_text(f"1000090, {10 * ms}, 0, 1048576, 0\n"
+                                            f"1000100, {15 * ms}, 0, 1048576, 0\n")
+    (tmp_path / "req_clat.1.log").write_text(f"999000, {1 * ms}, 0, 1048576, 0\n")  # not the latency log
+    assert tf._span_seconds(str(tmp_path)) == pytest.approx(0.100)
+    empty = tmp_path / "none"
+    empty.mkdir()
+    assert tf._span_seconds(str(empty)) == 0.0
 
 
 def test_run_refuses_a_file_fio_would_lay_out_itself(tmp_path: Path) -> None:

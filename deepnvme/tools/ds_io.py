@@ -40,6 +40,7 @@ from deepnvme.tools.cli import (
 )
 from deepnvme.tools.pagecache import CACHED, DESCRIPTIONS, FADVISE, O_DIRECT, drop_file_cache, read_mode
 from deepnvme.tools.pattern import fill_pattern
+from deepnvme.tools.resident import touch_pages
 from deepnvme.tools.sizes import format_size
 
 __all__ = ["ENGINES", "EXIT_USAGE", "GB", "IO_ENGINES", "UsageError", "build_parser", "main", "run_all",
@@ -343,6 +344,7 @@ def worker(args: argparse.Namespace, tid: int, folder: str, device: int, barrier
             path = paths[n if args.different_file_each_iteration else 0]
             if args.read and mode != O_DIRECT:
                 drop_file_cache(path)
+            touch_pages(job.buffer)  # resident before the clock (see deepnvme.tools.resident)
             barrier.wait()
             c0, t0 = _cpu(), time.perf_counter()
             job.run(path)

@@ -10,6 +10,7 @@ from typing import Any
 
 from deepnvme.tools.cli import GB, writer
 from deepnvme.tools.pagecache import O_DIRECT, drop_file_cache, read_mode
+from deepnvme.tools.resident import touch_pages
 
 __all__ = ["Bench"]
 
@@ -55,6 +56,7 @@ class Bench:
                 errors.append(exc)
 
         threads = [threading.Thread(target=one, args=a) for a in zip(handles, self.buffers, self.paths)]
+        touch_pages(*self.buffers)  # resident before the clock, as fio's are (see deepnvme.tools.resident)
         start = time.perf_counter()
         for t in threads:
             t.start()

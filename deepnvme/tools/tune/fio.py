@@ -14,12 +14,12 @@ cannot drift apart. "The same settings" means:
   as zeros without touching the disk and make every first write convert extents: neither is what a
   checkpoint that is overwritten sees;
 - O_DIRECT on both sides, the file's page cache dropped before every read, runs interleaved;
-- I/O memory ready before the clock starts: the handle's tensor is allocated and touched before it is
-  timed, but fio allocates bs x iodepth bytes per job and, for reads, touches them first inside its timed
-  run, paying a page fault per 4 KiB page (here 0.1 CPU-s per 256 MiB, half the read speed of a 256 MiB
-  file). With io_uring, ``--fixedbufs`` registers (faults in and pins) fio's buffers during its set-up; libaio
-  has no such option, so fio's libaio reads keep that cost whenever a job's share is not much larger than
-  bs x iodepth.
+- I/O memory ready before the clock starts: the handle's tensor is allocated, and its pages touched
+  (deepnvme.tools.resident) before it is timed, but fio allocates bs x iodepth bytes per job and, for reads,
+  touches them first inside its timed run, paying a page fault per 4 KiB page (here 0.1 CPU-s per 256 MiB,
+  half the read speed of a 256 MiB file). With io_uring, ``--fixedbufs`` registers (faults in and pins)
+  fio's buffers during its set-up; libaio has no such option, so fio's libaio reads keep that cost whenever
+  a job's share is not much larger than bs x iodepth.
 
 - the same memory: the handle's locked tensors ask for 2 MiB transparent huge pages. fio's own options for
   huge pages need reserved hugetlbfs pages, but it allocates its buffers with malloc, and glibc's
@@ -28,6 +28,14 @@ cannot drift apart. "The same settings" means:
   without the tunable fio was measured at half the handle's speed for that reason alone.
 
 fio's bandwidth leaves out its file open and thread start; the handle's timing includes its open.
+
+- the same clock for several jobs: fio times each job from the end of that job's own set-up, and its group
+  bandwidth divides all bytes by the longest job's time. Setting up 8 MiB x QD 32 buffers (zeroing and
+  registering 256 MiB per job) can take longer than the other job's whole transfer, so the jobs may run one
+  after the other while the figure assumes they ran side by side (traced here: two 128 MiB jobs at
+  603-678 ms and 714-767 ms, reported as 3.6 GB/s for what took 164 ms, 1.6 GB/s). run_fio_command therefore
+  asks fio for a per-request latency log with absolute timestamps, and times a run from the first request
+  any job issued to the last one completed, as the handle is timed; fio's own figure is kept beside it.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import os
 import resource
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +53,7 @@ from typing import Any
 
 from deepnvme.tools.cli import GB
 from deepnvme.tools.pagecache import drop_file_cache
+from deepnvme.tools.resident import touch_pages
 from op_builder.engines import by_name
 
 __all__ = ["MISMATCH", "MISMATCH_CAUSES", "FioRun", "compare_with_fio", "fio_command", "fio_shares",
@@ -93,11 +103,12 @@ class FioRun:
     """One fio run: seconds at fio's own bandwidth (start-up excluded), CPU-seconds of fio and its jobs
     from their rusage (start-up included), and the CPU-seconds fio itself reports for the transfer."""
 
-    seconds: float
+    seconds: float  # from the first request issued to the last completed, over all jobs (module docstring)
     nbytes: int
     cpu: float
     cpu_reported: float
     fixedbufs: bool = False  # whether fio ran with --fixedbufs (registered, pre-faulted buffers)
+    fio_seconds: float = 0.0  # fio's own figure: bytes / group bandwidth (the longest job's own clock)
 
 
 def _children_cpu() -> float:
@@ -127,26 +138,53 @@ def run_fio_command(cmd: list[str], timeout: float = 300) -> FioRun:
     if have < need:
         raise ValueError(f"{path}: {'missing' if have < 0 else f'{have} bytes'}, but fio's jobs need {need} "
                          "bytes laid out (lay_out) first, or fio would lay the file out its own way")
-    c0 = _children_cpu()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
-                          env=fio_environment())
-    cpu = _children_cpu() - c0
-    if proc.returncode != 0 and "--fixedbufs" in cmd:
-        # Registering fio's buffers pins them: without CAP_IPC_LOCK that needs RLIMIT_MEMLOCK >= bs x iodepth.
-        # fio then runs without, and FioRun.fixedbufs tells the caller its reads paid first-touch faults.
-        return run_fio_command([a for a in cmd if a != "--fixedbufs"], timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    with tempfile.TemporaryDirectory(prefix="deepnvme_fio_") as logs:
+        # One line per request: completion time (absolute, ms) and latency (ns); see _span_seconds.
+        logged = [*cmd, f"--write_lat_log={os.path.join(logs, 'req')}", "--log_unix_epoch=1",
+                  "--log_avg_msec=0"]
+        c0 = _children_cpu()
+        proc = subprocess.run(logged, capture_output=True, text=True, timeout=timeout, check=False,
+                              env=fio_environment())
+        cpu = _children_cpu() - c0
+        if proc.returncode != 0 and "--fixedbufs" in cmd:
+            # Registering fio's buffers pins them: without CAP_IPC_LOCK that needs RLIMIT_MEMLOCK >= bs x
+            # iodepth. fio then runs without, and FioRun.fixedbufs tells the caller its reads paid first-touch
+            # faults.
+            return run_fio_command([a for a in cmd if a != "--fixedbufs"], timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
+        span = _span_seconds(logs)
     text = proc.stdout
     job = json.loads(text[text.index("{"):])["jobs"][0]
     op = "write" if "--rw=write" in cmd else "read"
     nbytes, bw = job[op]["io_bytes"], job[op]["bw_bytes"]
     if not bw:
         raise RuntimeError(f"{' '.join(cmd)} moved no data: {text[-500:]}")
-    secs = nbytes / bw
+    own = nbytes / bw
     # usr_cpu/sys_cpu are percentages of the job runtime, per job; group_reporting sums the jobs.
-    reported = (job["usr_cpu"] + job["sys_cpu"]) / 100 * job.get("job_runtime", secs * 1000) / 1000
-    return FioRun(secs, nbytes, cpu, reported, "--fixedbufs" in cmd)
+    reported = (job["usr_cpu"] + job["sys_cpu"]) / 100 * job.get("job_runtime", own * 1000) / 1000
+    # Never shorter than fio's own figure: the log's millisecond timestamps only ever lengthen a run whose
+    # jobs did not overlap.
+    return FioRun(max(own, span), nbytes, cpu, reported, "--fixedbufs" in cmd, own)
+
+
+def _span_seconds(log_dir: str) -> float:
+    """Seconds from the first request any job issued to the last one completed, from fio's latency logs
+    (``<prefix>_lat.<job>.log``: completion time in ms since the epoch, then latency in ns); 0.0 when fio
+    wrote none. Each end is known to within the log's 1 ms resolution."""
+    first, last = float("inf"), float("-inf")
+    for name in os.listdir(log_dir):
+        if "_lat." not in name:  # the _clat and _slat logs split the same requests differently
+            continue
+        with open(os.path.join(log_dir, name)) as f:
+            for line in f:
+                fields = line.split(",")
+                if len(fields) < 2:
+                    continue
+                done_ms = int(fields[0])
+                first = min(first, done_ms - int(fields[1]) / 1e6)
+                last = max(last, done_ms)
+    return (last - first) / 1000 if last > first else 0.0
 
 
 def lay_out(path: str, size: int) -> None:
@@ -236,6 +274,7 @@ def compare_with_fio(aio: Any, directory: str, config: dict, io_size: int, ops: 
         laid = layout_of(path)
 
         def deepnvme(op: str) -> float:
+            touch_pages(buf)  # resident before the clock, as fio's buffers are (deepnvme.tools.resident)
             start = time.perf_counter()
             (handle.sync_pread if op == "read" else handle.sync_pwrite)(buf, path)
             return time.perf_counter() - start
