@@ -29,13 +29,15 @@ cannot drift apart. "The same settings" means:
 
 fio's bandwidth leaves out its file open and thread start; the handle's timing includes its open.
 
-- the same clock for several jobs: fio times each job from the end of that job's own set-up, and its group
-  bandwidth divides all bytes by the longest job's time. Setting up 8 MiB x QD 32 buffers (zeroing and
-  registering 256 MiB per job) can take longer than the other job's whole transfer, so the jobs may run one
-  after the other while the figure assumes they ran side by side (traced here: two 128 MiB jobs at
-  603-678 ms and 714-767 ms, reported as 3.6 GB/s for what took 164 ms, 1.6 GB/s). run_fio_command therefore
-  asks fio for a per-request latency log with absolute timestamps, and times a run from the first request
-  any job issued to the last one completed, as the handle is timed; fio's own figure is kept beside it.
+- the same start for several jobs: the handle's threads exist before its clock starts and begin together.
+  fio sets each job up on its own (8 MiB x QD 32 means zeroing and registering 256 MiB per job) and then
+  starts it at once, clocking each job from the end of its own set-up; its group bandwidth divides all bytes
+  by the longest job's time. Set-ups that end far apart left the jobs running one after the other while the
+  figure assumed them side by side (traced here: two 128 MiB jobs at 603-678 ms and 714-767 ms, reported as
+  3.6 GB/s for what took 164 ms). run_fio_command therefore holds every job at a barrier after its set-up
+  (``--exec_prerun``, which fio runs between set-up and the job's clock), and times the run from the first
+  request any job issued to the last one completed, from fio's per-request latency log, as the handle is
+  timed; fio's own figure is kept beside it.
 """
 
 from __future__ import annotations
@@ -142,9 +144,12 @@ def run_fio_command(cmd: list[str], timeout: float = 300) -> FioRun:
         # One line per request: completion time (absolute, ms) and latency (ns); see _span_seconds.
         logged = [*cmd, f"--write_lat_log={os.path.join(logs, 'req')}", "--log_unix_epoch=1",
                   "--log_avg_msec=0"]
+        jobs = int(_option(cmd, "numjobs"))
+        if jobs > 1:
+            logged.append(f"--exec_prerun={_barrier(os.path.join(logs, 'barrier'), jobs)}")
         c0 = _children_cpu()
         proc = subprocess.run(logged, capture_output=True, text=True, timeout=timeout, check=False,
-                              env=fio_environment())
+                              env=fio_environment(), cwd=logs)  # fio writes <job>.prerun.txt to its cwd
         cpu = _children_cpu() - c0
         if proc.returncode != 0 and "--fixedbufs" in cmd:
             # Registering fio's buffers pins them: without CAP_IPC_LOCK that needs RLIMIT_MEMLOCK >= bs x
@@ -166,6 +171,14 @@ def run_fio_command(cmd: list[str], timeout: float = 300) -> FioRun:
     # Never shorter than fio's own figure: the log's millisecond timestamps only ever lengthen a run whose
     # jobs did not overlap.
     return FioRun(max(own, span), nbytes, cpu, reported, "--fixedbufs" in cmd, own)
+
+
+def _barrier(directory: str, jobs: int) -> str:
+    """A shell command each of `jobs` fio jobs runs after its set-up: it checks in and waits until all have
+    (at most about a minute, so that a job that died in set-up cannot hang the others)."""
+    os.makedirs(directory, exist_ok=True)
+    return (f"mktemp -p {directory} >/dev/null; i=0; while [ $(ls -A {directory} | wc -l) -lt {jobs} ] && "
+            "[ $i -lt 60000 ]; do sleep 0.001; i=$((i+1)); done")
 
 
 def _span_seconds(log_dir: str) -> float:
