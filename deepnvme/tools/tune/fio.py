@@ -6,7 +6,10 @@ cannot drift apart. "The same settings" means:
 - one file for every job: fio gets ``--filename`` with ``--numjobs=N``, ``--size=share`` and
   ``--offset_increment=share``, so job k covers ``[k*share, (k+1)*share)``, the contiguous slices the
   handle's N threads (``intra_op_parallelism=N``) cut from one tensor;
-- the same block size (fio ``--bs``, the handle's ``block_size``) and queue depth per job / per thread;
+- the same block size (fio ``--bs``, the handle's ``block_size``) and queue depth per job / per thread, and
+  the same submission: the handle (``single_submit=False``) hands every ready request to the kernel in one
+  call, which on a virtual disk also means one notification of the host per batch; fio gets
+  ``--iodepth_batch_submit=<depth>`` for the same (its default submits requests one call each);
 - the same layout: the file is written in full and fsynced before either contender touches it, and both
   overwrite it in place. The handle opens without O_TRUNC; fio lays a file out only when it is smaller than
   its jobs need, and ``--fallocate=none`` keeps it from preallocating should that ever happen. A
@@ -96,7 +99,8 @@ def fio_command(path: str, op: str, engine: str, block: int, depth: int, jobs: i
     share, bs = fio_shares(total, jobs, block)
     return ["fio", "--output-format=json", "--group_reporting", f"--name=seq_{op}", f"--filename={path}",
             f"--rw={op}", f"--bs={bs}", "--direct=1", f"--ioengine={engine}", f"--iodepth={depth}",
-            f"--numjobs={jobs}", f"--size={share}", f"--offset_increment={share}", "--fallocate=none",
+            f"--iodepth_batch_submit={depth}", f"--numjobs={jobs}", f"--size={share}",
+            f"--offset_increment={share}", "--fallocate=none",
             *(["--fixedbufs"] if engine == "io_uring" else [])]
 
 
