@@ -644,3 +644,34 @@ def test_readme_quotes_the_ci_test_command() -> None:
     assert match
     command = shlex.join(shlex.split(match.group(1)))
     assert f"`{command}`" in (ROOT / "README.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plain tensors: whether torch's allocator page-aligns them (real torch, in a fresh process per setting)
+
+
+@pytest.mark.parametrize("thp", ["", "1"])
+def test_plain_tensor_alignment_is_measured_and_read_from_the_environment(thp: str) -> None:
+    """With torch imported the check measures a real allocation; without, it reads the variable torch reads.
+    Both agree, and only the unaligned case carries a reason and the fix."""
+    code = textwrap.dedent("""
+        import json, sys
+        from deepnvme.tools.report.checks import check_plain_tensors
+        before = check_plain_tensors()  # torch not imported yet: from the environment
+        import torch
+        after = check_plain_tensors()   # measured
+        print(json.dumps([before.detail, before.fix, after.detail, after.fix, "torch" in sys.modules]))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if thp:
+        env["THP_MEM_ALLOC_ENABLE"] = thp
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         check=True)
+    before_detail, before_fix, after_detail, after_fix, imported = json.loads(out.stdout.splitlines()[-1])
+    assert imported
+    if thp:
+        assert before_detail.startswith("page-aligned") and after_detail.startswith("page-aligned")
+        assert before_fix == after_fix == ""
+    else:
+        assert "THP_MEM_ALLOC_ENABLE is not 1" in before_detail and "bytes past a page" in after_detail
+        assert "THP_MEM_ALLOC_ENABLE=1" in before_fix and before_fix == after_fix

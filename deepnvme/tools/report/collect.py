@@ -19,7 +19,7 @@ from op_builder import engines as catalogue
 from op_builder.cuda import cuda_home, nvcc_version
 from op_builder.prebuilt import installed_record, torch_mismatch
 
-from .checks import SHM_WANTED, check_memlock, check_o_direct, shm_size
+from .checks import SHM_WANTED, check_memlock, check_o_direct, check_plain_tensors, shm_size
 from .model import Finding, OpRow, Report
 
 __all__ = ["engines_finding", "gather", "gather_environment", "gather_ops", "gather_probes"]
@@ -298,6 +298,7 @@ def gather(directory: str) -> Report:
         *(probes[key] for key, _, _ in _engine_probe_specs()),
         o_direct,
         check_memlock(),
+        check_plain_tensors(),
         probes["cuda"],
         probes["cufile"],
         engines,
