@@ -75,8 +75,11 @@ void Pipeline::complete(PendingRequest* r) {
 
 size_t Pipeline::wait(uint64_t own, Handed& out, const std::function<bool()>& interrupted) {
     refuse_if_inherited();
+    // Declared before the lock, so destroyed after it is released: another thread's wait() may have handed
+    // these requests over already, leaving them their last references, and a request's destruction releases
+    // tensors whose deleters may take the GIL. Nothing may be freed while mu_ is held.
+    Handed covered, not_ours;
     std::unique_lock<std::mutex> lock(mu_);
-    Handed covered;
     for (const auto& r : pending_)
         if (r->is_async || r->id == own) covered.push_back(r);
     auto all_done = [](const Handed& rs) {
@@ -120,9 +123,11 @@ size_t Pipeline::wait(uint64_t own, Handed& out, const std::function<bool()>& in
     }
     if (own != 0) {
         // A sync call reports only its own error: failed or unvalidated async requests wait for a wait().
-        covered.erase(std::remove_if(covered.begin(), covered.end(),
-                                     [own](const auto& r) { return r->id != own && (r->failed() || r->validate); }),
-                      covered.end());
+        auto theirs = std::stable_partition(covered.begin(), covered.end(), [own](const auto& r) {
+            return !(r->id != own && (r->failed() || r->validate));
+        });
+        not_ours.assign(std::make_move_iterator(theirs), std::make_move_iterator(covered.end()));
+        covered.erase(theirs, covered.end());
     }
     return hand_over(covered);
 }
