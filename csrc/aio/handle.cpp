@@ -99,7 +99,9 @@ void transfer_edge(Request& r, size_t begin, size_t end) {
 Worker::Worker(IoHandle& handle, std::unique_ptr<Engine> engine)
     : h_(handle),
       engine_(std::move(engine)),
-      slots_(handle.config().queue_depth),
+      // Twice the depth: a staged read that completed keeps its slot (and buffers) until it is copied out,
+      // which is after the queue has been refilled (Worker::reap).
+      slots_(size_t(handle.config().queue_depth) * 2),
       done_(handle.config().queue_depth) {
     free_slots_.reserve(slots_.size());
     for (size_t i = slots_.size(); i > 0; --i) free_slots_.push_back(static_cast<unsigned>(i - 1));
@@ -164,7 +166,7 @@ IoOp Worker::op_for(unsigned tag) const {
 }
 
 void Worker::fill() {
-    const size_t depth = slots_.size();
+    const size_t depth = h_.config().queue_depth;
     while (inflight_ + ready_.size() < depth && !active_.empty() && !free_slots_.empty()) {
         Slice* s = active_.front();
         Request& r = *s->req;
@@ -276,7 +278,7 @@ void Worker::submit_ready() {
 }
 
 void Worker::reap() {
-    // Staged blocks are copied as each completes (see below), so they too are reaped one at a time.
+    // Staged blocks are reaped as soon as one completes: its copy and refill must not wait for the rest.
     bool overlap = h_.config().overlap_events || staging_held_ > 0;
     size_t min_done = overlap ? 1 : inflight_;
     size_t n;
@@ -295,16 +297,29 @@ void Worker::reap() {
         return;
     }
     inflight_ -= static_cast<unsigned>(n);
+    // A staged read that completed in full is copied out of its buffers only after the queue has been
+    // refilled, so the device works during the copies; and the whole batch is refilled with one submission,
+    // not one per completion (each submission is a system call and, in a VM, an exit to the host). The
+    // deferred completions go to the front of done_: nothing else reads it before they are handled.
+    size_t deferred = 0;
+    bool any_staged = false;
     for (size_t i = 0; i < n; ++i) {
-        bool staged = slots_[static_cast<unsigned>(done_[i].tag)].staging >= 0;
-        complete(done_[i].tag, done_[i].res);
-        // A staging copy takes as long as several submissions: refill the queue after each one, so the
-        // device is not left idle while the rest of the batch is copied.
-        if (staged) {
-            fill();
-            submit_ready();
+        const Slot& sl = slots_[static_cast<unsigned>(done_[i].tag)];
+        if (sl.staging < 0) {
+            complete(done_[i].tag, done_[i].res);
+            continue;
         }
+        any_staged = true;
+        if (!sl.slice->req->write && done_[i].res == static_cast<int64_t>(sl.len - sl.done))
+            done_[deferred++] = done_[i];
+        else
+            complete(done_[i].tag, done_[i].res);
     }
+    if (any_staged) {
+        fill();
+        submit_ready();
+    }
+    for (size_t i = 0; i < deferred; ++i) complete(done_[i].tag, done_[i].res);
 }
 
 void Worker::complete(uint64_t tag64, int64_t res) {
