@@ -27,6 +27,11 @@ constexpr size_t kMaxOpBytes = size_t(1) << 30;
 // every completion instead (Worker::reap): a batch there would leave the device idle while it is copied.
 constexpr size_t kSubmitAfterCopied = size_t(1) << 20;
 
+// Staged writes are copied this far ahead of the queue (at least one block, at most the queue depth): when a
+// write completes, the next one is already in its buffers and goes to the kernel at once instead of after
+// its copy, so a copy never stands between a completion and the device's next operation.
+constexpr size_t kCopyAheadBytes = size_t(1) << 20;
+
 std::string where(const Request& r, size_t rel, size_t len) {
     return std::string(r.write ? "write" : "read") + " of " + std::to_string(len) + " bytes at file offset " +
            std::to_string(r.offset + rel);
@@ -100,7 +105,8 @@ Worker::Worker(IoHandle& handle, std::unique_ptr<Engine> engine)
     : h_(handle),
       engine_(std::move(engine)),
       // Twice the depth: a staged read that completed keeps its slot (and buffers) until it is copied out,
-      // which is after the queue has been refilled (Worker::reap).
+      // which is after the queue has been refilled (Worker::reap); staged writes copied ahead of the queue
+      // (Worker::fill) hold slots that are not in flight.
       slots_(size_t(handle.config().queue_depth) * 2),
       done_(handle.config().queue_depth) {
     free_slots_.reserve(slots_.size());
@@ -167,9 +173,11 @@ IoOp Worker::op_for(unsigned tag) const {
 
 void Worker::fill() {
     const size_t depth = h_.config().queue_depth;
-    while (inflight_ + ready_.size() < depth && !active_.empty() && !free_slots_.empty()) {
+    const size_t ahead = std::clamp<size_t>(kCopyAheadBytes / h_.config().block_size, 1, depth);
+    while (!active_.empty() && !free_slots_.empty()) {
         Slice* s = active_.front();
         Request& r = *s->req;
+        if (inflight_ + ready_.size() >= depth + (r.staged && r.write ? ahead : 0)) break;
         if (r.failed() || s->cursor >= s->plan.body_end) {
             // Nothing more to issue (done, or the request failed: stop feeding it).
             s->cursor = s->plan.body_end;
@@ -256,10 +264,12 @@ void Worker::fill() {
 
 void Worker::submit_ready() {
     copied_unsubmitted_ = 0;
+    const size_t depth = h_.config().queue_depth;
     size_t pos = 0;
     try {
-        while (pos < ready_.size()) {
-            size_t n = h_.config().single_submit ? 1 : ready_.size() - pos;
+        // Never more than the queue depth in flight: the ops beyond it are staged writes copied ahead.
+        while (pos < ready_.size() && inflight_ < depth) {
+            size_t n = h_.config().single_submit ? 1 : std::min(ready_.size() - pos, depth - inflight_);
             size_t accepted = engine_->submit(ready_.data() + pos, n);
             if (accepted == 0) break;  // busy; retry after the next reap
             pos += accepted;
@@ -316,6 +326,7 @@ void Worker::reap() {
             complete(done_[i].tag, done_[i].res);
     }
     if (any_staged) {
+        submit_ready();  // the writes copied ahead first
         fill();
         submit_ready();
     }
