@@ -330,7 +330,15 @@ void Worker::reap() {
         fill();
         submit_ready();
     }
-    for (size_t i = 0; i < deferred; ++i) complete(done_[i].tag, done_[i].res);
+    for (size_t i = 0; i < deferred; ++i) {
+        complete(done_[i].tag, done_[i].res);
+        // Large blocks: the refill above may have found the worker's staging share all held by these
+        // deferred blocks; each copy frees a run, so the next operation goes now, not after the last copy.
+        if (inflight_ < h_.config().queue_depth) {
+            fill();
+            submit_ready();
+        }
+    }
 }
 
 void Worker::complete(uint64_t tag64, int64_t res) {
