@@ -173,11 +173,16 @@ IoOp Worker::op_for(unsigned tag) const {
 
 void Worker::fill() {
     const size_t depth = h_.config().queue_depth;
-    const size_t ahead = std::clamp<size_t>(kCopyAheadBytes / h_.config().block_size, 1, depth);
     while (!active_.empty() && !free_slots_.empty()) {
         Slice* s = active_.front();
         Request& r = *s->req;
-        if (inflight_ + ready_.size() >= depth + (r.staged && r.write ? ahead : 0)) break;
+        // A staged op below the pool's granule would take a whole buffer anyway: it moves the buffer's worth
+        // of consecutive blocks instead, in one operation and one copy (per-operation costs, in the kernel
+        // and the VM's device, are what a small staged block lost to a locked one).
+        const size_t op_bytes =
+            r.staged ? std::max(h_.config().block_size, staging_.buffer_bytes()) : h_.config().block_size;
+        const size_t ahead = r.staged && r.write ? std::clamp<size_t>(kCopyAheadBytes / op_bytes, 1, depth) : 0;
+        if (inflight_ + ready_.size() >= depth + ahead) break;
         if (r.failed() || s->cursor >= s->plan.body_end) {
             // Nothing more to issue (done, or the request failed: stop feeding it).
             s->cursor = s->plan.body_end;
@@ -186,7 +191,7 @@ void Worker::fill() {
             maybe_finish(s);
             continue;
         }
-        size_t len = std::min({h_.config().block_size, kMaxOpBytes, s->plan.body_end - s->cursor});
+        size_t len = std::min({op_bytes, kMaxOpBytes, s->plan.body_end - s->cursor});
         if (r.direct) {
             // O_DIRECT needs whole device blocks; the body is a whole number of them, so this never overruns.
             size_t unit = r.file.alignment().off;
@@ -330,11 +335,15 @@ void Worker::reap() {
         fill();
         submit_ready();
     }
+    // The refill above may have found the worker's staging share held by these deferred blocks: once
+    // kSubmitAfterCopied bytes are copied out (and their runs freed), refill again, so that large blocks go
+    // back to the device one by one and small ones in batches, as staged writes do.
+    size_t copied = 0;
     for (size_t i = 0; i < deferred; ++i) {
+        copied += slots_[static_cast<unsigned>(done_[i].tag)].len;
         complete(done_[i].tag, done_[i].res);
-        // Large blocks: the refill above may have found the worker's staging share all held by these
-        // deferred blocks; each copy frees a run, so the next operation goes now, not after the last copy.
-        if (inflight_ < h_.config().queue_depth) {
+        if ((copied >= kSubmitAfterCopied || i + 1 == deferred) && inflight_ < h_.config().queue_depth) {
+            copied = 0;
             fill();
             submit_ready();
         }
