@@ -21,15 +21,15 @@ namespace {
 // read/write call, so a larger block is issued in pieces of this size (a multiple of any device alignment).
 constexpr size_t kMaxOpBytes = size_t(1) << 30;
 
-// Staged writes are handed to the kernel as soon as this many bytes have been copied since the last
-// submission: a large block's copy takes long enough that the device must not wait for the next, while small
-// blocks are batched, one submission (and one exit from a VM) per several of them. Staged reads refill after
-// every completion instead (Worker::reap): a batch there would leave the device idle while it is copied.
+// Staged operations are handed to the kernel as soon as this many bytes have been copied since the last
+// submission (writes: copied in; reads: copied out, which frees buffers for the next): a large block's copy
+// takes long enough that the device must not wait for the next, while small ones are batched, one
+// submission (and one exit from a VM) per several of them.
 constexpr size_t kSubmitAfterCopied = size_t(1) << 20;
 
-// Staged writes are copied this far ahead of the queue (at least one block, at most the queue depth): when a
-// write completes, the next one is already in its buffers and goes to the kernel at once instead of after
-// its copy, so a copy never stands between a completion and the device's next operation.
+// Staged writes are copied this far ahead of the queue (at least one operation, at most queue depth more):
+// when a write completes, the next one is already in its buffers and goes to the kernel at once instead of
+// after its copy, so a copy never stands between a completion and the device's next operation.
 constexpr size_t kCopyAheadBytes = size_t(1) << 20;
 
 std::string where(const Request& r, size_t rel, size_t len) {
