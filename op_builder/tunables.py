@@ -42,8 +42,9 @@ TUNABLES: tuple[Tunable, ...] = (
     Tunable("staging_buffer_bytes", "DEEPNVME_STAGING_BUFFER_BYTES", 1 << 20,
             "Size of each buffer of the process-wide staging (bounce) pool, used for memory that cannot go "
             "to O_DIRECT as it is (unaligned host memory, GPU memory). Large enough that one buffer is a "
-            "full-speed block; small enough that many fit in RLIMIT_MEMLOCK.", multiple_of=4096,
-            maximum=1 << 30),
+            "full-speed block; small enough that many fit in RLIMIT_MEMLOCK. It is also the shortest staged "
+            "operation: smaller blocks of staged memory are moved a buffer's worth at a time.",
+            multiple_of=4096, maximum=1 << 30),
     Tunable("staging_buffers", "DEEPNVME_STAGING_BUFFERS", 128,
             "Buffers in the staging pool, shared by every handle of the process (allocated and locked on "
             "the first staged transfer). A staged operation takes a run of contiguous buffers as long as "

@@ -303,7 +303,9 @@ def test_staged_io_survives_many_failed_staged_requests(fault, aio_module: Modul
     """Staging buffers come back on the error path: after more failed staged requests than the process-wide
     arena has buffers (64), each holding several when it fails, staged I/O of every kind still completes."""
     path = workdir / "f"
-    nblocks = 16
+    # Staged operations are at least one staging buffer (1 MiB) long: 4 MiB makes every request several of
+    # them, so that each rule's operation exists and a request holds several buffers when it fails.
+    nblocks = 1024
     data = os.urandom(nblocks * BLOCK)
     path.write_bytes(data)
     src = torch.empty(len(data) + 1, dtype=torch.uint8)[1:]  # misaligned: every block goes through staging

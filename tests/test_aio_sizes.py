@@ -298,3 +298,24 @@ def test_concurrent_neighbouring_requests(aio_module: ModuleType, engine: str, w
         assert h.async_pread(t, str(path), a) == 0
     assert h.wait() == len(outs)
     assert b"".join(tbytes(t) for t in outs) == data
+
+
+@pytest.mark.parametrize("qd,block,overlap", [(1, 128 << 10, False), (2, 4096, True), (8, 256 << 10, True),
+                                              (32, 3 * MiB, False)])
+def test_staged_many_ops_round_trip(engine: str, aio_module: ModuleType, workdir: Path, qd: int, block: int,
+                                    overlap: bool) -> None:
+    """A misaligned tensor of many staged operations, at depths from 1 up: writes copied ahead of the queue,
+    reads copied out after the queue is refilled, blocks below a staging buffer moved a buffer at a time, and
+    a tail shorter than a buffer all land every byte where it belongs, in both directions."""
+    nbytes = 9 * MiB + 4096 + 17
+    h = aio_module.aio_handle(block, qd, False, overlap, 2, engine=engine)
+    data = os.urandom(nbytes)
+    src = buffer(h, nbytes, "misaligned")
+    fill(src, data)
+    path = workdir / "many"
+    assert h.sync_pwrite(src, str(path)) == 1
+    assert path.read_bytes() == data
+    dst = buffer(h, nbytes, "misaligned")
+    dst.zero_()
+    assert h.sync_pread(dst, str(path)) == 1
+    assert tbytes(dst) == data

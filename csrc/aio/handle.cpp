@@ -21,11 +21,16 @@ namespace {
 // read/write call, so a larger block is issued in pieces of this size (a multiple of any device alignment).
 constexpr size_t kMaxOpBytes = size_t(1) << 30;
 
-// Staged writes are handed to the kernel as soon as this many bytes have been copied since the last
-// submission: a large block's copy takes long enough that the device must not wait for the next, while small
-// blocks are batched, one submission (and one exit from a VM) per several of them. Staged reads refill after
-// every completion instead (Worker::reap): a batch there would leave the device idle while it is copied.
+// Staged operations are handed to the kernel as soon as this many bytes have been copied since the last
+// submission (writes: copied in; reads: copied out, which frees buffers for the next): a large block's copy
+// takes long enough that the device must not wait for the next, while small ones are batched, one
+// submission (and one exit from a VM) per several of them.
 constexpr size_t kSubmitAfterCopied = size_t(1) << 20;
+
+// Staged writes are copied this far ahead of the queue (at least one operation, at most queue depth more):
+// when a write completes, the next one is already in its buffers and goes to the kernel at once instead of
+// after its copy, so a copy never stands between a completion and the device's next operation.
+constexpr size_t kCopyAheadBytes = size_t(1) << 20;
 
 std::string where(const Request& r, size_t rel, size_t len) {
     return std::string(r.write ? "write" : "read") + " of " + std::to_string(len) + " bytes at file offset " +
@@ -99,7 +104,10 @@ void transfer_edge(Request& r, size_t begin, size_t end) {
 Worker::Worker(IoHandle& handle, std::unique_ptr<Engine> engine)
     : h_(handle),
       engine_(std::move(engine)),
-      slots_(handle.config().queue_depth),
+      // Twice the depth: a staged read that completed keeps its slot (and buffers) until it is copied out,
+      // which is after the queue has been refilled (Worker::reap); staged writes copied ahead of the queue
+      // (Worker::fill) hold slots that are not in flight.
+      slots_(size_t(handle.config().queue_depth) * 2),
       done_(handle.config().queue_depth) {
     free_slots_.reserve(slots_.size());
     for (size_t i = slots_.size(); i > 0; --i) free_slots_.push_back(static_cast<unsigned>(i - 1));
@@ -164,10 +172,17 @@ IoOp Worker::op_for(unsigned tag) const {
 }
 
 void Worker::fill() {
-    const size_t depth = slots_.size();
-    while (inflight_ + ready_.size() < depth && !active_.empty() && !free_slots_.empty()) {
+    const size_t depth = h_.config().queue_depth;
+    while (!active_.empty() && !free_slots_.empty()) {
         Slice* s = active_.front();
         Request& r = *s->req;
+        // A staged op below the pool's granule would take a whole buffer anyway: it moves the buffer's worth
+        // of consecutive blocks instead, in one operation and one copy (per-operation costs, in the kernel
+        // and the VM's device, are what a small staged block lost to a locked one).
+        const size_t op_bytes =
+            r.staged ? std::max(h_.config().block_size, staging_.buffer_bytes()) : h_.config().block_size;
+        const size_t ahead = r.staged && r.write ? std::clamp<size_t>(kCopyAheadBytes / op_bytes, 1, depth) : 0;
+        if (inflight_ + ready_.size() >= depth + ahead) break;
         if (r.failed() || s->cursor >= s->plan.body_end) {
             // Nothing more to issue (done, or the request failed: stop feeding it).
             s->cursor = s->plan.body_end;
@@ -176,7 +191,7 @@ void Worker::fill() {
             maybe_finish(s);
             continue;
         }
-        size_t len = std::min({h_.config().block_size, kMaxOpBytes, s->plan.body_end - s->cursor});
+        size_t len = std::min({op_bytes, kMaxOpBytes, s->plan.body_end - s->cursor});
         if (r.direct) {
             // O_DIRECT needs whole device blocks; the body is a whole number of them, so this never overruns.
             size_t unit = r.file.alignment().off;
@@ -254,10 +269,12 @@ void Worker::fill() {
 
 void Worker::submit_ready() {
     copied_unsubmitted_ = 0;
+    const size_t depth = h_.config().queue_depth;
     size_t pos = 0;
     try {
-        while (pos < ready_.size()) {
-            size_t n = h_.config().single_submit ? 1 : ready_.size() - pos;
+        // Never more than the queue depth in flight: the ops beyond it are staged writes copied ahead.
+        while (pos < ready_.size() && inflight_ < depth) {
+            size_t n = h_.config().single_submit ? 1 : std::min(ready_.size() - pos, depth - inflight_);
             size_t accepted = engine_->submit(ready_.data() + pos, n);
             if (accepted == 0) break;  // busy; retry after the next reap
             pos += accepted;
@@ -276,7 +293,7 @@ void Worker::submit_ready() {
 }
 
 void Worker::reap() {
-    // Staged blocks are copied as each completes (see below), so they too are reaped one at a time.
+    // Staged blocks are reaped as soon as one completes: its copy and refill must not wait for the rest.
     bool overlap = h_.config().overlap_events || staging_held_ > 0;
     size_t min_done = overlap ? 1 : inflight_;
     size_t n;
@@ -295,12 +312,38 @@ void Worker::reap() {
         return;
     }
     inflight_ -= static_cast<unsigned>(n);
+    // A staged read that completed in full is copied out of its buffers only after the queue has been
+    // refilled, so the device works during the copies; and the whole batch is refilled with one submission,
+    // not one per completion (each submission is a system call and, in a VM, an exit to the host). The
+    // deferred completions go to the front of done_: nothing else reads it before they are handled.
+    size_t deferred = 0;
+    bool any_staged = false;
     for (size_t i = 0; i < n; ++i) {
-        bool staged = slots_[static_cast<unsigned>(done_[i].tag)].staging >= 0;
+        const Slot& sl = slots_[static_cast<unsigned>(done_[i].tag)];
+        if (sl.staging < 0) {
+            complete(done_[i].tag, done_[i].res);
+            continue;
+        }
+        any_staged = true;
+        if (!sl.slice->req->write && done_[i].res == static_cast<int64_t>(sl.len - sl.done))
+            done_[deferred++] = done_[i];
+        else
+            complete(done_[i].tag, done_[i].res);
+    }
+    if (any_staged) {
+        submit_ready();  // the writes copied ahead first
+        fill();
+        submit_ready();
+    }
+    // The refill above may have found the worker's staging share held by these deferred blocks: once
+    // kSubmitAfterCopied bytes are copied out (and their runs freed), refill again, so that large blocks go
+    // back to the device one by one and small ones in batches, as staged writes do.
+    size_t copied = 0;
+    for (size_t i = 0; i < deferred; ++i) {
+        copied += slots_[static_cast<unsigned>(done_[i].tag)].len;
         complete(done_[i].tag, done_[i].res);
-        // A staging copy takes as long as several submissions: refill the queue after each one, so the
-        // device is not left idle while the rest of the batch is copied.
-        if (staged) {
+        if ((copied >= kSubmitAfterCopied || i + 1 == deferred) && inflight_ < h_.config().queue_depth) {
+            copied = 0;
             fill();
             submit_ready();
         }
