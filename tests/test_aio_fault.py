@@ -300,8 +300,8 @@ def test_unaligned_short_remainder_is_buffered(fault, workdir: Path, kind: str, 
 
 
 def test_staged_io_survives_many_failed_staged_requests(fault, aio_module: ModuleType, workdir: Path) -> None:
-    """Staging buffers come back on the error path: after more failed staged requests than the process-wide
-    arena has buffers (64), each holding several when it fails, staged I/O of every kind still completes."""
+    """Staging buffers come back on the error path: after 96 failed staged requests, each holding several
+    buffers of the process-wide arena when it fails (more in all than its 128), staged I/O still completes."""
     path = workdir / "f"
     # Staged operations are at least one staging buffer (1 MiB) long: 4 MiB makes every request several of
     # them, so that each rule's operation exists and a request holds several buffers when it fails.
