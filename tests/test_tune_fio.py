@@ -31,8 +31,8 @@ def test_command_gives_every_job_its_slice_of_one_file() -> None:
     cmd = tf.fio_command("/d/f.bin", "read", "libaio", 8 * MIB, 128, 2, 64 * MIB)
     for arg in ("--filename=/d/f.bin", "--rw=read", f"--bs={8 * MIB}", "--direct=1", "--ioengine=libaio",
                 "--iodepth=128", "--iodepth_batch_submit=128", "--numjobs=2", f"--size={32 * MIB}",
-                f"--offset_increment={32 * MIB}", "--fallocate=none", "--group_reporting",
-                "--output-format=json"):
+                f"--offset_increment={32 * MIB}", "--fallocate=none", "--scramble_buffers=0",
+                "--group_reporting", "--output-format=json"):
         assert arg in cmd, arg
     assert "--fixedbufs" not in cmd
     assert "--fixedbufs" in tf.fio_command("/d/f.bin", "write", "io_uring", MIB, 32, 1, 64 * MIB)
