@@ -769,11 +769,12 @@ def bench(args: argparse.Namespace, work: str) -> int:
         "spans 256 segments, more than this virtio disk takes per request (254), and fio ran at about half "
         "the handle's speed for that alone.",
         "Timing: deepnvme rows are one sync_pwrite / sync_pread of the whole tensor, file open and thread "
-        "hand-off included, no fsync; fio rows are fio's own bandwidth, which leaves out its file open, "
-        "thread/process start and set-up. CPU-s/GiB: deepnvme, this process's user+system time over the "
-        "call; fio, the user+system time fio reports for its jobs (the rusage of fio and its jobs, start-up "
-        "included, is 'fio rusage' and cpu_rusage in the JSON). fio reports runtime in whole milliseconds, "
-        "a few percent of a 64 MiB transfer.",
+        "hand-off included, no fsync; fio rows run from fio's first request issued to its last completed "
+        "(never less than fio's own figure), which leaves out its file open, process start and set-up. "
+        "CPU-s/GiB: deepnvme, this process's user+system time over the call; fio, the user+system time fio "
+        "reports for its jobs (the rusage of fio and its jobs, start-up included, is 'fio rusage' and "
+        "cpu_rusage in the JSON). fio reports runtime in whole milliseconds, a few percent of a 64 MiB "
+        "transfer.",
         f"Interleaving: the contenders of one grid point run back to back, order rotating each repeat; the "
         f"points run in an order reversed each repeat; {args.rest:g} s of rest before each case, scaled by "
         "its bytes / 1 GiB (--rest).",
