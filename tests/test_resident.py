@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 
+import pytest
 import torch
 
 from deepnvme.tools.resident import PAGE, touch_pages
@@ -40,3 +41,8 @@ def test_views_empty_and_none_are_accepted_and_left_unchanged() -> None:
     before = x.clone()
     touch_pages(x.t(), x[1:, ::2], torch.empty(0), None, torch.empty(0, 5))
     assert torch.equal(x, before)
+
+
+def test_a_non_tensor_is_a_type_error_naming_its_position() -> None:
+    with pytest.raises(TypeError, match="argument 1 is a list"):
+        touch_pages(torch.zeros(4), [1, 2])

@@ -32,9 +32,6 @@ cannot drift apart. "The same settings" means:
   ``glibc.malloc.hugetlb=1`` tunable makes malloc ask for transparent huge pages too, so fio runs with it.
   With 4 KiB pages a 1 MiB request spans 256 segments, more than a virtio disk takes in one request (254):
   without the tunable fio was measured at half the handle's speed for that reason alone.
-
-fio's bandwidth leaves out its file open and thread start; the handle's timing includes its open.
-
 - the same start for several jobs: the handle's threads exist before its clock starts and begin together.
   fio sets each job up on its own (8 MiB x QD 32 means zeroing and registering 256 MiB per job) and then
   starts it at once, clocking each job from the end of its own set-up; its group bandwidth divides all bytes
@@ -44,6 +41,8 @@ fio's bandwidth leaves out its file open and thread start; the handle's timing i
   (``--exec_prerun``, which fio runs between set-up and the job's clock), and times the run from the first
   request any job issued to the last one completed, from fio's per-request latency log, as the handle is
   timed; fio's own figure is kept beside it.
+
+fio's time leaves out its file open and process start; the handle's timing includes its open.
 """
 
 from __future__ import annotations
@@ -51,6 +50,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shlex
 import statistics
 import subprocess
 import tempfile
@@ -109,8 +109,9 @@ def fio_command(path: str, op: str, engine: str, block: int, depth: int, jobs: i
 
 @dataclass
 class FioRun:
-    """One fio run: seconds at fio's own bandwidth (start-up excluded), CPU-seconds of fio and its jobs
-    from their rusage (start-up included), and the CPU-seconds fio itself reports for the transfer."""
+    """One fio run: seconds from its first request issued to its last completed (start-up excluded),
+    CPU-seconds of fio and its jobs from their rusage (start-up included), and the CPU-seconds fio itself
+    reports for the transfer."""
 
     seconds: float  # from the first request issued to the last completed, over all jobs (module docstring)
     nbytes: int
@@ -184,7 +185,8 @@ def _barrier(directory: str, jobs: int) -> str:
     """A shell command each of `jobs` fio jobs runs after its set-up: it checks in and waits until all have
     (at most about a minute, so that a job that died in set-up cannot hang the others)."""
     os.makedirs(directory, exist_ok=True)
-    return (f"mktemp -p {directory} >/dev/null; i=0; while [ $(ls -A {directory} | wc -l) -lt {jobs} ] && "
+    d = shlex.quote(directory)
+    return (f"mktemp -p {d} >/dev/null; i=0; while [ $(ls -A {d} | wc -l) -lt {jobs} ] && "
             "[ $i -lt 60000 ]; do sleep 0.001; i=$((i+1)); done")
 
 
