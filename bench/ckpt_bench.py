@@ -51,7 +51,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from deepnvme.pagecache import drop_file_cache, o_direct_works  # noqa: E402
+from deepnvme.tools.pagecache import drop_file_cache, o_direct_works  # noqa: E402
 from deepnvme.tools.resident import touch_pages  # noqa: E402
 
 GIB = 1 << 30

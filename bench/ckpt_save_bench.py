@@ -29,8 +29,8 @@ import torch  # noqa: E402
 
 import deepnvme  # noqa: E402
 from deepnvme.io import default_handle  # noqa: E402
-from deepnvme.pagecache import drop_file_cache, fsync_path  # noqa: E402
-from deepnvme.sizes import parse_size  # noqa: E402
+from deepnvme.tools.pagecache import drop_file_cache, fsync_path  # noqa: E402
+from deepnvme.tools.sizes import parse_size  # noqa: E402
 
 PAGE = 4096
 

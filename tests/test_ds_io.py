@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from deepnvme import ds_io
-from deepnvme.sizes import format_size, parse_size
+from deepnvme.tools import ds_io
+from deepnvme.tools.sizes import format_size, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = "4M"
@@ -59,6 +59,7 @@ def test_sizes() -> None:
     (["--use_gds"], ["--use_gds"]),
     (["--folder_to_device_mapping", "nocolon"], ["--folder_to_device_mapping"]),
     (["--folder_to_device_mapping", "/tmp:x"], ["--folder_to_device_mapping"]),
+    (["--engine", "torch_fastio", "--torch_legacy_save", "--fast_io_size", "4K"], ["--fast_io_size"]),
 ])
 def test_invalid_arguments_exit_2_naming_them(args: list[str], names: list[str], folder: str,
                                                capsys: pytest.CaptureFixture) -> None:
@@ -111,6 +112,15 @@ def test_every_engine_small(engine: str, read: bool, folder: str, capsys: pytest
     assert "Page cache:" in out and f"Request {op} Latency p50" in out and "CPU = " in out
     if not read:  # write files are removed after the run
         assert not [f for f in os.listdir(folder) if "_write_" in f]
+
+
+def test_torch_fastio_legacy_stream(folder: str, capsys: pytest.CaptureFixture) -> None:
+    """torch.save's non-zip stream through FastFileWriter in a 64 KiB buffer: many halves, file checked."""
+    args = ["--folder", folder, "--io_size", SIZE, "--engine", "torch_fastio", "--torch_legacy_save",
+            "--fast_io_size", "64K", "--loops", "2", "--validate"]
+    rc, out, err = run_main(args, capsys)
+    assert rc == 0, err
+    assert "Task Write Speed = " in out
 
 
 @pytest.mark.parametrize("io_engine", ["posix", "libaio", "io_uring"])

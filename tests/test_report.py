@@ -38,7 +38,7 @@ def run_report(
     *args: str, extra_env: dict[str, str] | None = None, argv0: list[str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run ds_report in a fresh process (probes are cached per process, so each run sees the machine anew)."""
-    cmd = (argv0 or [sys.executable, "-m", "deepnvme.report"]) + list(args)
+    cmd = (argv0 or [sys.executable, "-m", "deepnvme.tools.report"]) + list(args)
     return subprocess.run(
         cmd, capture_output=True, text=True, env=_env(extra_env), cwd=ROOT, timeout=300, check=False
     )
@@ -48,7 +48,7 @@ def run_on_pty(*args: str, extra_env: dict[str, str] | None = None) -> str:
     """Run ds_report with a terminal as stdout and return what it printed there."""
     master, slave = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deepnvme.report", *args],
+        [sys.executable, "-m", "deepnvme.tools.report", *args],
         stdout=slave,
         stderr=subprocess.PIPE,
         env=_env(extra_env),

@@ -404,7 +404,7 @@ def test_file_system_refusing_o_direct_falls_back_to_buffered_io(tmp_path: Path,
     import subprocess
 
     from deepnvme.io import FastFileWriter, FastFileWriterConfig
-    from deepnvme.pagecache import o_direct_works
+    from deepnvme.tools.pagecache import o_direct_works
 
     mnt = tmp_path / "ram"
     mnt.mkdir()

@@ -66,7 +66,7 @@ def test_payload_pages_are_read_o_direct_from_the_open_file(tmp_path: Path, hand
     """The same-file reopen must not cost the direct path where the file system allows O_DIRECT."""
     import fcntl
 
-    from deepnvme.pagecache import o_direct_works
+    from deepnvme.tools.pagecache import o_direct_works
 
     if not o_direct_works(str(tmp_path)):
         pytest.skip(f"{tmp_path}: the file system refuses O_DIRECT")

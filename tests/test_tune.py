@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from deepnvme import tune
+from deepnvme.tools import tune
 
 
 def run_main(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:

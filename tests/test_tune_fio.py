@@ -145,7 +145,7 @@ def test_compare_with_fio_interleaved_on_one_file(tmp_path: Path) -> None:
 
 @needs_fio
 def test_tuner_prints_the_same_settings_comparison(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from deepnvme import tune
+    from deepnvme.tools import tune
 
     rc = tune.main(["--nvme_dir", str(tmp_path), "--io_size", "2M", "--log_dir", str(tmp_path / "logs"),
                     "--sweep_config", '{"block_size": ["1M"], "queue_depth": [4], "io_parallel": [2]}',
