@@ -124,8 +124,8 @@ def test_report_on_the_newest_python(version: tuple[int, int] | None) -> None:
     if exe is None:
         pytest.skip("no other CPython 3.10-3.13 on this machine")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run([exe, "-m", "deepnvme.tools.report", "--json"], capture_output=True, text=True, env=env,
-                         cwd=REPO, timeout=300, check=False)
+    run = subprocess.run([exe, "-m", "deepnvme.tools.report", "--json"], capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=300, check=False)
     report = json.loads(run.stdout)
     has_torch = subprocess.run([exe, "-c", "import torch"], capture_output=True, timeout=300).returncode == 0
     (aio,) = [op for op in report["ops"] if op["name"] == "async_io"]

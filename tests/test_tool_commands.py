@@ -7,7 +7,6 @@ import importlib
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 def test_console_scripts_point_at_the_tools() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert set(scripts) == set(TOOLS)
     for name, target in scripts.items():
