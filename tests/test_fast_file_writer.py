@@ -125,6 +125,7 @@ def test_bad_configuration_and_paths(tmp_path: Path, handle: Any) -> None:
     cases = [
         (FastFileWriterConfig(handle, staging, num_parallel_writers=0), ValueError, "num_parallel_writers"),
         (_config(handle, num_parallel_writers=2, writer_rank=2), ValueError, "writer_rank"),
+        (FastFileWriterConfig(handle, staging, num_parallel_writers="2"), TypeError, "num_parallel_writers"),
         (FastFileWriterConfig(handle, torch.empty(100, dtype=torch.uint8)), ValueError, "pinned_tensor"),
         (FastFileWriterConfig(handle, torch.empty(1 << 20)[::2]), ValueError, "contiguous"),
         (FastFileWriterConfig(handle, bytearray(1 << 20)), TypeError, "pinned_tensor"),

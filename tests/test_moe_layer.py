@@ -320,29 +320,33 @@ def test_num_experts_list() -> None:
 
 
 @pytest.mark.parametrize(
-    "kw, name",
+    "kw, error, name",
     [
-        ({"num_experts": 0}, "num_experts"),
-        ({"num_experts": 2.5}, "num_experts"),
-        ({"ep_size": 3}, "ep_size"),
-        ({"ep_size": 0}, "ep_size"),
-        ({"k": 0}, "k"),
-        ({"k": 5}, "k"),
-        ({"capacity_factor": 0.0}, "capacity_factor"),
-        ({"eval_capacity_factor": float("nan")}, "eval_capacity_factor"),
-        ({"min_capacity": -1}, "min_capacity"),
-        ({"noisy_gate_policy": "Gaussian"}, "noisy_gate_policy"),
+        ({"num_experts": 0}, ValueError, "num_experts"),
+        ({"num_experts": 2.5}, TypeError, "num_experts"),
+        ({"ep_size": 3}, ValueError, "ep_size"),
+        ({"ep_size": 0}, ValueError, "ep_size"),
+        ({"ep_size": True}, TypeError, "ep_size"),
+        ({"k": 0}, ValueError, "k"),
+        ({"k": 5}, ValueError, "k"),
+        ({"k": "2"}, TypeError, "k"),
+        ({"capacity_factor": 0.0}, ValueError, "capacity_factor"),
+        ({"capacity_factor": "1.0"}, TypeError, "capacity_factor"),
+        ({"eval_capacity_factor": float("nan")}, ValueError, "eval_capacity_factor"),
+        ({"min_capacity": -1}, ValueError, "min_capacity"),
+        ({"noisy_gate_policy": "Gaussian"}, ValueError, "noisy_gate_policy"),
     ],
 )
-def test_bad_arguments_name_themselves(kw: dict, name: str) -> None:
-    with pytest.raises(ValueError, match=name):
+def test_bad_arguments_name_themselves(kw: dict, error: type[Exception], name: str) -> None:
+    """The package's rule: TypeError for a wrong type, ValueError for a wrong value, naming the argument."""
+    with pytest.raises(error, match=name):
         make(**kw)
 
 
 def test_bad_construction_and_input() -> None:
     with pytest.raises(ValueError, match="hidden_size"):
         MoE(0, mlp())
-    with pytest.raises(ValueError, match="expert"):
+    with pytest.raises(TypeError, match="expert"):
         MoE(M, lambda t: t)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="hidden_states"):
         make()(torch.randn(3, M + 1))

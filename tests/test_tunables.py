@@ -26,6 +26,31 @@ def test_cpp_list_mirrors_the_python_table():
     assert pool and int(pool.group(1)) == tunables.STAGING_POOL_MAX_BYTES
 
 
+def test_every_tunable_has_a_getter_documented_from_its_row():
+    """One getter per row, named after it; its docstring names the variable and the table's default."""
+    for t in tunables.TUNABLES:
+        getter = getattr(defaults, t.name)
+        assert getter.__name__ == t.name and t.name in defaults.__all__
+        assert f"``${t.env}``, default {defaults._size(t.default)}." in getter.__doc__
+
+
+def _readme_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def test_readme_table_states_the_tables_defaults():
+    """The README's tunables table lists exactly the table's variables with its defaults, and its figure for
+    the pool's size is staging_buffers x staging_buffer_bytes."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| `(DEEPNVME_[A-Z_]+)` \| (\w+) \|", readme, re.MULTILINE)
+    assert [(env, _readme_size(v)) for env, v in rows] == [(t.env, t.default) for t in tunables.TUNABLES]
+    pool = tunables.by_name("staging_buffers").default * tunables.by_name("staging_buffer_bytes").default
+    prose = readme.replace("\n", " ")
+    stated = re.search(r"allocated and locked on the first staged transfer \((\d+) MiB by default\)", prose)
+    assert stated and int(stated.group(1)) << 20 == pool
+
+
 def test_getters_read_the_environment(monkeypatch):
     """Default when unset; the variable's value (with K/M/G) when set; ValueError naming it when bad."""
     for t in tunables.TUNABLES:

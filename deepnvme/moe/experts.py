@@ -7,6 +7,8 @@ import copy
 import torch
 from torch import Tensor, nn
 
+from deepnvme._core.checks import check_int, check_type
+
 
 def reinitialise(module: nn.Module, seed: int) -> bool:
     """Re-run ``reset_parameters()`` of every submodule that has one, drawing from a private RNG seeded
@@ -48,14 +50,8 @@ class Experts(nn.Module):
         expert_group_name: str | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(expert, nn.Module):
-            raise ValueError(f"expert must be a torch.nn.Module, got {type(expert).__name__}")
-        if (
-            isinstance(num_local_experts, bool)
-            or not isinstance(num_local_experts, int)
-            or num_local_experts < 1
-        ):
-            raise ValueError(f"num_local_experts must be an int >= 1, got {num_local_experts!r}")
+        check_type("expert", expert, nn.Module)
+        check_int("num_local_experts", num_local_experts)
         self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
         self.num_local_experts = num_local_experts
         for e in self.deepspeed_experts:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import tempfile
 
+from deepnvme._core.direct import o_direct_refused
 from deepnvme.files import fsync_path, mount_of
 
 __all__ = ["CACHED", "DESCRIPTIONS", "FADVISE", "O_DIRECT", "drop_file_cache", "fsync_path", "o_direct_works",
@@ -33,7 +33,7 @@ def o_direct_works(directory: str) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | flag)
     except OSError as exc:
-        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+        if o_direct_refused(exc):
             return False
         raise
     else:

@@ -1,0 +1,17 @@
+"""deepnvme's private core: what the public modules (serialization, io, checkpoint, moe, offload) stand on.
+
+Used, never re-written: a public module that needs one of these facts imports it from here.
+
+- :mod:`.op`         the one door to the compiled async_io op (``aio_module()``), straight from op_builder
+- :mod:`.aio_types`  typed Protocols of that op's module and its ``aio_handle``, for type checkers
+- :mod:`.handles`    aio_handle settings: the recommended ones, their limits and their one check; new
+                     handles and each thread's default handle
+- :mod:`.memory`     the page size, page-aligned buffers, raw views of tensor memory
+- :mod:`.direct`     the O_DIRECT writer (whole pages through a handle, partial pages buffered), its
+                     openers and the one answer to "did the file system refuse O_DIRECT?"
+- :mod:`.checks`     argument checks: TypeError for a wrong type, ValueError for a wrong value, both naming
+                     the argument
+
+Nothing here imports torch at import time, and nothing here imports a public deepnvme module: the doors
+point one way, public modules -> ``_core`` -> ``op_builder``.
+"""
