@@ -12,10 +12,10 @@ import torch
 import torch.multiprocessing as mp
 
 from deepnvme.moe import checkpoint as ckpt
-from deepnvme.moe.distill import mos_loss
-from deepnvme.moe.gpt import GPT, GPTConfig
-from deepnvme.moe.synthetic import TopicTask
-from deepnvme.moe.train import main, model_config, parse_args
+from deepnvme.moe.recipe.cli import main, model_config, parse_args, settings_from
+from deepnvme.moe.recipe.distill import mos_loss
+from deepnvme.moe.recipe.gpt import GPT, ConfigError, GPTConfig
+from deepnvme.moe.recipe.synthetic import TopicTask
 
 # A model small enough that a step takes milliseconds; eval capacity high enough that nothing is dropped at
 # eval, so outputs do not depend on how tokens are split over ranks.
@@ -47,6 +47,9 @@ def test_num_experts_int_or_pyramid_list() -> None:
     cfg = model_config(args, vocab_size=10)
     assert (cfg.capacity_factor, cfg.eval_capacity_factor, cfg.min_capacity) == (1.25, 2, 0)
     assert not cfg.drop_tokens
+    settings = settings_from(args)
+    assert settings.model == model_config(args, settings.task.vocab_size) and settings.moe_loss_coeff == 0.01
+    assert settings.teacher is None
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -69,13 +72,20 @@ def test_bad_flags_name_the_flag(argv: str, flag: str, capsys: pytest.CaptureFix
     assert flag in _error_of(argv.split(), capsys)
 
 
-def test_config_errors_are_value_errors() -> None:
-    with pytest.raises(ValueError, match="num_experts"):
-        GPTConfig(vocab_size=10, seq_length=8, num_layers=4, num_experts=[4, 8, 16])
-    with pytest.raises(ValueError, match="ep_size"):
-        GPTConfig(vocab_size=10, seq_length=8, num_experts=[1], ep_size=2)
-    with pytest.raises(ValueError, match="mlp_type"):
-        GPTConfig(vocab_size=10, seq_length=8, mlp_type="dense")
+def test_config_errors_carry_their_field() -> None:
+    """A wrong value is a ConfigError (a ValueError) whose field the CLI maps to its flag; a wrong type is a
+    TypeError, as everywhere in deepnvme."""
+    for kw, field in (({"num_layers": 4, "num_experts": [4, 8, 16]}, "num_experts"),
+                      ({"num_experts": [1], "ep_size": 2}, "ep_size"),
+                      ({"mlp_type": "dense"}, "mlp_type"),
+                      ({"hidden_size": 30}, "hidden_size"),
+                      ({"capacity_factor": 0.0}, "capacity_factor"),
+                      ({"min_capacity": -1}, "min_capacity")):
+        with pytest.raises(ConfigError, match=field) as caught:
+            GPTConfig(vocab_size=10, seq_length=8, **kw)
+        assert caught.value.field == field and isinstance(caught.value, ValueError)
+    with pytest.raises(TypeError, match="topk"):
+        GPTConfig(vocab_size=10, seq_length=8, topk=1.5)
     with pytest.raises(ValueError, match="sequence"):
         GPT(GPTConfig(vocab_size=10, seq_length=4, hidden_size=8, num_attention_heads=2))(
             torch.zeros(1, 5, dtype=torch.long)
@@ -117,13 +127,14 @@ def test_mos_loss() -> None:
 def _logits_at_ep2(rank: int, world: int, save: str, batch_path: str, out_dir: str, port: int) -> None:
     """Child: train a few steps at ep 2 and save; rebuild at ep 2, load, keep the logits of its half batch."""
     from deepnvme.moe.groups import reset_groups
-    from deepnvme.moe.trainer import build_model, train
+    from deepnvme.moe.recipe.loop import build_model, train
 
     args = parse_args(TINY + "--nproc 2 --num-experts 4 --ep-size 2 --train-iters 3 --save".split() + [save])
+    settings = settings_from(args)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                          world_size=world)
     try:
-        train(rank, world, args)
+        train(rank, world, settings)
         saved = ckpt.read_client_state(save)
         model = build_model(GPTConfig(**saved["gpt_config"]), seed=99)  # other weights until loaded
         ckpt.load_moe_checkpoint(model, save)
@@ -138,8 +149,8 @@ def _logits_at_ep2(rank: int, world: int, save: str, batch_path: str, out_dir: s
 
 
 def test_checkpoint_saved_at_ep2_loads_at_ep1_with_identical_outputs(tmp_path: Path) -> None:
+    from deepnvme.moe.recipe.cli import free_port
     from deepnvme.moe.routing import op_available
-    from deepnvme.moe.train import free_port
 
     save = str(tmp_path / "ckpt")
     task = TopicTask(num_topics=4, num_words=12, seq_length=16)
@@ -217,7 +228,7 @@ def test_prmoe_teacher_then_mos_student(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_plot_and_table(tmp_path: Path) -> None:
-    from deepnvme.moe.curves import plot_curves, results_table
+    from deepnvme.moe.recipe.curves import plot_curves, results_table
 
     pytest.importorskip("matplotlib", reason="matplotlib is the optional 'plot' extra")
 

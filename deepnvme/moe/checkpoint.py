@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepnvme.moe.gpt import EXPERT_KEY, expert_ranks
+from deepnvme.moe.experts import EXPERT_KEY, expert_ranks
 
 MAIN_FILE = "mp_rank_00_model_states.pt"
 LATEST_FILE = "latest"

@@ -13,7 +13,7 @@ from deepnvme._core.checks import check_int, check_type
 from deepnvme.moe.experts import Experts, reinitialise
 from deepnvme.moe.gating import TopKGate, check_gate_args
 from deepnvme.moe.groups import create_expert_and_data_parallel_groups, expert_group_name
-from deepnvme.moe.moe_layer import MOELayer
+from deepnvme.moe.sharded_moe import MOELayer
 
 
 def _one_layer_count(num_experts: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Validation-loss curves and the summary table of recipe runs (the --log-json files of deepnvme.moe.train).
+"""Validation-loss curves and the summary table of recipe runs (the --log-json files of deepnvme.moe.recipe).
 
 matplotlib is needed only to draw (`pip install deepnvme[plot]`); the table needs nothing.
 """

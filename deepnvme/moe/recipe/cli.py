@@ -1,13 +1,15 @@
 """Train the small GPT with MoE layers on the synthetic topic task: the NLG+MoE recipe in one command.
 
-    python3 -m deepnvme.moe.train --nproc 2 --num-experts 8 --moe-expert-parallel-size 2 --train-iters 600
-    python3 -m deepnvme.moe.train --nproc 2 --num-experts 4 8 --mlp-type residual --save ckpt/prmoe   # PR-MoE
-    python3 -m deepnvme.moe.train --nproc 2 --num-layers 2 --num-experts 8 --mlp-type residual \\
-        --mos --load-teacher ckpt/prmoe --kd-temp 1.0                                           # MoS
+    python3 -m deepnvme.moe.recipe --nproc 2 --num-experts 8 --moe-expert-parallel-size 2 --train-iters 600
+    python3 -m deepnvme.moe.recipe --nproc 2 --num-experts 4 8 --mlp-type residual --save ckpt/prmoe  # PR-MoE
+    python3 -m deepnvme.moe.recipe --nproc 2 --num-layers 2 --num-experts 8 --mlp-type residual \\
+        --mos --load-teacher ckpt/prmoe --kd-temp 1.0                                            # MoS
 
 Flags carry Megatron-DeepSpeed's names. Processes: `--nproc N` spawns N gloo processes on this machine
 (data parallel, with expert parallelism inside each group of --moe-expert-parallel-size ranks); under torchrun
 the script takes RANK/WORLD_SIZE from the environment instead. `--log-json` writes the loss curve.
+This module only turns flags into :class:`~deepnvme.moe.recipe.settings.TrainSettings` and starts the ranks;
+the training loop is :mod:`deepnvme.moe.recipe.loop`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-# GPTConfig field -> the flag that sets it, so a config error names what the user typed.
+from deepnvme.moe.recipe.gpt import ConfigError, GPTConfig
+from deepnvme.moe.recipe.settings import Teacher, TrainSettings
+from deepnvme.moe.recipe.synthetic import TopicTask
+
+# GPTConfig field -> the flag that sets it, so a config error (which carries its field) names what the user
+# typed.
 FLAG_OF_FIELD = {
     "num_experts": "--num-experts",
     "ep_size": "--moe-expert-parallel-size",
@@ -36,6 +43,14 @@ FLAG_OF_FIELD = {
     "expert_interval": "--expert-interval",
     "seq_length": "--seq-length",
 }
+
+
+class FlagError(ValueError):
+    """A flag whose value cannot work with the others; ``flag`` is the flag as the user types it."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(message)
+        self.flag = flag
 
 
 def _positive_int(text: str) -> int:
@@ -68,7 +83,7 @@ def _nonnegative_float(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The recipe's flags (Megatron-DeepSpeed names where it has one)."""
-    p = argparse.ArgumentParser(prog="python3 -m deepnvme.moe.train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m deepnvme.moe.recipe", description=__doc__.split("\n")[0])
     m = p.add_argument_group("model")
     m.add_argument("--num-layers", type=_positive_int, default=4)
     m.add_argument("--hidden-size", type=_positive_int, default=64)
@@ -160,10 +175,8 @@ def _world_size(args: argparse.Namespace) -> int:
     return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else args.nproc
 
 
-def model_config(args: argparse.Namespace, vocab_size: int) -> Any:
-    """The GPTConfig the flags describe; raises ValueError naming the config field."""
-    from deepnvme.moe.gpt import GPTConfig
-
+def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
+    """The GPTConfig the flags describe; raises ConfigError carrying the config field."""
     return GPTConfig(
         vocab_size=vocab_size,
         seq_length=args.seq_length,
@@ -184,10 +197,8 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> Any:
     )
 
 
-def task_from_args(args: argparse.Namespace) -> Any:
+def task_from_args(args: argparse.Namespace) -> TopicTask:
     """The synthetic task the flags describe."""
-    from deepnvme.moe.synthetic import TopicTask
-
     return TopicTask(
         num_topics=args.num_topics,
         num_words=args.num_words,
@@ -205,32 +216,33 @@ TEACHER_FLAGS = {"num_layers_teacher": "num_layers", "hidden_size_teacher": "hid
 def teacher_config(args: argparse.Namespace) -> dict[str, Any]:
     """The teacher's GPTConfig (as a dict) from its checkpoint, at this run's ep size.
 
-    Raises ValueError starting with the flag at fault; the --*-teacher flags must match the checkpoint.
+    Raises FlagError naming the flag at fault; the --*-teacher flags must match the checkpoint.
     """
     from deepnvme.moe.checkpoint import read_client_state
-    from deepnvme.moe.gpt import GPTConfig
 
     try:
         saved = read_client_state(args.load_teacher)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"--load-teacher: cannot read a checkpoint in {args.load_teacher!r}: {exc}") from exc
+        raise FlagError("--load-teacher",
+                        f"cannot read a checkpoint in {args.load_teacher!r}: {exc}") from exc
     if "gpt_config" not in saved:
-        raise ValueError(f"--load-teacher: the checkpoint in {args.load_teacher!r} holds no gpt_config")
+        raise FlagError("--load-teacher", f"the checkpoint in {args.load_teacher!r} holds no gpt_config")
     ours = asdict(task_from_args(args))
     if saved.get("task") != ours:
-        raise ValueError(f"--load-teacher: the teacher learnt another task ({saved.get('task')}), not {ours}")
+        raise FlagError("--load-teacher",
+                        f"the teacher learnt another task ({saved.get('task')}), not {ours}")
     cfg = dict(saved["gpt_config"])
     for flag, field in TEACHER_FLAGS.items():
         wanted = getattr(args, flag)
         if wanted is not None and (wanted if isinstance(wanted, list) else [wanted]) != (
                 cfg[field] if isinstance(cfg[field], list) else [cfg[field]]):
-            raise ValueError(f"--{flag.replace('_', '-')}: {wanted} does not match the teacher checkpoint's "
-                             f"{field}={cfg[field]}")
+            raise FlagError(f"--{flag.replace('_', '-')}", f"{wanted} does not match the teacher "
+                            f"checkpoint's {field}={cfg[field]}")
     cfg["ep_size"] = args.ep_size
     try:
         GPTConfig(**cfg)
     except ValueError as exc:
-        raise ValueError(f"--load-teacher: the teacher cannot run at this ep size: {exc}") from exc
+        raise FlagError("--load-teacher", f"the teacher cannot run at this ep size: {exc}") from exc
     return cfg
 
 
@@ -242,10 +254,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"argument --task-noise: must be in [0, 1], got {args.task_noise}")
     try:
         model_config(args, vocab_size=args.num_topics + args.num_words)
-    except ValueError as exc:
-        text = str(exc)
-        field = next((f for f in FLAG_OF_FIELD if text.startswith(f)), None)
-        parser.error(f"argument {FLAG_OF_FIELD[field]}: {text}" if field else text)
+    except ConfigError as exc:
+        flag = FLAG_OF_FIELD.get(exc.field)
+        parser.error(f"argument {flag}: {exc}" if flag else str(exc))
     world = _world_size(args)
     if world % args.ep_size:
         parser.error(
@@ -258,9 +269,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.mos:
         try:
             args.teacher_config = teacher_config(args)
-        except ValueError as exc:
-            flag, _, text = str(exc).partition(": ")
-            parser.error(f"argument {flag}: {text}")
+        except FlagError as exc:
+            parser.error(f"argument {exc.flag}: {exc}")
     if args.load:
         from deepnvme.moe.checkpoint import latest_tag
 
@@ -273,6 +283,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def settings_from(args: argparse.Namespace) -> TrainSettings:
+    """The values the training loop takes, from flags parse_args has checked."""
+    task = task_from_args(args)
+    teacher = None
+    if args.mos:
+        teacher = Teacher(path=args.load_teacher, config=args.teacher_config, temperature=args.kd_temp,
+                          alpha_ce=args.kd_alpha_ce, beta_ce=args.kd_beta_ce, stop_iter=args.kd_stop_iter)
+    return TrainSettings(
+        model=model_config(args, task.vocab_size), task=task, train_iters=args.train_iters,
+        micro_batch_size=args.micro_batch_size, lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_iters=args.lr_warmup_iters, weight_decay=args.weight_decay,
+        moe_loss_coeff=args.moe_loss_coeff, seed=args.seed, eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters, save=args.save, load=args.load, teacher=teacher, threads=args.threads,
+        log_json=args.log_json)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for the process group's rendezvous)."""
     with socket.socket() as s:
@@ -283,16 +309,17 @@ def free_port() -> int:
 def main(argv: list[str] | None = None) -> int:
     """Parse, then run here (one process or under torchrun) or spawn --nproc gloo processes."""
     args = parse_args(argv)
-    from deepnvme.moe.trainer import run_worker
+    settings = settings_from(args)
+    from deepnvme.moe.recipe.loop import run_worker
 
     if "WORLD_SIZE" in os.environ:
-        run_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
+        run_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), settings, None)
     elif args.nproc == 1:
-        run_worker(0, 1, args, f"tcp://127.0.0.1:{free_port()}")
+        run_worker(0, 1, settings, f"tcp://127.0.0.1:{free_port()}")
     else:
         import torch.multiprocessing as mp
 
-        mp.spawn(run_worker, args=(args.nproc, args, f"tcp://127.0.0.1:{free_port()}"), nprocs=args.nproc)
+        mp.spawn(run_worker, args=(args.nproc, settings, f"tcp://127.0.0.1:{free_port()}"), nprocs=args.nproc)
     return 0
 
 

@@ -13,7 +13,6 @@ starts different from the others (DeepSpeed's experts start as identical copies)
 from __future__ import annotations
 
 import math
-import re
 import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -23,12 +22,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepnvme._core.checks import check_int, check_positive_number
+from deepnvme.moe.experts import EXPERT_KEY, expert_ranks
+
 MLP_TYPES = ("standard", "residual")
 
-# DeepSpeed's state_dict naming of a rank-local expert inside an MoE layer.
-EXPERT_KEY = re.compile(
-    r"^(?P<layer>.*)\.deepspeed_moe\.experts\.deepspeed_experts\.(?P<local>\d+)\.(?P<rest>.*)$"
-)
+class ConfigError(ValueError):
+    """A GPTConfig value that cannot work; ``field`` names the GPTConfig field at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -63,61 +67,51 @@ class GPTConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field; nothing is asserted."""
-        for name in (
-            "vocab_size",
-            "seq_length",
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "ffn_hidden_size",
-            "expert_interval",
-            "topk",
-            "ep_size",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        """Raise on the first bad field: TypeError for a wrong type, ConfigError (a ValueError carrying the
+        field's name) for a wrong value; nothing is asserted."""
+        for name in ("vocab_size", "seq_length", "num_layers", "hidden_size", "num_attention_heads",
+                     "ffn_hidden_size", "expert_interval", "topk", "ep_size"):
+            self._int(name, getattr(self, name), 1)
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
-                f"({self.num_attention_heads})"
-            )
+            raise ConfigError("hidden_size", f"hidden_size ({self.hidden_size}) must be a multiple of "
+                              f"num_attention_heads ({self.num_attention_heads})")
         if self.mlp_type not in MLP_TYPES:
-            raise ValueError(f"mlp_type must be one of {MLP_TYPES}, got {self.mlp_type!r}")
+            raise ConfigError("mlp_type", f"mlp_type must be one of {MLP_TYPES}, got {self.mlp_type!r}")
+        if not self.num_experts:
+            raise ConfigError("num_experts", "num_experts must hold at least one value")
+        for e in self.num_experts:
+            self._int("num_experts", e, 1)
         moe_blocks = self.num_layers // self.expert_interval
-        if not self.num_experts or any(
-            isinstance(e, bool) or not isinstance(e, int) or e < 1 for e in self.num_experts
-        ):
-            raise ValueError(f"num_experts must be positive ints, got {list(self.num_experts)}")
         if len(self.num_experts) not in (1, moe_blocks):
-            raise ValueError(
+            raise ConfigError(
+                "num_experts",
                 f"num_experts needs 1 value or one per MoE block ({moe_blocks} for num_layers="
                 f"{self.num_layers}, expert_interval={self.expert_interval}), "
-                f"got {len(self.num_experts)}: {list(self.num_experts)}"
+                f"got {len(self.num_experts)}: {list(self.num_experts)}",
             )
         routed = [e for e in self.experts_per_layer() if e > 1]
         if self.ep_size > 1 and not routed:
-            raise ValueError(
-                f"ep_size={self.ep_size} needs MoE blocks, but every block is dense "
-                f"(num_experts={list(self.num_experts)})"
-            )
+            raise ConfigError("ep_size", f"ep_size={self.ep_size} needs MoE blocks, but every block is dense "
+                              f"(num_experts={list(self.num_experts)})")
         for e in routed:
             if e % self.ep_size:
-                raise ValueError(
-                    f"ep_size ({self.ep_size}) must divide num_experts of every MoE block, got {e}"
-                )
+                raise ConfigError("ep_size", f"ep_size ({self.ep_size}) must divide num_experts of every MoE "
+                                  f"block, got {e}")
             if self.topk > e:
-                raise ValueError(f"topk ({self.topk}) exceeds the experts of an MoE block ({e})")
+                raise ConfigError("topk", f"topk ({self.topk}) exceeds the experts of an MoE block ({e})")
         for name in ("capacity_factor", "eval_capacity_factor"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if (
-            isinstance(self.min_capacity, bool)
-            or not isinstance(self.min_capacity, int)
-            or self.min_capacity < 0
-        ):
-            raise ValueError(f"min_capacity must be an int >= 0, got {self.min_capacity!r}")
+            try:
+                check_positive_number(name, getattr(self, name))
+            except ValueError as exc:
+                raise ConfigError(name, str(exc)) from None
+        self._int("min_capacity", self.min_capacity, 0)
+
+    @staticmethod
+    def _int(name: str, value: Any, minimum: int) -> None:
+        try:
+            check_int(name, value, minimum)
+        except ValueError as exc:
+            raise ConfigError(name, str(exc)) from None
 
     def experts_per_layer(self) -> list[int]:
         """Experts of each block in order (1 = dense MLP), by Megatron-DeepSpeed's rule."""
@@ -257,24 +251,6 @@ class GPT(nn.Module):
                 aux = aux + l_aux
                 self.exp_counts.append(counts)
         return F.linear(self.ln_f(x), self.wte.weight), aux
-
-
-def expert_ranks(layer: nn.Module) -> tuple[int, int]:
-    """(expert-parallel rank, expert-data-parallel rank) of this process for the MoE `layer`.
-
-    The EP rank says which experts it holds (local expert i is global expert ep_rank * E_local + i); EDP rank
-    0 marks the first of the ranks holding the same experts. Without torch.distributed both are 0.
-    """
-    import torch.distributed as dist
-
-    from deepnvme.moe.groups import groups_named
-
-    groups = groups_named(layer.expert_group_name)
-    if groups is None:
-        if layer.ep_size > 1:
-            raise ValueError(f"MoE layer with ep_size={layer.ep_size} has no expert-parallel groups")
-        return 0, 0
-    return groups.ep_rank, (dist.get_rank(groups.edp_group) if groups.edp_group is not None else 0)
 
 
 def _global_name(name: str, model: GPT) -> str:
