@@ -22,13 +22,10 @@ import os
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from _harness import ROOT as REPO  # first: puts this checkout on sys.path
 
-from deepnvme.moe.recipe.curves import plot_curves, results_table  # noqa: E402
+from deepnvme.moe.recipe.curves import plot_curves, results_table
 
 # The task and model every run shares: small enough for a few minutes per run on 2 busy cores, with more
 # topic facts than the dense baseline's MLPs learn in that time.
