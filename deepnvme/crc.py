@@ -1,9 +1,9 @@
 """CRC-32 as zip archives use it (zlib's), at the fastest speed this machine offers.
 
-zlib's own crc32 runs at 2-4 GB/s on one core, slower than a checkpoint's disk; zlib-ng (the `zlib-ng`
-package) computes the identical value several times faster. Both release the GIL on large buffers, so a
-worker thread can check or compute CRCs while the handle moves other bytes. zlib-ng is a dependency, but
-a missing or broken install falls back to zlib: same values, only slower.
+zlib's own crc32, on one core, is slower than a checkpoint's disk; zlib-ng (the `zlib-ng` package)
+computes the identical value several times faster (README, "Save and load", has the figure). Both release
+the GIL on large buffers, so a worker thread can check or compute CRCs while the handle moves other bytes.
+zlib-ng is a dependency, but a missing or broken install falls back to zlib: same values, only slower.
 """
 
 from __future__ import annotations

@@ -77,8 +77,8 @@ def link_flags() -> list[str]:
 @contextlib.contextmanager
 def compiler_environment() -> Iterator[None]:
     """Around a build: LD_PRELOAD without what tests/sanitize/run.sh put there for Python, so the compilers
-    that ninja starts do not run under the sanitizer's runtime (it costs them about a third more CPU time:
-    handle.cpp took 8.5 CPU-seconds plain and 11.0 with libasan preloaded, measured here)."""
+    that ninja starts do not run under the sanitizer's runtime, which only slows them down (README,
+    "Sanitizer builds")."""
     preload = os.environ.get("LD_PRELOAD")
     ours = set(os.environ.get(PRELOADED_ENV, "").split())
     if preload is None or not ours:
