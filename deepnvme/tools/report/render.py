@@ -144,9 +144,10 @@ def render_text(report: Report, directory: str, paint: Painter, show_warnings: b
     return "\n".join(out) + "\n"
 
 
-def render_json(report: Report, directory: str) -> str:
-    """The same content as one JSON object: ops, environment, capabilities, and the verdict on async_io."""
-    doc: dict[str, Any] = {"deepnvme_version": __version__, "dir": directory}
+def render_json(report: Report, directory: str, tool: dict[str, Any]) -> str:
+    """The same content as one JSON object: whose report it is (`tool`), ops, environment, capabilities, and
+    the verdict on async_io."""
+    doc: dict[str, Any] = {"tool": tool, "deepnvme_version": __version__, "dir": directory}
     if report.ops is not None and report.ninja is not None:
         doc["ninja"] = report.ninja.ok
         doc["ops"] = [asdict(r) for r in report.ops]
