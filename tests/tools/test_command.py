@@ -53,8 +53,9 @@ def test_help_lists_the_subcommands_without_importing_torch(tmp_path: Path) -> N
     assert helped.returncode == 0, helped.stderr
     for sub, shared in [*SHARED.items(), ("demo", "")]:
         assert re.search(rf"^  {sub} +{shared} +\S", helped.stdout, re.M), helped.stdout
-    version = deepnvme("--version", cwd=tmp_path)
-    assert (version.returncode, version.stdout) == (0, f"deepnvme {__version__}\n")
+    for argv in ([sys.executable, "-m", "deepnvme"], [sys.executable, str(ROOT / "bin" / "deepnvme")]):
+        version = run([*argv, "--version"], tmp_path)
+        assert (version.returncode, version.stdout) == (0, f"deepnvme {__version__}\n")
 
 
 @pytest.mark.parametrize("args, says", [([], "a subcommand is required"),

@@ -82,7 +82,8 @@ def _wrapped(prefix: str, text: str, indent: int) -> list[str]:
     first, *rest = text.strip().splitlines() or [""]
     lines = [f"{prefix}{first}"]
     if len(rest) > TEXT_TAIL_LINES:
-        lines.append(" " * indent + f"... ({len(rest) - TEXT_TAIL_LINES} more lines in ds_report --json)")
+        more = len(rest) - TEXT_TAIL_LINES
+        lines.append(" " * indent + f"... ({more} more lines in deepnvme report --json)")
         rest = rest[-TEXT_TAIL_LINES:]
     return lines + [" " * indent + ln.strip() for ln in rest]
 
