@@ -19,7 +19,7 @@ RESULT_KEYS = {"op", "engine", "io_engine", "processes", "io_size", "loops", "wa
                "queue_depth", "single_submit", "overlap_events", "intra_op_parallelism", "page_cache",
                "task_latency_s", "task_speed_gb_s", "e2e_latency_s", "e2e_speed_gb_s",
                "request_latency_p50_s", "request_latency_p99_s", "requests", "cpu_seconds",
-               "cpu_seconds_per_gib", "cpu_percent_of_one_core"}
+               "cpu_seconds_per_gib", "cpu_percent_of_one_core", "tool"}
 
 
 @pytest.fixture

@@ -154,8 +154,10 @@ def test_reexports_are_op_builders_own() -> None:
 def test_text_layout_matches_deepspeed(
     text_run: subprocess.CompletedProcess[str], all_ops: dict[str, Any]
 ) -> None:
-    """Separators, title, ninja line, header and one row per op with DeepSpeed's exact dot padding."""
-    lines = text_run.stdout.splitlines()
+    """Separators, title, ninja line, header and one row per op with DeepSpeed's exact dot padding, below the
+    line that says whose report it is (tests/tools/test_command.py)."""
+    first, *lines = text_run.stdout.splitlines()
+    assert first.startswith("ds_report (deepnvme ")
     assert lines[0] == SEP and lines[2] == SEP
     assert "extension op report" in lines[1]
     assert "JIT compiled ops requires ninja" in lines
@@ -237,6 +239,7 @@ def test_json_schema(
     proc, doc = json_run
     assert proc.stdout.lstrip().startswith("{")
     assert {
+        "tool",
         "deepnvme_version",
         "dir",
         "ninja",

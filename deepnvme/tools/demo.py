@@ -1,6 +1,6 @@
 """The main job in one command: a tensor written and read through aio_handle, beside torch.save/torch.load.
 
-    python3 -m deepnvme.demo --size 1G [--dir DIR]
+    deepnvme demo --size 1G [--dir DIR]        (also python3 -m deepnvme demo ...)
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import tempfile
 import time
 
 from deepnvme.files import fsync_path
+from deepnvme.tools.ownership import banner
 from deepnvme.tools.pagecache import DESCRIPTIONS, drop_file_cache, read_mode
 from deepnvme.tools.pattern import fill_pattern
 from deepnvme.tools.sizes import parse_size
@@ -99,9 +100,9 @@ def run(size: int, directory: str) -> int:
     return 0 if ok else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse --size/--dir and run the demo."""
-    parser = argparse.ArgumentParser(prog="python3 -m deepnvme.demo", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str = "deepnvme demo") -> int:
+    """Parse --size/--dir and run the demo; the first line says whose demo it is."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1G", help="tensor size, K/M/G suffixes (default 1G)")
     parser.add_argument("--dir", default=".", help="directory on the drive to test (default: current)")
     args = parser.parse_args(argv)
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --size: {exc}")
     if not os.path.isdir(args.dir) or not os.access(args.dir, os.W_OK):
         parser.error(f"argument --dir: {args.dir!r} is not a writable directory")
+    print(banner(prog, None))
     return run(size, os.path.abspath(args.dir))
 
 

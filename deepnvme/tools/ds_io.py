@@ -40,23 +40,26 @@ from deepnvme.tools.cli import (
     size_arg,
     writer,
 )
+from deepnvme.tools.ownership import banner, identity
 from deepnvme.tools.pagecache import CACHED, DESCRIPTIONS, FADVISE, O_DIRECT, drop_file_cache, read_mode
 from deepnvme.tools.pattern import fill_pattern
 from deepnvme.tools.resident import touch_pages
 from deepnvme.tools.sizes import format_size
 
-__all__ = ["ENGINES", "EXIT_USAGE", "GB", "IO_ENGINES", "UsageError", "build_parser", "main", "run_all",
-           "summarise", "validate", "worker"]
+__all__ = ["ENGINES", "EXIT_USAGE", "GB", "IO_ENGINES", "SHARED_NAME", "UsageError", "build_parser", "main",
+           "run_all", "summarise", "validate", "worker"]
+
+SHARED_NAME = "ds_io"  # the console script DeepSpeed installs too
 
 ENGINES = ("aio_handle", "aio_basic", "torch_io", "torch_fastio")
 IO_ENGINES = engine_choices()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = SHARED_NAME) -> argparse.ArgumentParser:
     """DeepSpeed's ds_io flags, plus --io_engine and --json."""
-    p = argparse.ArgumentParser(prog="ds_io", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    summary, details = __doc__.split("\n\n", 1)
+    p = argparse.ArgumentParser(prog=prog, description=f"{banner(prog, SHARED_NAME)}\n{summary}",
+                                epilog=details, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--folder", default=None, help="folder for every process's files")
     p.add_argument("--folder_to_device_mapping", default=[], nargs="+",
                    help="folder:device_id items, one process each (instead of --folder)")
@@ -462,11 +465,13 @@ def report(rec: dict, out: Any) -> None:
           f"{rec['cpu_percent_of_one_core']:.0f}% of one core)", file=out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse, validate (exit 2 on bad arguments), run, print DeepSpeed's lines or one JSON record."""
-    parser = build_parser()
+def main(argv: list[str] | None = None, prog: str = SHARED_NAME) -> int:
+    """Parse, validate (exit 2 on bad arguments), run, print DeepSpeed's lines or one JSON record; the first
+    line says whose ds_io this is, and so does the record's "tool" field."""
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     out = human_out(args.json)
+    print(banner(prog, SHARED_NAME), file=out)
     print("Testing DeepNVMe python frontend", file=out)
     try:
         mapping = validate(args)
@@ -474,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Found {len(exc.problems)} validation errors", file=sys.stderr)
         for i, problem in enumerate(exc.problems, 1):
             print(f"{i}: {problem}", file=sys.stderr)
-        print("see ds_io --help", file=sys.stderr)
+        print(f"see {prog} --help", file=sys.stderr)
         return EXIT_USAGE
     print("Successful validation of command line arguments", file=out)
     for i, (folder, dev) in enumerate(mapping):
@@ -490,9 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in results if r.error]
     if failed:
         for r in failed:
-            print(f"ds_io: process {r.tid} failed: {r.error}", file=sys.stderr)
+            print(f"{prog}: process {r.tid} failed: {r.error}", file=sys.stderr)
         return 1
-    rec = summarise(args, results)
+    rec = {**summarise(args, results), "tool": identity(prog, SHARED_NAME)}
     report(rec, out)
     if args.json:
         print(json.dumps(rec), flush=True)

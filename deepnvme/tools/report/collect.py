@@ -57,7 +57,7 @@ def _run_probe(key: str, label: str, func: Callable[[], Any]) -> Finding:
             False,
             "probe failed",
             f"{type(exc).__name__}: {exc}",
-            "report this as a deepnvme bug, with the output of ds_report --json",
+            "report this as a deepnvme bug, with the output of deepnvme report --json",
         )
 
 

@@ -82,7 +82,8 @@ def _wrapped(prefix: str, text: str, indent: int) -> list[str]:
     first, *rest = text.strip().splitlines() or [""]
     lines = [f"{prefix}{first}"]
     if len(rest) > TEXT_TAIL_LINES:
-        lines.append(" " * indent + f"... ({len(rest) - TEXT_TAIL_LINES} more lines in ds_report --json)")
+        more = len(rest) - TEXT_TAIL_LINES
+        lines.append(" " * indent + f"... ({more} more lines in deepnvme report --json)")
         rest = rest[-TEXT_TAIL_LINES:]
     return lines + [" " * indent + ln.strip() for ln in rest]
 
@@ -144,9 +145,10 @@ def render_text(report: Report, directory: str, paint: Painter, show_warnings: b
     return "\n".join(out) + "\n"
 
 
-def render_json(report: Report, directory: str) -> str:
-    """The same content as one JSON object: ops, environment, capabilities, and the verdict on async_io."""
-    doc: dict[str, Any] = {"deepnvme_version": __version__, "dir": directory}
+def render_json(report: Report, directory: str, tool: dict[str, Any]) -> str:
+    """The same content as one JSON object: whose report it is (`tool`), ops, environment, capabilities, and
+    the verdict on async_io."""
+    doc: dict[str, Any] = {"tool": tool, "deepnvme_version": __version__, "dir": directory}
     if report.ops is not None and report.ninja is not None:
         doc["ninja"] = report.ninja.ok
         doc["ops"] = [asdict(r) for r in report.ops]

@@ -31,24 +31,27 @@ from typing import Any, TextIO
 
 from deepnvme._core.aio_types import AioModule
 from deepnvme.tools.cli import EXIT_USAGE, UsageError, human_out
+from deepnvme.tools.ownership import banner, identity
 from deepnvme.tools.pagecache import DESCRIPTIONS, read_mode
 from deepnvme.tools.sizes import format_size, parse_size
 
 from .bench import Bench
-from .chart import chart
+from .chart import MISSING, chart
 from .fio import compare_with_fio, format_comparison, mismatch, run_fio
-from .search import Search, describe
+from .search import Search, best_line, describe
 from .space import KEYS, Plan, deepspeed_section, parse_sweep, plan
 
-__all__ = ["KEYS", "Bench", "Search", "UsageError", "build_parser", "deepspeed_section", "describe", "main",
-           "parse_sweep", "run_fio"]
+__all__ = ["KEYS", "SHARED_NAME", "Bench", "Search", "UsageError", "build_parser", "deepspeed_section",
+           "describe", "main", "parse_sweep", "run_fio"]
+
+SHARED_NAME = "ds_nvme_tune"  # the console script DeepSpeed installs too
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = SHARED_NAME) -> argparse.ArgumentParser:
     """DeepSpeed's ds_nvme_tune flags, plus --engine, --time_budget, --json."""
-    p = argparse.ArgumentParser(prog="ds_nvme_tune", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    summary, details = __doc__.split("\n\n", 1)
+    p = argparse.ArgumentParser(prog=prog, description=f"{banner(prog, SHARED_NAME)}\n{summary}",
+                                epilog=details, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nvme_dir", nargs="+", required=True, help="directories on the drives (device 0..n-1)")
     p.add_argument("--sweep_config", default=None,
                    help="JSON file (or inline JSON) of option -> list of values, e.g. "
@@ -72,14 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Validate (exit 2), search within the budget, print the best config as JSON, compare with fio."""
-    parser = build_parser()
+def main(argv: list[str] | None = None, prog: str = SHARED_NAME) -> int:
+    """Validate (exit 2), search within the budget, print the best config as JSON, compare with fio; the first
+    line says whose tuner this is, and so does the record's "tool" field."""
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    print(banner(prog, SHARED_NAME), file=human_out(args.json), flush=True)
     try:
-        return _main(args)
+        return _main(args, prog)
     except UsageError as exc:
-        print(f"ds_nvme_tune: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
 
@@ -172,10 +177,7 @@ def _search(args: argparse.Namespace, aio: AioModule, checked: _Checked, todo: P
 
 def _print_best(config: dict, med: dict, measurements: int, elapsed: float, gds: bool, out: TextIO) -> None:
     """The winner, as aio_handle(**config) and as DeepSpeed's "aio" section."""
-    read_s = f"{med['read']:.2f}" if "read" in med else "n/a"
-    write_s = f"{med['write']:.2f}" if "write" in med else "n/a"
-    print(f"Best performance (GB/sec): read = {read_s}, write = {write_s}  "
-          f"({measurements} measurements in {elapsed:.1f} s)", file=out)
+    print(f"Best performance {best_line(med)}  ({measurements} measurements in {elapsed:.1f} s)", file=out)
     print("Best configuration for aio_handle(**config):", file=out)
     print(json.dumps(config), file=out)
     print('As DeepSpeed\'s "aio" config section:', file=out)
@@ -204,8 +206,9 @@ def _compare_with_fio(args: argparse.Namespace, aio: AioModule, config: dict, io
     record["fio_comparison"]["warnings"] = [op for op in ops if mismatch(result[op]["ratio"])]
 
 
-def _write_results(log_dir: str, record: dict, search: Search, config: dict) -> None:
-    """results.json (every measurement), best_config.json and, with matplotlib, chart.png."""
+def _write_results(log_dir: str, record: dict, search: Search, config: dict, out: TextIO) -> None:
+    """results.json (every measurement), best_config.json and, with matplotlib, chart.png (without, a line on
+    `out` says so and how to get it)."""
     with open(os.path.join(log_dir, "results.json"), "w", encoding="utf-8") as f:
         json.dump({**record, "results": search.results}, f, indent=1)
     with open(os.path.join(log_dir, "best_config.json"), "w", encoding="utf-8") as f:
@@ -213,16 +216,18 @@ def _write_results(log_dir: str, record: dict, search: Search, config: dict) -> 
     path = os.path.join(log_dir, "chart.png")
     if chart(search.results, path):
         record["chart"] = path
+    else:
+        print(MISSING, file=out)
 
 
-def _main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace, prog: str) -> int:
     """Everything after parsing; UsageError for bad arguments."""
     checked = _check_args(args)
     from deepnvme import AsyncIOBuilder
 
     builder = AsyncIOBuilder()
     if not builder.is_compatible():
-        print(f"ds_nvme_tune: async_io cannot be built here: {builder.error_log or 'see ds_report'}",
+        print(f"{prog}: async_io cannot be built here: {builder.error_log or 'see deepnvme report'}",
               file=sys.stderr)
         return 1
     aio = builder.load()
@@ -237,9 +242,10 @@ def _main(args: argparse.Namespace) -> int:
         record: dict[str, Any] = {"config": config, "aio": deepspeed_section(config, args.gds)["aio"],
                                   "read_gb_s": med.get("read"), "write_gb_s": med.get("write"),
                                   "measurements": len(search.results), "seconds": round(elapsed, 2),
-                                  "io_size": checked.io_size, "nvme_dir": args.nvme_dir}
+                                  "io_size": checked.io_size, "nvme_dir": args.nvme_dir,
+                                  "tool": identity(prog, SHARED_NAME)}
         _compare_with_fio(args, aio, config, checked.io_size, record, out)
-        _write_results(args.log_dir, record, search, config)
+        _write_results(args.log_dir, record, search, config, out)
     finally:
         log.close()
     print(f"Log and results in {args.log_dir}" + (" (with chart.png)" if "chart" in record else ""), file=out)

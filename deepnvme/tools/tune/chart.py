@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from .search import describe
 
-__all__ = ["chart"]
+__all__ = ["MISSING", "chart"]
+
+# What the tuner prints instead of drawing: matplotlib is an optional dependency (the "plot" extra).
+MISSING = ("chart.png not drawn: matplotlib is not installed; `pip install matplotlib` "
+           "(or deepnvme's plot extra, `pip install 'deepnvme[plot]'`) draws it on the next run")
 
 
 def chart(results: list[dict], path: str) -> bool:
-    """A PNG bar chart of GB/s per configuration when matplotlib is installed; True when written."""
+    """A PNG bar chart of GB/s per configuration; True when written, False when matplotlib is missing."""
     try:
         import matplotlib
 

@@ -15,7 +15,7 @@ from deepnvme.tools.sizes import format_size
 from .bench import Bench
 from .space import START, product
 
-__all__ = ["GAIN", "Search", "describe"]
+__all__ = ["GAIN", "Search", "best_line", "describe"]
 
 GAIN = 1.03  # a pass must beat the leader by this factor to count as progress
 
@@ -58,6 +58,11 @@ class Search:
         med = {m: statistics.median(r[m] for r in runs) for m in ("score", "write", "read") if m in runs[0]}
         return json.loads(key), med
 
+    def leader(self) -> tuple[dict, dict] | None:
+        """The configuration the search would pick now: the best re-measured one when there is one, since a
+        single lucky sample must not beat configurations that held up when measured again."""
+        return self.best(confirmed=True) or self.best()
+
     def score(self, config: dict, again: bool = False) -> float | None:
         """The config's median score, measuring it unless known (or `again`); None once over budget."""
         k = self.key(config)
@@ -76,8 +81,8 @@ class Search:
         parts = [f"{op} {result[op]:.3f}" for op in ("write", "read") if op in result]
         self.log(f"{describe(config)} -> {', '.join(parts)} GB/sec ({result['engine']})")
         self.bar.update(1)
-        lead = self.best()
-        self.bar.set_postfix_str(f"best {lead[1]['score']:.2f} GB/s")
+        # What the summary would print if the search ended now (the same pick, the same words).
+        self.bar.set_postfix_str(f"best so far {best_line(self.leader()[1])}")
         return result["score"]
 
     def run(self) -> tuple[dict, dict]:
@@ -90,8 +95,7 @@ class Search:
             self._confirm()
         finally:
             self.bar.close()
-        # A single lucky sample must not beat configurations that held up when measured again.
-        found = self.best(confirmed=True) or self.best()
+        found = self.leader()
         if found is None:
             raise RuntimeError("the time budget ran out before one configuration was measured")
         return found
@@ -169,6 +173,13 @@ def _progress(total: int) -> Any:
     except ImportError:
         return _NoBar()
     return tqdm(total=total, desc="tuning", unit="cfg", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def best_line(med: dict) -> str:
+    """The winner's figures as both the summary and the progress bar say them, e.g.
+    '(GB/sec): read = 1.79, write = 2.75' (n/a for an operation not measured)."""
+    figures = {op: f"{med[op]:.2f}" if op in med else "n/a" for op in ("read", "write")}
+    return f"(GB/sec): read = {figures['read']}, write = {figures['write']}"
 
 
 def describe(config: dict) -> str:
