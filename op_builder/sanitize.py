@@ -11,7 +11,7 @@ for a sanitizer from getting an unsanitized install without noticing.
 
 Python itself is not built with a sanitizer, so the sanitizer's runtime must be loaded before anything else:
 run Python through ``tests/sanitize/run.sh`` (which sets ``LD_PRELOAD`` and the ``*SAN_OPTIONS``), e.g.
-``tests/sanitize/run.sh address,undefined python3 -m pytest -q tests/test_aio_threads.py``.
+``tests/sanitize/run.sh address,undefined python3 -m pytest -q tests/aio/test_aio_threads.py``.
 Nothing here imports torch or runs a compiler.
 """
 

@@ -1,6 +1,6 @@
 """Rank bodies for the parallel FastFileWriter test: real torch.distributed (gloo) in separate processes.
 
-    python3 tests/ffw_workers.py RANK WORLD FOLDER
+    python3 tests/support/ffw_workers.py RANK WORLD FOLDER
 
 Each rank writes its share of shared files, then rank 0 checks every file after a barrier. Ranks build
 the same objects from one seed, so they serialise to the same byte stream. Exits non-zero on a mismatch.
@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import deepnvme.io as dio  # noqa: E402
 from deepnvme import AsyncIOBuilder  # noqa: E402

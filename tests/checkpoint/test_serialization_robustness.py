@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -23,11 +22,6 @@ from deepnvme.serialization import TEMP_SUFFIX
 
 # Several whole pages between a partial first and last page: head, tail and the O_DIRECT middle all read.
 NUMEL = (DIRECT_MIN_BYTES + 5 * PAGE + 123) // 4
-
-
-@pytest.fixture
-def handle(aio_module: ModuleType) -> Any:
-    return aio_module.aio_handle(block_size=1 << 20, queue_depth=32, intra_op_parallelism=2)
 
 
 def _replace_path_once_records_are_read(monkeypatch: pytest.MonkeyPatch, path: Path, other: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from op_builder import AsyncIOBuilder, engines, probe
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 C_KEYWORDS = {"if", "for", "while", "switch", "return", "sizeof", "do", "defined"}
 
 

@@ -1,4 +1,4 @@
-"""Runs DeepSpeed's MoE for tests/test_moe_parity.py in DeepSpeed's interpreter (pytest does not collect it).
+"""Runs DeepSpeed's MoE for tests/moe/test_moe_parity.py in DeepSpeed's interpreter (not collected).
 
 ``python ds_moe_child.py SPEC OUT``: for each case in SPEC (a torch.save'd dict), build DeepSpeed's MoE from
 the case's seed and config, run forward+backward on the case's input with its own initial weights, then

@@ -23,7 +23,7 @@ from deepnvme.io import (
     _memory_of,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DS_PYTHON = Path("/work/dsvenv/bin/python")
 
 
@@ -145,7 +145,7 @@ def test_parallel_writers_share_one_file_over_gloo(tmp_path: Path) -> None:
     """Two processes (torch.distributed, gloo) each write their stripes of one torch.save stream, their
     shares of a storage list, and DeepSpeed's per-rank files; rank 0 checks the bytes after a barrier."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    worker = str(REPO / "tests" / "ffw_workers.py")
+    worker = str(REPO / "tests" / "support" / "ffw_workers.py")
     ranks = [subprocess.Popen([sys.executable, worker, str(r), "2", str(tmp_path)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outputs = [p.communicate(timeout=180)[0] for p in ranks]

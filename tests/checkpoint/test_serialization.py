@@ -37,11 +37,6 @@ from deepnvme.serialization import (
 BIG = DIRECT_MIN_BYTES + 12_345  # a payload large enough for the direct path, with a partial last page
 
 
-@pytest.fixture
-def handle(aio_module: ModuleType) -> Any:
-    return aio_module.aio_handle(block_size=1 << 20, queue_depth=32, intra_op_parallelism=2)
-
-
 def _dtypes() -> list[torch.dtype]:
     names = ["bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16",
              "bfloat16", "float32", "float64", "complex32", "complex64", "complex128", "float8_e4m3fn",

@@ -21,10 +21,10 @@ import torch
 
 from deepnvme.moe import MoE
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from ds_moe_child import expert, run  # noqa: E402
 
-CHILD = Path(__file__).resolve().parent / "ds_moe_child.py"
+CHILD = Path(__file__).resolve().parents[1] / "support" / "ds_moe_child.py"
 AUX = 0.1
 TOL = 1e-5
 

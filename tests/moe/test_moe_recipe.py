@@ -148,15 +148,14 @@ def _logits_at_ep2(rank: int, world: int, save: str, batch_path: str, out_dir: s
         reset_groups()
 
 
+@pytest.mark.usefixtures("routing_op_built")
 def test_checkpoint_saved_at_ep2_loads_at_ep1_with_identical_outputs(tmp_path: Path) -> None:
     from deepnvme.moe.recipe.cli import free_port
-    from deepnvme.moe.routing import op_available
 
     save = str(tmp_path / "ckpt")
     task = TopicTask(num_topics=4, num_words=12, seq_length=16)
     batch = task.batch(8, torch.Generator().manual_seed(3))[:, :-1]
     torch.save(batch, tmp_path / "batch.pt")
-    op_available()  # a first-time JIT build of the routing op happens here, not under the ranks' timeouts
     port = free_port()
     mp.spawn(_logits_at_ep2, args=(2, save, str(tmp_path / "batch.pt"), str(tmp_path), port), nprocs=2)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOOLS = {"deepnvme": "deepnvme.tools.command", "ds_report": "deepnvme.tools.report",
          "ds_io": "deepnvme.tools.ds_io", "ds_nvme_tune": "deepnvme.tools.tune"}
 REMOVED = ("demo", "ds_io", "report", "tune", "pagecache", "pattern", "sizes", "fastio")

@@ -13,7 +13,7 @@ import pytest
 from deepnvme.tools import ds_io
 from deepnvme.tools.sizes import format_size, parse_size
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SIZE = "4M"
 RESULT_KEYS = {"op", "engine", "io_engine", "processes", "io_size", "loops", "warmup_loops", "block_size",
                "queue_depth", "single_submit", "overlap_events", "intra_op_parallelism", "page_cache",

@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # A one-function extension that needs only Python.h: it compiles in well under a second, so the tests
 # exercise the build machinery (keys, stamps, ninja, locks) without paying for torch's heavy headers.

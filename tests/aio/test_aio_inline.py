@@ -18,11 +18,10 @@ from types import ModuleType
 
 import pytest
 import torch
-
-from tests.thread_helpers import run_threads
+from thread_helpers import run_threads
 
 U8 = torch.empty(0, dtype=torch.uint8)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tbytes(t: torch.Tensor) -> bytes:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SUPPORTED = ((3, 10), (3, 11), (3, 12), (3, 13))  # the CPython versions torch 2.13 publishes wheels for
 # Every source that includes Python.h or pybind11 (gds's binding is checked by test_gds_compile.py).
 PY_SOURCES = ("csrc/aio/py_aio.cpp", "csrc/pin/py_pin.cpp", "csrc/aio/pinned.cpp")

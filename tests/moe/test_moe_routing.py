@@ -26,7 +26,7 @@ from deepnvme.moe.routing import (
     top_k,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 IMPLS = ("torch", "op")
 
 

@@ -188,13 +188,8 @@ def _sc(name: str, ep: int, k: int, drop: bool, tokens: list[int], **kw: Any) ->
     return {"name": name, "ep": ep, "k": k, "drop": drop, "tokens": tokens, "experts": 4, "seed": 5, **kw}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def routing_op_built() -> None:
-    """Build (or find) the compiled routing op here, so the spawned ranks only load it from the cache and a
-    first-time JIT build never runs under their collective timeouts."""
-    from deepnvme.moe.routing import op_available
-
-    op_available()
+# Every test here spawns ranks: the routing op is built first (tests/moe/conftest.py).
+pytestmark = pytest.mark.usefixtures("routing_op_built")
 
 
 def test_two_processes(tmp_path: Path) -> None:

@@ -25,11 +25,6 @@ from deepnvme.io import DIRECT_MIN_BYTES, PAGE
 BIG = DIRECT_MIN_BYTES + 12_345
 
 
-@pytest.fixture
-def handle(aio_module: ModuleType) -> Any:
-    return aio_module.aio_handle(block_size=1 << 20, queue_depth=32, intra_op_parallelism=2)
-
-
 def _bytes_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
 

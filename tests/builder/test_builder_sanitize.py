@@ -13,7 +13,7 @@ import pytest
 
 from op_builder import AsyncIOBuilder, PinMemoryBuilder, sanitize
 
-RUNNER = Path(__file__).resolve().parent / "sanitize" / "run.sh"
+RUNNER = Path(__file__).resolve().parents[1] / "sanitize" / "run.sh"
 
 
 @pytest.mark.parametrize(("text", "names", "suffix"), [

@@ -20,7 +20,7 @@ import pytest
 from deepnvme import files
 from deepnvme.tools.report import checks, collect, model, render
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SEP = "-" * 50
 ANSI = "\x1b["
 ENV_WIDTH = 33

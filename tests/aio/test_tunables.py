@@ -13,7 +13,7 @@ import pytest
 from deepnvme import defaults
 from op_builder import tunables
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_cpp_list_mirrors_the_python_table():

@@ -19,7 +19,7 @@ import torch
 import deepnvme
 from deepnvme.serialization import TEMP_SUFFIX
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # The child saves checkpoint 1, 2, 3, ... to one path, alternating a long and a short one, and reports each
 # after save() returned. Checkpoint i is fully determined by i, so the parent can rebuild it.
