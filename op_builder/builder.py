@@ -159,15 +159,16 @@ class OpBuilder(ABC):
         return module
 
     def jit_module_name(self) -> str:
-        """Name of the JIT-built extension module, also its build folder under :func:`extensions_root`.
+        """Name of the JIT-built extension module, also the start of its build folder's name.
         Prefixed so it never is DeepSpeed's: both call the op ``async_io``; in a shared folder each tool
         rebuilt over the other's library, and in one process the second module of that name to load came
         back as the first one."""
         return f"deepnvme_{self.name}{sanitize.module_suffix()}"  # a sanitized build has a name of its own
 
     def jit_build_dir(self) -> Path:
-        """This op's JIT build folder."""
-        return extensions_root() / self.jit_module_name()
+        """This op's JIT build folder, one per source tree (see :func:`jit_cache.build_folder`)."""
+        root = csrc_root() if self.BUILTIN_SOURCES else self.source_root()
+        return jit_cache.build_folder(extensions_root(), self.jit_module_name(), root)
 
     def jit_load(self, verbose: bool = False) -> ModuleType:
         """Import the cached JIT build when its stamp matches; build it with torch/ninja otherwise.

@@ -3,7 +3,8 @@
 It works on a plain :class:`~.build_spec.BuildSpec` (names, paths, flags, recorded probe outcomes), never on
 a builder. Pieces, each usable alone (as torch's cpp_extension keeps its versioner and file baton apart):
 
-- :func:`extensions_root`: ``$TORCH_EXTENSIONS_DIR``, else a deepnvme folder in the user's cache folder.
+- :func:`extensions_root`: ``$TORCH_EXTENSIONS_DIR``, else a deepnvme folder in the user's cache folder;
+  :func:`build_folder`: one folder in it per op and source tree.
 - :func:`key_parts` / :func:`jit_key`: a digest of every input of a build (sources, included headers, flags,
   torch, Python, compiler, deepnvme version), kept by part so that a miss names what changed.
 - the stamp (``deepnvme_stamp.json``): the key and its parts, the probe outcomes and the identity of the
@@ -38,8 +39,8 @@ from .build_spec import BuildSpec
 from .capability import Capability
 from .toolchain import compiler_identity
 
-__all__ = ["STAMP_FILE", "BuildLock", "build", "changed_parts", "extensions_root", "jit_key", "key_parts",
-           "load_warm", "read_stamp", "recorded_probes", "torch_build_dir"]
+__all__ = ["STAMP_FILE", "BuildLock", "build", "build_folder", "changed_parts", "extensions_root", "jit_key",
+           "key_parts", "load_warm", "read_stamp", "recorded_probes", "torch_build_dir"]
 
 STAMP_FILE = "deepnvme_stamp.json"
 LOCK_FILE = ".deepnvme-build.lock"
@@ -60,6 +61,18 @@ def extensions_root() -> Path:
         return Path(env)
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "deepnvme" / f"jit-{sys.implementation.cache_tag}"
+
+
+def build_folder(root: Path, module_name: str, source_root: Path) -> Path:
+    """The build folder of one op from one source tree: ``<root>/<module name>-<tag of the tree's path>``.
+
+    One folder per source tree (a checkout, a worktree, an install), not per op name: two trees share the
+    cache folder but never build over each other's library and stamp, which would send every load of the
+    other tree to a rebuild (and to its compiler probes). Edits within a tree reuse its folder, so ninja
+    rebuilds only what changed.
+    """
+    tag = hashlib.sha256(str(source_root.resolve()).encode()).hexdigest()[:10]
+    return root / f"{module_name}-{tag}"
 
 
 def _file_identity(path: Path) -> list[int] | None:

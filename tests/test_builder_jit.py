@@ -8,15 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from builder_helpers import REPO_ROOT, run_python, set_value, write_entry_point, write_plugin
+from builder_helpers import REPO_ROOT, run_python, set_value, tiny_build_dir, write_entry_point, write_plugin
 
 pytest.importorskip("torch")
 
 LOAD_TINY = """
 import op_builder, tinyplug
 op_builder.register(tinyplug.TinyBuilder)
-mod = op_builder.ALL_OPS["{name}"].load()
-result = {{"value": mod.value(), "name": mod.__name__, "file": mod.__file__}}
+b = op_builder.ALL_OPS["{name}"]
+mod = b.load()
+result = {{"value": mod.value(), "name": mod.__name__, "file": mod.__file__, "warm_miss": b.warm_miss}}
 """
 
 
@@ -41,10 +42,15 @@ def test_build_then_warm_load_then_rebuild_on_change(tmp_path):
     assert warm["cpp_extension"] is False
     assert so.stat().st_mtime_ns == mtime
 
+    assert warm["result"]["warm_miss"] is None
+
     set_value(tmp_path, 2)  # a header-only change must be seen
     changed = run_python(code, paths=[tmp_path], env=env)
     assert changed["result"]["value"] == 2
     assert any("ninja" in c for c in changed["calls"])
+    # The miss names what changed, and only that.
+    header = tmp_path / "tinyplug" / "csrc" / "tiny.h"
+    assert changed["result"]["warm_miss"] == f"the build's inputs changed: file {header.resolve()}"
 
 
 def test_another_tools_build_of_the_same_op_name_is_never_loaded_or_clobbered(tmp_path):
@@ -57,7 +63,7 @@ def test_another_tools_build_of_the_same_op_name_is_never_loaded_or_clobbered(tm
     (foreign / "tiny_shared.so").write_bytes(b"not ours")
     first = run_python(code, paths=[tmp_path], env=_env(ext))
     so = Path(first["result"]["file"])
-    assert first["result"]["value"] == 1 and so.parent == ext / "deepnvme_tiny_shared"
+    assert first["result"]["value"] == 1 and so.parent == tiny_build_dir(ext, tmp_path, "tiny_shared")
     assert first["result"]["name"] == "deepnvme_tiny_shared"
     assert (foreign / "tiny_shared.so").read_bytes() == b"not ours"
 
@@ -120,7 +126,7 @@ def test_two_processes_loading_at_once_build_once(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
         assert '"value": 1' in out
-    log = (ext / "deepnvme_tiny_race" / ".ninja_log").read_text()
+    log = (tiny_build_dir(ext, tmp_path, "tiny_race") / ".ninja_log").read_text()
     # Each compile step ran once: one process built, the other waited on torch's lock and reused it.
     outputs = [line.split("\t")[3] for line in log.splitlines() if not line.startswith("#")]
     assert outputs.count("tiny.o") == 1 and outputs.count("deepnvme_tiny_race.so") == 1
@@ -131,12 +137,13 @@ def test_stale_torch_lock_is_cleared_and_the_build_stays_in_its_folder(tmp_path)
     deepnvme's lock: the build runs in the normal folder, without a warning, and the next load is warm."""
     write_plugin(tmp_path, name="tiny_stale")
     ext = tmp_path / "ext"
-    (ext / "deepnvme_tiny_stale").mkdir(parents=True)
-    (ext / "deepnvme_tiny_stale" / "lock").write_text("")
+    folder = tiny_build_dir(ext, tmp_path, "tiny_stale")
+    folder.mkdir(parents=True)
+    (folder / "lock").write_text("")
     out = run_python(LOAD_TINY.format(name="tiny_stale"), paths=[tmp_path], env=_env(ext))
     assert out["result"]["value"] == 1
-    assert Path(out["result"]["file"]).parent == ext / "deepnvme_tiny_stale"
-    assert not (ext / "deepnvme_tiny_stale" / "lock").exists()
+    assert Path(out["result"]["file"]).parent == folder
+    assert not (folder / "lock").exists()
     assert "RuntimeWarning" not in out["stderr"], out["stderr"]
     warm = run_python(LOAD_TINY.format(name="tiny_stale"), paths=[tmp_path], env=_env(ext))
     assert warm["result"]["value"] == 1 and warm["calls"] == []
@@ -147,7 +154,7 @@ def test_a_live_torch_lock_is_never_cleared(tmp_path):
     build moves to a retry folder and says so, and a fresh process loads it warm from there."""
     write_plugin(tmp_path, name="tiny_live")
     ext = tmp_path / "ext"
-    lock = ext / "deepnvme_tiny_live" / "lock"
+    lock = tiny_build_dir(ext, tmp_path, "tiny_live") / "lock"
     lock.parent.mkdir(parents=True)
     # The holder opens the file the way torch's FileBaton does, keeps it open, and says when it has it.
     hold = "import os, sys; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('held', flush=True); " \
@@ -159,7 +166,7 @@ def test_a_live_torch_lock_is_never_cleared(tmp_path):
         out = run_python(LOAD_TINY.format(name="tiny_live"), paths=[tmp_path], env=_env(ext))
         assert out["result"]["value"] == 1
         assert lock.exists()
-        assert Path(out["result"]["file"]).parent == ext / "deepnvme_tiny_live" / "retry-1"
+        assert Path(out["result"]["file"]).parent == lock.parent / "retry-1"
         assert "is held by a process building outside deepnvme's lock" in out["stderr"]
         warm = run_python(LOAD_TINY.format(name="tiny_live"), paths=[tmp_path], env=_env(ext))
         assert warm["result"]["value"] == 1 and warm["calls"] == []
@@ -224,16 +231,16 @@ def aio_ext_dir(request) -> Path:
     if not ASYNC_IO.exists():
         pytest.skip("csrc/aio is not written yet")
     module = request.getfixturevalue("aio_module")
-    from op_builder.builder import extensions_root
+    from op_builder import AsyncIOBuilder
 
     if module.__name__ != "deepnvme_async_io":
         pytest.skip(f"async_io came from a prebuilt module ({module.__name__}), not a JIT build")
-    return extensions_root()
+    return AsyncIOBuilder().jit_build_dir()
 
 
 @pytest.mark.slow
 def test_async_io_jit_build_and_fast_warm_load(aio_ext_dir):
-    ninja_file = (aio_ext_dir / "deepnvme_async_io" / "build.ninja").read_text()
+    ninja_file = (aio_ext_dir / "build.ninja").read_text()
     assert "-O3" in ninja_file and "-O0" not in ninja_file
     out = run_python("""
         import time

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from builder_helpers import _REPORT, _SPY, REPO_ROOT, run_python, write_plugin
+from builder_helpers import _REPORT, _SPY, REPO_ROOT, run_python, tiny_build_dir, write_plugin
 
 pytest.importorskip("torch")
 
@@ -41,7 +41,7 @@ def test_a_killed_build_costs_one_rebuild_in_the_normal_folder(tmp_path):
     wrapper = tmp_path / "cxx-wrapper"
     wrapper.write_text(WRAPPER.format(mark=mark))
     wrapper.chmod(0o755)
-    build_dir = ext / "deepnvme_tiny_killed"
+    build_dir = tiny_build_dir(ext, tmp_path, "tiny_killed")
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext), "CXX": str(wrapper),
            "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
     child = subprocess.Popen([sys.executable, "-c", _SPY + LOAD + _REPORT], env=env, start_new_session=True,
