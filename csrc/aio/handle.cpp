@@ -25,7 +25,8 @@ IoHandle::IoHandle(const HandleConfig& cfg, std::shared_ptr<Pipeline> pipeline)
     std::vector<std::unique_ptr<Engine>> engines;
     for (unsigned i = 0; i < cfg.parallelism; ++i) engines.push_back(make_engine(engine_, cfg.queue_depth, shared_));
     bypass_ok_ = engines.front()->allows_bypass();
-    for (auto& e : engines) workers_.push_back(std::make_unique<Worker>(cfg_, std::move(e), [this](Request* r) { request_done(r); }));
+    for (auto& e : engines)
+        workers_.push_back(std::make_unique<Worker>(cfg_, std::move(e), [this](Request* r) { request_done(r); }));
 }
 
 IoHandle::~IoHandle() {

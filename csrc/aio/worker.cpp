@@ -28,7 +28,8 @@ constexpr size_t kCopyAheadBytes = size_t(1) << 20;
 
 }  // namespace
 
-Worker::Worker(const HandleConfig& cfg, std::unique_ptr<Engine> engine, std::function<void(Request*)> request_done)
+Worker::Worker(const HandleConfig& cfg, std::unique_ptr<Engine> engine,
+               std::function<void(Request*)> request_done)
     : cfg_(cfg),
       engine_(std::move(engine)),
       request_done_(std::move(request_done)),
@@ -108,8 +109,7 @@ void Worker::fill() {
         // A staged op below the pool's granule would take a whole buffer anyway: it moves the buffer's worth
         // of consecutive blocks instead, in one operation and one copy (per-operation costs, in the kernel
         // and the VM's device, are what a small staged block lost to a locked one).
-        const size_t op_bytes =
-            r.staged ? std::max(cfg_.block_size, staging_.buffer_bytes()) : cfg_.block_size;
+        const size_t op_bytes = r.staged ? std::max(cfg_.block_size, staging_.buffer_bytes()) : cfg_.block_size;
         const size_t ahead = r.staged && r.write ? std::clamp<size_t>(kCopyAheadBytes / op_bytes, 1, depth) : 0;
         if (inflight_ + ready_.size() >= depth + ahead) break;
         if (r.failed() || s->cursor >= s->plan.body_end) {
@@ -297,7 +297,9 @@ void Worker::complete(uint64_t tag64, int64_t res) {
                 return;
             case Continuation::kBuffered:
                 try {
-                    transfer_buffered(r, static_cast<char*>(cur.buf) + moved, sl.rel + sl.done + moved, want - moved);
+                    // The rest of the op: from where its bytes stopped, in memory (request or staging) and file.
+                    transfer_buffered(r, static_cast<char*>(cur.buf) + moved, sl.rel + sl.done + moved,
+                                      want - moved);
                 } catch (const IoError& e) {
                     r.fail(e.err(), e.what());
                 }
