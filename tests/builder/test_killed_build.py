@@ -5,6 +5,7 @@ while torch's lock exists without racing a timer against the build."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -25,11 +26,11 @@ mod = b.load()
 result = {"value": mod.value(), "file": mod.__file__, "warm_miss": b.warm_miss}
 """
 
-# A C++ compiler that stops forever (until killed) on the plugin's source, after leaving a mark; any other
-# call (torch's compiler checks, the probes) goes to the real compiler.
+# A C++ compiler that stops (until killed, at most 5 minutes) on the plugin's source, after writing its pid
+# as the mark; any other call (torch's compiler checks, the probes) goes to the real compiler.
 WRAPPER = """#!/bin/sh
 for a in "$@"; do
-  case "$a" in *tiny.cpp) : > "{mark}"; exec sleep 3600;; esac
+  case "$a" in *tiny.cpp) echo $$ > "{mark}.tmp"; mv "{mark}.tmp" "{mark}"; exec sleep 300;; esac
 done
 exec c++ "$@"
 """
@@ -59,8 +60,12 @@ def test_a_killed_build_costs_one_rebuild_in_the_normal_folder(tmp_path):
             time.sleep(0.05)
         assert (build_dir / "lock").exists()  # torch's lock, held by the build
     finally:
-        os.killpg(child.pid, signal.SIGKILL)  # the build, ninja and the held compiler together
+        os.killpg(child.pid, signal.SIGKILL)  # the load and ninja
         child.communicate(timeout=60)
+        # ninja runs each command in a process group of its own: the held compiler is ended by its pid.
+        if mark.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(mark.read_text()), signal.SIGKILL)
     assert (build_dir / "lock").exists()  # what a killed build leaves behind
 
     again = run_python(LOAD, paths=[tmp_path], env={"TORCH_EXTENSIONS_DIR": str(ext)})
