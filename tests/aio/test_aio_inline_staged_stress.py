@@ -51,11 +51,18 @@ def one_thread(h, engine, k):
         os.unlink(path)
 
 
+def guarded(h, engine, k):
+    try:
+        one_thread(h, engine, k)
+    except BaseException as e:  # reported in the result, not lost with the thread
+        errors.append(f"{engine} thread {k}: {e!r}")
+
+
 checked = 0
 for engine in m.available_engines():
     # A block larger than every tensor: each sync request is one operation, which runs inline.
     h = m.aio_handle(1 << 20, 8, False, False, 1, engine=engine)
-    ts = [threading.Thread(target=lambda k=k: one_thread(h, engine, k)) for k in range(threads)]
+    ts = [threading.Thread(target=guarded, args=(h, engine, k)) for k in range(threads)]
     for t in ts:
         t.start()
     for t in ts:
