@@ -5,46 +5,16 @@ descriptor moves the right bytes, so only the page cache tells it apart. Every e
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import os
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-from deepnvme.tools.pagecache import drop_file_cache, read_mode
+from deepnvme.tools.pagecache import cached_pages, drop_file_cache, read_mode
 
-PAGE = mmap.PAGESIZE
 BLOCK = 1 << 20
 U8 = torch.empty(0, dtype=torch.uint8)
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-
-
-def cached_pages(path: Path) -> int:
-    """How many of the file's pages are in the page cache (mapping a file faults nothing in)."""
-    size = path.stat().st_size
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), "mmap failed", str(path))
-        try:
-            vec = ctypes.create_string_buffer((size + PAGE - 1) // PAGE)
-            if _libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), "mincore failed", str(path))
-            return sum(b & 1 for b in vec.raw)
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
 
 
 @pytest.fixture
