@@ -1,10 +1,11 @@
 """deepnvme's op-builder framework: builders, capability probes and the ALL_OPS registry.
 
-One job per file: ``builder`` (the OpBuilder contract), ``jit_cache`` (build root, key, stamp, lock, the
-build), ``prebuilt`` (when an installed op may be used), ``diagnose`` (reading compiler output), ``probe``
-(every probe, by name; they live in ``toolchain``, ``linktest``, ``libraries``, ``cuda``, ``fingerprint``),
-``engines`` (the async_io engine catalogue), ``tunables`` (the I/O core's performance defaults),
-``registry`` (ALL_OPS), and one file per op (``async_io``, ``gds``, ``pin_memory``).
+One job per file: ``builder`` (the OpBuilder contract), ``build_spec`` (one JIT build as plain values),
+``jit_cache`` (build root, key, stamp, lock, the build, all from a build spec), ``prebuilt`` (when an
+installed op may be used), ``diagnose`` (reading compiler output), ``probe`` (every probe, by name; they
+live in ``toolchain``, ``linktest``, ``libraries``, ``cuda``, ``fingerprint``), ``engines`` (the async_io
+engine catalogue), ``tunables`` (the I/O core's performance defaults), ``registry`` (ALL_OPS), and one file
+per op (``async_io``, ``gds``, ``pin_memory``).
 
 Importing this package runs no probe and no compiler and does not import torch; ``ALL_OPS`` is built on
 first access.

@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import Any, ClassVar, TypeVar
 
 from . import jit_cache, prebuilt, probe, sanitize
+from .build_spec import BuildSpec
 from .jit_cache import extensions_root
 from .probe import Capability
 
@@ -94,6 +95,8 @@ class OpBuilder(ABC):
         # Probe outcomes this builder relied on; a warm load restores them from the stamp instead of
         # running the compiler again.
         self._probe_memo: dict[str, Any] = {}
+        #: why this builder's last JIT load was not warm (what changed since the stamp), None when it was
+        self.warm_miss: str | None = None
 
     # ---- the DeepSpeed contract -------------------------------------------------------------------------
     @abstractmethod
@@ -156,34 +159,64 @@ class OpBuilder(ABC):
         return module
 
     def jit_module_name(self) -> str:
-        """Name of the JIT-built extension module, also its build folder under :func:`extensions_root`.
+        """Name of the JIT-built extension module, also the start of its build folder's name.
         Prefixed so it never is DeepSpeed's: both call the op ``async_io``; in a shared folder each tool
         rebuilt over the other's library, and in one process the second module of that name to load came
         back as the first one."""
         return f"deepnvme_{self.name}{sanitize.module_suffix()}"  # a sanitized build has a name of its own
 
     def jit_build_dir(self) -> Path:
-        """This op's JIT build folder."""
-        return extensions_root() / self.jit_module_name()
+        """This op's JIT build folder, one per source tree (see :func:`jit_cache.build_folder`)."""
+        root = csrc_root() if self.BUILTIN_SOURCES else self.source_root()
+        return jit_cache.build_folder(extensions_root(), self.jit_module_name(), root)
 
     def jit_load(self, verbose: bool = False) -> ModuleType:
-        """Import the cached JIT build when its stamp matches; build it with torch/ninja otherwise."""
+        """Import the cached JIT build when its stamp matches; build it with torch/ninja otherwise.
+
+        A warm load runs no compiler: the probes' inputs are compared by ``stat`` with the stamp's, and while
+        they are unchanged the stamp's probe outcomes stand in for the probes. Otherwise :attr:`warm_miss`
+        says what changed, and the build probes afresh."""
         self.jit_mode = True
         try:
             import torch  # noqa: F401 - the extension links against libtorch: load it first
 
             build_dir = self.jit_build_dir()
-            module = jit_cache.load_warm(self, build_dir)
+            fingerprint = self.probe_fingerprint()
+            recorded, why = jit_cache.recorded_probes(build_dir, fingerprint)
+            module = None
+            if recorded is not None:
+                self._probe_memo = recorded
+                module, why = jit_cache.load_warm(self.build_spec(fingerprint), build_dir)
+            self.warm_miss = why or None
             if module is None:
+                self._probe_memo = {}  # the stamp's outcomes were for its own build: probe this one afresh
                 missing = self.missing()
                 if missing:
                     self.error_log = self._explain(missing)
                     raise RuntimeError(f"Unable to JIT-build {self.error_log}")
-                module = jit_cache.build(self, build_dir, verbose)
+                module = jit_cache.build(self.build_spec(fingerprint), build_dir, verbose, why)
             OpBuilder._loaded_ops.setdefault(self.name, module)
             return module
         finally:
             self.jit_mode = False
+
+    def build_spec(self, fingerprint: str | None = None) -> BuildSpec:
+        """This op's JIT build as plain values, for :mod:`.jit_cache`: resolved sources and include folders,
+        the JIT flags, and the probe outcomes they were computed from (runs the probes not yet known).
+        ``fingerprint``: :meth:`probe_fingerprint`, when the caller has it already."""
+        was, self.jit_mode = self.jit_mode, True
+        try:
+            return BuildSpec(
+                name=self.name, module_name=self.jit_module_name(),
+                origin=(type(self).__module__, type(self).__qualname__), version=deepnvme_version(),
+                sources=tuple(str(self.src_path(s)) for s in self.sources()),
+                include_dirs=tuple(str(self.src_path(p)) for p in self.include_paths()),
+                cxx_flags=tuple(self.cxx_args()), ld_flags=tuple(self.extra_ldflags()),
+                nvcc_flags=tuple(self.nvcc_args()) if self.with_cuda() else (), with_cuda=self.with_cuda(),
+                fingerprint=self.probe_fingerprint() if fingerprint is None else fingerprint,
+                probes=dict(self._probe_memo))
+        finally:
+            self.jit_mode = was
 
     def builder(self) -> Any:
         """The setuptools extension that prebuilds this op as :meth:`absolute_name` (portable flags)."""
@@ -249,16 +282,8 @@ class OpBuilder(ABC):
         return sanitize.link_flags() if self.jit_mode else []
 
     def jit_key(self) -> str:
-        """sha256 over every input of the build (see :func:`jit_cache.jit_key`)."""
-        return jit_cache.jit_key(self)
-
-    def probe_outcomes(self) -> dict[str, Any]:
-        """The probe outcomes this builder's flags relied on (what a JIT stamp records)."""
-        return dict(self._probe_memo)
-
-    def restore_probe_outcomes(self, outcomes: dict[str, Any]) -> None:
-        """Take probe outcomes recorded earlier (a stamp's) instead of running the probes again."""
-        self._probe_memo = dict(outcomes)
+        """sha256 over every input of this op's JIT build (see :func:`jit_cache.jit_key`)."""
+        return jit_cache.jit_key(self.build_spec())
 
     # ---- internals ---------------------------------------------------------------------------------
     def _memo(self, name: str, fn: Callable[[], T]) -> T:

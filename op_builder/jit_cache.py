@@ -1,15 +1,19 @@
 """The JIT cache: where builds live, the key and stamp that let a warm load skip ninja, and our build lock.
 
-Pieces, each usable alone (as torch's cpp_extension keeps its versioner and file baton apart):
+It works on a plain :class:`~.build_spec.BuildSpec` (names, paths, flags, recorded probe outcomes), never on
+a builder. Pieces, each usable alone (as torch's cpp_extension keeps its versioner and file baton apart):
 
-- :func:`extensions_root`: ``$TORCH_EXTENSIONS_DIR``, else a deepnvme folder in the user's cache folder.
-- :func:`jit_key`: sha256 over every input of a build (sources, included headers, flags, torch, Python,
-  compiler, deepnvme version).
-- the stamp (``deepnvme_stamp.json``): the key, the probe outcomes and the identity of the library built
-  under it; :func:`load_warm` imports that library straight from its file when everything still matches.
+- :func:`extensions_root`: ``$TORCH_EXTENSIONS_DIR``, else a deepnvme folder in the user's cache folder;
+  :func:`build_folder`: one folder in it per op and source tree.
+- :func:`key_parts` / :func:`jit_key`: a digest of every input of a build (sources, included headers, flags,
+  torch, Python, compiler, deepnvme version), kept by part so that a miss names what changed.
+- the stamp (``deepnvme_stamp.json``): the key and its parts, the probe outcomes and the identity of the
+  library built under it; :func:`recorded_probes` hands the outcomes back while the probes' inputs are
+  unchanged, and :func:`load_warm` imports the library straight from its file when everything still matches
+  (or says why not).
 - :class:`BuildLock`: an ``flock`` on our own file, which dies with its holder, so a killed build never
-  blocks the next one. torch's own lock file is never touched: if a killed build left one behind, the
-  build moves to a fresh sub-folder (:func:`torch_build_dir`) and says so.
+  blocks the next one; under it, :func:`torch_build_dir` clears a torch lock file that a killed build left
+  in our folder (one no live process holds), so that the next build runs in the normal folder.
 - :func:`build`: the build itself, through the public :func:`torch.utils.cpp_extension.load`.
 """
 
@@ -28,21 +32,19 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import diagnose, sanitize
+from .build_spec import BuildSpec
 from .capability import Capability
 from .toolchain import compiler_identity
 
-if TYPE_CHECKING:
-    from .builder import OpBuilder
-
-__all__ = ["STAMP_FILE", "BuildLock", "build", "extensions_root", "jit_key", "load_warm", "read_stamp",
-           "torch_build_dir"]
+__all__ = ["STAMP_FILE", "BuildLock", "build", "build_folder", "changed_parts", "extensions_root", "jit_key",
+           "key_parts", "load_warm", "read_stamp", "recorded_probes", "torch_build_dir"]
 
 STAMP_FILE = "deepnvme_stamp.json"
 LOCK_FILE = ".deepnvme-build.lock"
-_STAMP_VERSION = 2
+_STAMP_VERSION = 3
 _TORCH_LOCK = "lock"  # the file torch.utils.cpp_extension.load() creates in its build folder
 
 
@@ -61,6 +63,18 @@ def extensions_root() -> Path:
     return Path(cache) / "deepnvme" / f"jit-{sys.implementation.cache_tag}"
 
 
+def build_folder(root: Path, module_name: str, source_root: Path) -> Path:
+    """The build folder of one op from one source tree: ``<root>/<module name>-<tag of the tree's path>``.
+
+    One folder per source tree (a checkout, a worktree, an install), not per op name: two trees share the
+    cache folder but never build over each other's library and stamp, which would send every load of the
+    other tree to a rebuild (and to its compiler probes). Edits within a tree reuse its folder, so ninja
+    rebuilds only what changed.
+    """
+    tag = hashlib.sha256(str(source_root.resolve()).encode()).hexdigest()[:10]
+    return root / f"{module_name}-{tag}"
+
+
 def _file_identity(path: Path) -> list[int] | None:
     """Size and modification time of a built library: a file replaced since the stamp was written (another
     build, a copy) no longer matches, so the fast path never imports a library it did not build."""
@@ -71,41 +85,55 @@ def _file_identity(path: Path) -> list[int] | None:
     return [st.st_size, st.st_mtime_ns]
 
 
-def jit_key(builder: OpBuilder) -> str:
-    """sha256 over every input of the builder's build: sources, headers under its include paths, flags,
-    torch, Python ABI, compiler and deepnvme version."""
+def key_parts(spec: BuildSpec) -> dict[str, str]:
+    """Every input of a build, by name, each as a digest: the sources and every file under the include
+    folders (``file <path>``), the flags, torch, Python ABI, compiler and deepnvme version. The stamp keeps
+    them, so that a load that is not warm can say which one changed."""
     import torch
 
-    from .builder import deepnvme_version
-
-    h = hashlib.sha256()
+    parts: dict[str, str] = {}
 
     def add(label: str, value: object) -> None:
-        h.update(f"{label}={value!r}\n".encode())
+        parts[label] = hashlib.sha256(repr(value).encode()).hexdigest()
 
-    add("stamp", _STAMP_VERSION)
-    add("deepnvme", deepnvme_version())
-    add("op", (builder.name, builder.jit_module_name(), type(builder).__module__, type(builder).__qualname__))
+    add("stamp version", _STAMP_VERSION)
+    add("deepnvme version", spec.version)
+    add("op", (spec.name, spec.module_name, *spec.origin))
     add("torch", (torch.__version__, torch.version.cuda, getattr(torch.version, "hip", None)))
     add("python", (sys.implementation.cache_tag, sysconfig.get_config_var("SOABI")))
     add("compiler", compiler_identity())
-    add("cxx", builder.cxx_args())
-    add("nvcc", builder.nvcc_args() if builder.with_cuda() else [])
-    add("ld", builder.extra_ldflags())
-    includes = [builder.src_path(p) for p in builder.include_paths()]
-    add("include", [str(p) for p in includes])
-    add("with_cuda", builder.with_cuda())
-    files = {builder.src_path(s) for s in builder.sources()}
-    for inc in includes:
+    add("cxx flags", list(spec.cxx_flags))
+    add("nvcc flags", list(spec.nvcc_flags) if spec.with_cuda else [])
+    add("ld flags", list(spec.ld_flags))
+    add("include dirs", list(spec.include_dirs))
+    add("with_cuda", spec.with_cuda)
+    files = {Path(s) for s in spec.sources}
+    for inc in map(Path, spec.include_dirs):
         if inc.is_dir():
             files.update(p for p in inc.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     for path in sorted(files):
-        add("file", str(path))
         try:
-            h.update(path.read_bytes())
+            parts[f"file {path}"] = hashlib.sha256(path.read_bytes()).hexdigest()
         except OSError:
-            add("missing", str(path))
+            parts[f"file {path}"] = "missing"
+    return parts
+
+
+def jit_key(spec: BuildSpec) -> str:
+    """sha256 over :func:`key_parts`: one value that changes when any input of the build does."""
+    return _digest(key_parts(spec))
+
+
+def _digest(parts: dict[str, str]) -> str:
+    h = hashlib.sha256()
+    for label in sorted(parts):
+        h.update(f"{label}={parts[label]}\n".encode())
     return h.hexdigest()
+
+
+def changed_parts(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    """The names of the key parts that differ between two :func:`key_parts` (added and removed included)."""
+    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
 
 
 # ------------------------------------------------------------------------------------------------ stamp
@@ -140,15 +168,38 @@ def restored_probes(saved: dict[str, Any]) -> dict[str, Any]:
     return memo
 
 
-def _write_stamp(build_dir: Path, data: dict[str, Any]) -> None:
-    # Atomic replace: a concurrent reader sees the old stamp or the new one, never half of one.
-    fd, tmp = tempfile.mkstemp(prefix=".stamp.", dir=build_dir)
+def _replace_file(path: Path, data: bytes) -> None:
+    """Write ``path`` atomically and durably: a temporary file beside it, fsync, rename over it, fsync of the
+    folder. A reader sees the old file or the new one, never half of one, and after a crash the rename is
+    not lost while the data is. The temporary file is removed when anything fails.
+
+    Local to op_builder, which sits below the deepnvme package and cannot use its atomic-replace helper.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, build_dir / STAMP_FILE)
-    except OSError:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _write_stamp(build_dir: Path, data: dict[str, Any]) -> None:
+    # A stamp that cannot be written costs the next load a rebuild (ninja finds it up to date), never this
+    # build: the module is built and imported already.
+    try:
+        _replace_file(build_dir / STAMP_FILE, json.dumps(data, indent=1).encode())
+    except OSError as exc:
+        warnings.warn(f"deepnvme: cannot write {build_dir / STAMP_FILE} ({exc}); the next load will check "
+                      "the build with ninja again", RuntimeWarning, stacklevel=3)
 
 
 def _import_extension(name: str, path: Path) -> ModuleType:
@@ -162,26 +213,45 @@ def _import_extension(name: str, path: Path) -> ModuleType:
     return module
 
 
-def load_warm(builder: OpBuilder, build_dir: Path) -> ModuleType | None:
-    """The stamped library when the probes' inputs, the key and the library file all still match.
-
-    Restores the stamp's probe outcomes into the builder first (so computing the key runs no compiler);
-    leaves them empty when the stamp is for another machine state.
-    """
+def recorded_probes(build_dir: Path, fingerprint: str) -> tuple[dict[str, Any] | None, str]:
+    """The probe outcomes the build folder's stamp recorded, when they were taken under ``fingerprint`` (the
+    probes' inputs as they are now); else None and why not. Restored into a builder before it computes its
+    flags, they spare a warm load every compiler run."""
     stamp = read_stamp(build_dir)
-    builder.restore_probe_outcomes({})
-    if not stamp or stamp.get("fingerprint") != builder.probe_fingerprint():
-        return None
-    builder.restore_probe_outcomes(restored_probes(stamp.get("probes", {})))
+    if not stamp:
+        return None, f"no stamp in {build_dir} (never built here, or a build did not finish)"
+    old = str(stamp.get("fingerprint", ""))
+    if old != fingerprint:
+        old_state, _, old_cpu = old.partition("/")
+        new_state, _, new_cpu = fingerprint.partition("/")
+        sides = (("the compilers, the libraries' headers and files or the probe environment variables",
+                  old_state, new_state), ("the CPU", old_cpu, new_cpu))
+        what = [name for name, was, now in sides if was != now]
+        return None, f"the probes' inputs changed since the stamp: {' and '.join(what) or 'stamp format'}"
+    return restored_probes(stamp.get("probes", {})), ""
+
+
+def load_warm(spec: BuildSpec, build_dir: Path) -> tuple[ModuleType | None, str]:
+    """The stamped library when the key and the library file still match the stamp, else None; with it,
+    why not ("" when warm). Runs no compiler and does not import torch.utils.cpp_extension."""
+    stamp = read_stamp(build_dir)
+    if not stamp:
+        return None, f"no stamp in {build_dir}"
+    parts = key_parts(spec)
+    if stamp.get("key") != _digest(parts):
+        old = stamp.get("key_parts")
+        changed = changed_parts(old, parts) if isinstance(old, dict) else ["a stamp of an older layout"]
+        more = " ..." if len(changed) > 8 else ""
+        return None, "the build's inputs changed: " + ", ".join(changed[:8]) + more
     library = build_dir / str(stamp.get("library", ""))
-    if stamp.get("key") != builder.jit_key() or _file_identity(library) != stamp.get("library_id"):
-        builder.restore_probe_outcomes({})
-        return None
+    found = _file_identity(library)
+    if found != stamp.get("library_id"):
+        return None, (f"{library} is not the library the stamp recorded (size, mtime_ns {found} against "
+                      f"{stamp.get('library_id')}): replaced or removed since")
     try:
-        return _import_extension(str(stamp["module"]), library)
-    except ImportError:
-        builder.restore_probe_outcomes({})
-        return None  # e.g. a library it links moved away: the caller rebuilds
+        return _import_extension(str(stamp["module"]), library), ""
+    except ImportError as exc:
+        return None, f"{library} does not import ({exc})"  # e.g. a library it links moved away
 
 
 # ------------------------------------------------------------------------------------------------- lock
@@ -209,18 +279,56 @@ class BuildLock:
             self._fd = None
 
 
+def _held_open(path: Path) -> bool:
+    """Whether any process this one can see has ``path`` open. torch's FileBaton keeps its lock file open
+    from creating it to removing it, so a lock file nobody holds was left by a process that died. Where
+    processes cannot be listed (no /proc), every lock counts as held."""
+    try:
+        target = path.stat()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        pids = os.listdir("/proc")
+    except OSError:
+        return True  # cannot tell: never clear a lock that may be live
+    for pid in pids:
+        if not pid.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # gone, or not ours to look at
+        for fd in fds:
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+                return True
+    return False
+
+
 def torch_build_dir(build_dir: Path) -> Path:
-    """The folder torch builds in, chosen under our lock: ``build_dir`` itself, or, if a killed build left
-    torch's lock file there (torch would wait on it forever), the first ``retry-<n>`` sub-folder without
-    one. torch's file is left where it is; the warning says how to reclaim the folder."""
+    """The folder torch builds in, chosen under our lock: ``build_dir`` itself, after clearing a torch lock
+    file that a killed build left there. Only our lock's holder builds in our folder, so, holding it, a
+    torch lock file that no process holds open is stale; one that is held (a build outside deepnvme's lock,
+    which torch would wait on) is left alone and the build moves to the first ``retry-<n>`` sub-folder
+    without such a lock, with a warning."""
     candidate, n = build_dir, 0
-    while (candidate / _TORCH_LOCK).exists():
+    while True:
+        lock = candidate / _TORCH_LOCK
+        if not lock.exists():
+            break
+        if not _held_open(lock):
+            lock.unlink(missing_ok=True)  # stale: its owner is dead (see above)
+            break
         n += 1
         candidate = build_dir / f"retry-{n}"
     if n:
-        warnings.warn(f"deepnvme: {build_dir / _TORCH_LOCK} was left by a build that did not finish; "
-                      f"building in {candidate} instead (delete that lock file, when no build runs, to "
-                      f"build in {build_dir} again)", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"deepnvme: {build_dir / _TORCH_LOCK} is held by a process building outside deepnvme's "
+                      f"lock; building in {candidate} instead", RuntimeWarning, stacklevel=4)
     candidate.mkdir(parents=True, exist_ok=True)
     return candidate
 
@@ -237,13 +345,11 @@ def _stale_library(build_dir: Path) -> tuple[Path, list[int] | None] | None:
     return None
 
 
-def build(builder: OpBuilder, build_dir: Path, verbose: bool) -> ModuleType:
-    """Build (or let ninja bring up to date) and import the op, then stamp it; RuntimeError with the
-    compiler's last lines and a fix when the build fails."""
-    key = builder.jit_key()  # before building: an edit made during the build must trigger the next one
-    srcs = [str(builder.src_path(s)) for s in builder.sources()]
-    incs = [str(builder.src_path(p)) for p in builder.include_paths()]
-    cflags, ldflags = builder.cxx_args(), builder.extra_ldflags()
+def build(spec: BuildSpec, build_dir: Path, verbose: bool, why: str = "") -> ModuleType:
+    """Build (or let ninja bring up to date) and import the op, then stamp it (``why``: the reason the load
+    was not warm, kept in the stamp); RuntimeError with the compiler's last lines and a fix when the build
+    fails."""
+    parts = key_parts(spec)  # before building: an edit made during the build must trigger the next one
     build_dir.mkdir(parents=True, exist_ok=True)
     foreign = _stale_library(build_dir)
     # A stale stamp must not send another process to the fast path while this one relinks.
@@ -257,24 +363,26 @@ def build(builder: OpBuilder, build_dir: Path, verbose: bool) -> ModuleType:
         try:
             with sanitize.compiler_environment():
                 module = cpp_extension.load(
-                    name=builder.jit_module_name(), sources=srcs, extra_cflags=cflags, extra_ldflags=ldflags,
-                    extra_cuda_cflags=builder.nvcc_args() if builder.with_cuda() else None,
-                    extra_include_paths=incs, build_directory=str(where), verbose=verbose,
-                    with_cuda=True if builder.with_cuda() else None)
+                    name=spec.module_name, sources=list(spec.sources), extra_cflags=list(spec.cxx_flags),
+                    extra_ldflags=list(spec.ld_flags),
+                    extra_cuda_cflags=list(spec.nvcc_flags) if spec.with_cuda else None,
+                    extra_include_paths=list(spec.include_dirs), build_directory=str(where), verbose=verbose,
+                    with_cuda=True if spec.with_cuda else None)
         except Exception as exc:  # torch raises RuntimeError (build) or ImportError (load) with the log
             log = str(exc)
             if getattr(exc, "output", None):
                 log += "\n" + (exc.output.decode(errors="replace") if isinstance(exc.output, bytes)
                                else str(exc.output))
             raise RuntimeError(
-                f"Building op '{builder.name}' failed.\nreason (compiler's last lines):\n"
+                f"Building op '{spec.name}' failed.\nreason (compiler's last lines):\n"
                 f"{diagnose.tail(log)}\nfix: {diagnose.build_fix(log)}\nbuild folder: {where}") from exc
         # Still under the lock: no other process may relink between our link and the identity we record.
         library = Path(getattr(module, "__file__", "") or "")
         _write_stamp(build_dir, {
-            "key": key, "fingerprint": builder.probe_fingerprint(),
-            "probes": saved_probes(builder.probe_outcomes()),
+            "key": _digest(parts), "key_parts": parts, "fingerprint": spec.fingerprint,
+            "probes": saved_probes(spec.probes), "built_because": why,
             "module": module.__name__, "library": os.path.relpath(library, build_dir),
             "library_id": _file_identity(library),
-            "flags": {"sources": srcs, "cxx": cflags, "ld": ldflags, "include": incs}})
+            "flags": {"sources": list(spec.sources), "cxx": list(spec.cxx_flags), "ld": list(spec.ld_flags),
+                      "include": list(spec.include_dirs)}})
     return module

@@ -22,6 +22,10 @@ struct IoOp {
     int fixed_index;  // index of a buffer registered with register_buffers(), or -1
 };
 
+// Longest single engine operation. io_uring takes a 32-bit length and the kernel moves at most ~2 GiB per
+// read/write call, so a larger block is issued in pieces of this size (a multiple of any device alignment).
+constexpr size_t kMaxOpBytes = size_t(1) << 30;
+
 // A finished transfer: res = bytes moved (possibly short) or -errno.
 struct IoDone {
     uint64_t tag;

@@ -1,7 +1,14 @@
 // fault engine, for tests: runs plain pread/pwrite like the posix engine but injects the failures a disk
 // cannot produce on demand (EIO, short transfers, partial or refused submits), by rules from $DEEPNVME_FAULT.
 // Rules (comma-separated): eio@N, enospc@N, short@N, zero@N, unaligned_short@N, eagain_submit@N,
-// partial_submit. N counts block operations (or submit calls) from 1, across all engines of one handle.
+// partial_submit, hold@N (several allowed). N counts block operations (or submit calls) from 1, across all
+// engines of one handle.
+//
+// hold@N lets a test decide when a transfer may finish, instead of racing a timer against it.
+// $DEEPNVME_FAULT_GATE names a directory: operation N creates the file held.N there (so the test knows it is
+// held), then blocks its worker until the test creates go.N; after that it runs as any other operation (other
+// rules for N apply). A gate never opened fails the operation with ETIMEDOUT after kHoldLimit, and one that
+// cannot be announced with the error of creating held.N, so that a broken test fails instead of hanging.
 //
 // unaligned_short@N reaches the handle's buffered path for the remainder of a short O_DIRECT transfer, which
 // real disks take only rarely (a file shrinking under a read) and short@N cannot: half of an O_DIRECT block
@@ -9,12 +16,18 @@
 // request), then reports an odd byte count, never a multiple of any device's alignment, and leaves poison
 // where the unreported bytes belong (in the buffer after a read, in the file after a write): only a
 // remainder transfer to the right place puts the right bytes back.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine.h"
@@ -27,6 +40,8 @@ namespace {
 struct FaultRules final : EngineShared {
     long eio_at = 0, enospc_at = 0, short_at = 0, zero_at = 0, unaligned_short_at = 0, eagain_submit_at = 0;
     bool partial_submit = false;
+    std::vector<long> hold_at;
+    std::string gate;  // $DEEPNVME_FAULT_GATE, the directory of hold@N's files
     std::atomic<long> ops{0};
     std::atomic<long> submits{0};
 };
@@ -62,7 +77,15 @@ std::shared_ptr<FaultRules> parse_rules(const char* text) {
         else if (name == "zero") rules->zero_at = n;
         else if (name == "unaligned_short") rules->unaligned_short_at = n;
         else if (name == "eagain_submit") rules->eagain_submit_at = n;
+        else if (name == "hold") rules->hold_at.push_back(n);
         else throw ArgError("DEEPNVME_FAULT: unknown rule '" + name + "'");
+    }
+    if (!rules->hold_at.empty()) {
+        const char* gate = std::getenv("DEEPNVME_FAULT_GATE");
+        if (gate == nullptr || *gate == '\0')
+            throw ArgError("DEEPNVME_FAULT: rule hold@N needs $DEEPNVME_FAULT_GATE, the directory where the "
+                           "test releases held operations");
+        rules->gate = gate;
     }
     return rules;
 }
@@ -86,6 +109,10 @@ public:
 private:
     int64_t run(const IoOp& op) {
         long k = ++rules_->ops;
+        if (std::find(rules_->hold_at.begin(), rules_->hold_at.end(), k) != rules_->hold_at.end()) {
+            int err = hold(k);
+            if (err != 0) return -err;
+        }
         if (k == rules_->eio_at) return -EIO;
         if (k == rules_->enospc_at) return -ENOSPC;
         if (k == rules_->zero_at) return 0;
@@ -96,6 +123,24 @@ private:
         }
         if (k == rules_->unaligned_short_at && op.len > 2) return unaligned_short(op);
         return transfer_once(op);
+    }
+
+    static constexpr std::chrono::seconds kHoldLimit{60};
+
+    // Announces operation k as held, then waits for its gate: 0 once open, else an errno.
+    int hold(long k) const {
+        const std::string held = rules_->gate + "/held." + std::to_string(k);
+        const std::string go = rules_->gate + "/go." + std::to_string(k);
+        int fd = ::open(held.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+        if (fd < 0) return errno;
+        ::close(fd);
+        // Polled: a test opens the gate by creating a file, from any thread or process, with no handle to share.
+        const auto give_up = std::chrono::steady_clock::now() + kHoldLimit;
+        while (::access(go.c_str(), F_OK) != 0) {
+            if (std::chrono::steady_clock::now() > give_up) return ETIMEDOUT;
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        return 0;
     }
 
     static constexpr unsigned char kPoison = 0xA5;

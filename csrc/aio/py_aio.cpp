@@ -9,6 +9,7 @@
 #include "aligned_tensor.h"
 #include "engine.h"
 #include "handle.h"
+#include "staging.h"
 #include "bind_handle.h"
 #include "tensor_glue.h"
 
@@ -78,6 +79,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("dest"), py::arg("src"));
     m.def("empty_at_residue", &empty_at_residue, py::arg("nbytes"), py::arg("residue"),
           "A uint8 CPU tensor whose memory starts `residue` bytes past a page boundary (deepnvme.load).");
+    m.def("staging_pool_stats", [] {
+        StagingArena::Stats s = StagingArena::shared().stats();
+        py::dict d;
+        d["buffers"] = s.buffers;
+        d["free"] = s.free;
+        d["buffer_bytes"] = s.buffer_bytes;
+        d["allocated"] = s.allocated;
+        return d;
+    }, "The process-wide staging pool's bookkeeping (read-only): buffers, free, buffer_bytes, allocated. Every "
+       "buffer is free whenever no staged transfer is in flight.");
     m.def("available_engines", &available_engines, "Engines usable here, in the order 'auto' tries them.");
     m.def("engine_status", [] {
         py::dict d;

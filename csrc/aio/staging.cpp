@@ -104,6 +104,12 @@ void StagingArena::wait_release(uint64_t epoch, std::chrono::milliseconds timeou
     released_.wait_for(lock, timeout, [&] { return releases_ != epoch; });
 }
 
+StagingArena::Stats StagingArena::stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    const bool allocated = base_ != nullptr;
+    return Stats{count_, allocated ? free_ : count_, buffer_bytes_, allocated};
+}
+
 std::vector<std::pair<void*, size_t>> StagingArena::regions() {
     std::lock_guard<std::mutex> lock(mu_);
     allocate_locked();

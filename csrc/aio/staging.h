@@ -32,6 +32,13 @@ public:
     // Blocks until a release after `epoch` (from a failed acquire), or until `timeout`.
     void wait_release(uint64_t epoch, std::chrono::milliseconds timeout);
     char* data(int index) const { return base_ + static_cast<size_t>(index) * buffer_bytes_; }
+    // A snapshot of the bookkeeping, for tests and diagnostics: every buffer is free again once no transfer
+    // is in flight (before the first staged transfer, nothing is allocated and all count as free).
+    struct Stats {
+        size_t buffers = 0, free = 0, buffer_bytes = 0;
+        bool allocated = false;
+    };
+    Stats stats();
     size_t buffer_bytes() const { return buffer_bytes_; }
     size_t count() const { return count_; }
     // The pool as the regions to register with an io_uring ring, each at most kMaxRegion bytes and a whole

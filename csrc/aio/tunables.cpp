@@ -10,12 +10,9 @@
 #endif
 
 namespace dnv {
-namespace {
 
-// Same rule as op_builder/tunables.py parse(): ASCII digits, optional K/M/G (1024-based), surrounding spaces
-// or tabs, and a value within [minimum, maximum].
-size_t read_env(const char* env, size_t fallback, size_t multiple, size_t minimum, size_t maximum) {
-    const char* raw = std::getenv(env);
+size_t parse_tunable(const char* env, const char* raw, size_t fallback, size_t multiple, size_t minimum,
+                     size_t maximum) {
     std::string text = raw != nullptr ? raw : "";
     size_t a = text.find_first_not_of(" \t");
     if (a == std::string::npos) return fallback;
@@ -44,10 +41,10 @@ size_t read_env(const char* env, size_t fallback, size_t multiple, size_t minimu
     return v;
 }
 
-Tunables read_all() {
+Tunables read_tunables(const std::function<const char*(const char*)>& lookup) {
     Tunables t{};
 #define DNV_TUNABLE_READ(field, env, def, multiple, minimum, maximum) \
-    t.field = read_env(env, def, multiple, minimum, maximum);
+    t.field = parse_tunable(env, lookup(env), def, multiple, minimum, maximum);
     DNV_TUNABLE_LIST(DNV_TUNABLE_READ)
 #undef DNV_TUNABLE_READ
     // Each factor is bounded (<= 1 GiB, <= 65536), so the product cannot wrap.
@@ -58,10 +55,8 @@ Tunables read_all() {
     return t;
 }
 
-}  // namespace
-
 const Tunables& tunables() {
-    static const Tunables values = read_all();  // a throw leaves it unset: the next call reads again
+    static const Tunables values = read_tunables([](const char* env) { return std::getenv(env); });  // a throw leaves it unset: the next call reads again
     return values;
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 
 namespace dnv {
 
@@ -34,5 +35,14 @@ struct Tunables {
 // The values of this process: each $DEEPNVME_* over its default. Read on the first call; a malformed
 // variable throws ArgError naming it (and the next call tries again).
 const Tunables& tunables();
+
+// The parser behind tunables(), pure so that it can be tested without a process's environment:
+// `text` as $`env` holds it (null, empty or blank: `fallback`), the same rule as op_builder/tunables.py
+// parse(): ASCII digits, optional K/M/G (1024-based), surrounding spaces or tabs, a value within [minimum,
+// maximum] and a multiple of `multiple`. Throws ArgError naming `env` and the text.
+size_t parse_tunable(const char* env, const char* text, size_t fallback, size_t multiple, size_t minimum,
+                     size_t maximum);
+// Every tunable as `lookup(variable name)` gives it (getenv, or a test's table), with the pool's bound.
+Tunables read_tunables(const std::function<const char*(const char*)>& lookup);
 
 }  // namespace dnv

@@ -18,6 +18,7 @@
 #include "file.h"
 #include "handle.h"
 #include "pipeline.h"
+#include "verify.h"
 
 namespace dnv::gds {
 

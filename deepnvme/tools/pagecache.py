@@ -1,15 +1,19 @@
-"""Keep reads honest without root: probe O_DIRECT and evict a file's pages with fdatasync + fadvise."""
+"""Keep reads honest without root: probe O_DIRECT, evict a file's pages with fdatasync + fadvise, and count
+the pages of a file the page cache still holds (mincore), to check that an eviction or O_DIRECT worked."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import tempfile
 
 from deepnvme._core.direct import o_direct_refused
+from deepnvme._core.memory import PAGE, round_up
 from deepnvme.files import fsync_path, mount_of
 
-__all__ = ["CACHED", "DESCRIPTIONS", "FADVISE", "O_DIRECT", "drop_file_cache", "fsync_path", "o_direct_works",
-           "read_mode"]
+__all__ = ["CACHED", "DESCRIPTIONS", "FADVISE", "O_DIRECT", "cached_pages", "drop_all_caches",
+           "drop_file_cache", "fsync_path", "o_direct_works", "read_mode"]
 
 # What a read figure measured, as the tools print it.
 O_DIRECT = "O_DIRECT"
@@ -75,3 +79,47 @@ def read_mode(directory: str, dropped: bool = True) -> str:
 def _memory_backed(directory: str) -> bool:
     """True for tmpfs/ramfs, whose pages fadvise cannot evict."""
     return mount_of(directory)[1] in ("tmpfs", "ramfs")
+
+
+def drop_all_caches() -> bool:
+    """Write dirty data back and drop the whole page cache (/proc/sys/vm/drop_caches): needs root; True when
+    the kernel took it. Clean pages only, so nothing is lost; other programs' files are read again later."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+
+def cached_pages(path: str | os.PathLike[str]) -> int:
+    """How many pages of the file at `path` the page cache holds now (mincore over a mapping of it; mapping
+    a file reads nothing in). An OSError carries the path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap failed: {os.strerror(err)}", os.fspath(path))
+        try:
+            vec = ctypes.create_string_buffer(round_up(size) // PAGE)
+            if _libc.mincore(addr, size, vec) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mincore failed: {os.strerror(err)}", os.fspath(path))
+            return sum(b & 1 for b in vec.raw)
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)

@@ -6,7 +6,6 @@ import errno
 import mmap
 import os
 import subprocess
-import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from thread_helpers import wait_until
 
 MiB = 1 << 20
 
@@ -499,13 +499,17 @@ def test_validate_mismatch_raises(handle, workdir: Path, capfd: pytest.CaptureFi
     path.write_bytes(data)
     buf = handle.new_cpu_locked_tensor(8192, torch.empty(0, dtype=torch.uint8))
     buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    # Change the file (read) or the buffer (write) once the transfer has landed, before wait() validates it:
+    # waiting for the bytes to arrive, not for a time that a busy machine may overrun.
     if kind == "read":
+        buf.zero_()
         assert handle.pread(buf, str(path), True, True, 0) == 0
-        time.sleep(0.5)  # the 8 KiB read is long done; change the file before wait() validates it
+        wait_until(lambda: tbytes(buf) == data, "the read's bytes in the buffer")
         path.write_bytes(os.urandom(8192))
     else:
+        path.write_bytes(b"")
         assert handle.pwrite(buf, str(path), True, True, 0) == 0
-        time.sleep(0.5)  # the 8 KiB write is long done; change the buffer before wait() validates it
+        wait_until(lambda: path.read_bytes() == data, "the write's bytes in the file")
         buf[100] ^= 0xFF
     with pytest.raises(RuntimeError):
         handle.wait()

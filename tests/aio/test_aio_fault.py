@@ -10,6 +10,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from thread_helpers import wait_until
 
 BLOCK = 4096
 U8 = torch.empty(0, dtype=torch.uint8)
@@ -229,12 +230,37 @@ def test_sync_call_leaves_earlier_async_failure_to_wait(fault, workdir: Path) ->
     check_usable(h, workdir)
 
 
-@pytest.mark.parametrize("rules", ["bogus", "eio@", "eio@0", "eio@x", "short@-1"])
+@pytest.mark.parametrize("rules", ["bogus", "eio@", "eio@0", "eio@x", "short@-1", "hold@1"])
 def test_bad_rules_rejected(aio_module: ModuleType, monkeypatch: pytest.MonkeyPatch, rules: str) -> None:
-    """Malformed DEEPNVME_FAULT rules are refused at construction rather than silently ignored."""
+    """Malformed DEEPNVME_FAULT rules (and hold@N without $DEEPNVME_FAULT_GATE) are refused at construction
+    rather than silently ignored."""
+    monkeypatch.delenv("DEEPNVME_FAULT_GATE", raising=False)
     monkeypatch.setenv("DEEPNVME_FAULT", rules)
     with pytest.raises((ValueError, RuntimeError)):
         aio_module.aio_handle(engine="fault")
+
+
+def test_hold_until_the_gate_opens(fault, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hold@N announces block N (held.N in the gate directory) and finishes it, other rules included, once
+    the test creates go.N; a gate that cannot announce the block fails it with the errno, never hangs."""
+    gate = workdir / "gate"
+    gate.mkdir()
+    monkeypatch.setenv("DEEPNVME_FAULT_GATE", str(gate))
+    h = fault("hold@2,eio@3", qd=1)
+    src, data = aligned(h, 3)
+    assert h.async_pwrite(src, str(workdir / "f")) == 0
+    wait_until(lambda: (gate / "held.2").exists(), "block 2 held")
+    assert not (gate / "held.3").exists()  # qd=1: block 3 waits behind the held one
+    (gate / "go.2").touch()
+    with pytest.raises(OSError) as exc:
+        h.wait()
+    assert exc.value.errno == errno.EIO
+    monkeypatch.setenv("DEEPNVME_FAULT_GATE", str(workdir / "missing"))
+    h = fault("hold@1")
+    with pytest.raises(OSError) as exc:
+        bounded(lambda: h.sync_pwrite(src, str(workdir / "g")), timeout=30)
+    assert exc.value.errno == errno.ENOENT
+    check_usable(h, workdir)
 
 
 @pytest.mark.parametrize("rule", ["eio@5", "enospc@9", "zero@2"])

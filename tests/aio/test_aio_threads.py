@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 import torch
 from builder_helpers import REPO_ROOT
-from thread_helpers import run_threads
+from thread_helpers import run_threads, wait_until
 
 MiB = 1 << 20
 U8 = torch.empty(0, dtype=torch.uint8)
@@ -50,52 +50,56 @@ def vm_lck_kb() -> int:
 # ----------------------------------------------------------------------------- GIL
 
 @pytest.mark.parametrize("op", ["sync_pread", "sync_pwrite", "pread", "pwrite", "read", "write", "wait"])
-def test_blocking_call_releases_gil(aio_module: ModuleType, engine: str, workdir: Path, op: str) -> None:
-    """With a 60 s switch interval, a peer thread still runs during a blocking call: the GIL is released."""
+def test_blocking_call_releases_gil(aio_module: ModuleType, workdir: Path, op: str,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a 60 s switch interval, a peer thread still runs during a blocking call: the GIL is released.
+    Decided by events, not by a race with the transfer: the fault engine holds the call's first block until
+    the peer, which needs the GIL, sees it held and opens its gate. A call that kept the GIL would wait for
+    the gate until the hold gives up (ETIMEDOUT) and fail. (Releasing the GIL is the binding's, the same for
+    every engine.)"""
     size = 8 * MiB
-    h = aio_module.aio_handle(MiB, 8, False, True, 2, engine=engine)
+    gate = workdir / "gate"
+    gate.mkdir()
+    monkeypatch.setenv("DEEPNVME_FAULT", "hold@1")
+    monkeypatch.setenv("DEEPNVME_FAULT_GATE", str(gate))
+    h = aio_module.aio_handle(MiB, 8, False, True, 2, engine="fault")
     buf = h.new_cpu_locked_tensor(size, U8)
-    path = str(workdir / "gil")
+    path = workdir / "gil"
     payload, data = random_tensor(size)
     buf.copy_(payload)
-    assert h.sync_pwrite(buf, path) == 1
+    path.write_bytes(data)
     calls: dict[str, Callable[[], object]] = {
-        "sync_pread": lambda: h.sync_pread(buf, path),
-        "sync_pwrite": lambda: h.sync_pwrite(buf, path),
-        "pread": lambda: h.pread(buf, path, False, False),
-        "pwrite": lambda: h.pwrite(buf, path, False, False),
-        "read": lambda: h.read(buf, path, False),
-        "write": lambda: h.write(buf, path, False),
+        "sync_pread": lambda: h.sync_pread(buf, str(path)),
+        "sync_pwrite": lambda: h.sync_pwrite(buf, str(path)),
+        "pread": lambda: h.pread(buf, str(path), False, False),
+        "pwrite": lambda: h.pwrite(buf, str(path), False, False),
+        "read": lambda: h.read(buf, str(path), False),
+        "write": lambda: h.write(buf, str(path), False),
         "wait": h.wait,
     }
     expected = 0 if op in ("read", "write") else 1
-    ran_during = False
+    ran = threading.Event()
+
+    def peer() -> None:
+        # Only once the block is held (the call is under way) may it finish: a peer that ran before the
+        # call, as it may while being started, would prove nothing.
+        wait_until(lambda: (gate / "held.1").exists(), "the call's first block held")
+        ran.set()
+        (gate / "go.1").touch()
+
     old = sys.getswitchinterval()
-    for _ in range(32):
-        gate = threading.Lock()
-        gate.acquire()
-        ran = threading.Event()
-
-        def peer(gate: threading.Lock = gate, ran: threading.Event = ran) -> None:
-            with gate:
-                ran.set()
-
+    sys.setswitchinterval(60)
+    try:
         t = threading.Thread(target=peer, daemon=True)
         t.start()
         if op == "wait":
-            assert h.async_pread(buf, path) == 0
-        sys.setswitchinterval(60)
-        try:
-            gate.release()
-            assert calls[op]() == expected
-            ran_during = ran.is_set()
-        finally:
-            sys.setswitchinterval(old)
-        t.join(10)
-        if ran_during:
-            break
-    assert ran_during, f"{op} never let another thread run: the GIL is held"
-    assert h.sync_pread(buf, path) == 1
+            assert h.async_pread(buf, str(path)) == 0
+        assert calls[op]() == expected
+    finally:
+        sys.setswitchinterval(old)
+    t.join(60)
+    assert ran.is_set()
+    assert h.sync_pread(buf, str(path)) == 1
     assert tbytes(buf) == data
 
 

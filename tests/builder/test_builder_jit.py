@@ -8,15 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from builder_helpers import REPO_ROOT, run_python, set_value, write_entry_point, write_plugin
+from builder_helpers import REPO_ROOT, run_python, set_value, tiny_build_dir, write_entry_point, write_plugin
 
 pytest.importorskip("torch")
 
 LOAD_TINY = """
 import op_builder, tinyplug
 op_builder.register(tinyplug.TinyBuilder)
-mod = op_builder.ALL_OPS["{name}"].load()
-result = {{"value": mod.value(), "name": mod.__name__, "file": mod.__file__}}
+b = op_builder.ALL_OPS["{name}"]
+mod = b.load()
+result = {{"value": mod.value(), "name": mod.__name__, "file": mod.__file__, "warm_miss": b.warm_miss}}
 """
 
 
@@ -41,10 +42,15 @@ def test_build_then_warm_load_then_rebuild_on_change(tmp_path):
     assert warm["cpp_extension"] is False
     assert so.stat().st_mtime_ns == mtime
 
+    assert warm["result"]["warm_miss"] is None
+
     set_value(tmp_path, 2)  # a header-only change must be seen
     changed = run_python(code, paths=[tmp_path], env=env)
     assert changed["result"]["value"] == 2
     assert any("ninja" in c for c in changed["calls"])
+    # The miss names what changed, and only that.
+    header = tmp_path / "tinyplug" / "csrc" / "tiny.h"
+    assert changed["result"]["warm_miss"] == f"the build's inputs changed: file {header.resolve()}"
 
 
 def test_another_tools_build_of_the_same_op_name_is_never_loaded_or_clobbered(tmp_path):
@@ -57,7 +63,7 @@ def test_another_tools_build_of_the_same_op_name_is_never_loaded_or_clobbered(tm
     (foreign / "tiny_shared.so").write_bytes(b"not ours")
     first = run_python(code, paths=[tmp_path], env=_env(ext))
     so = Path(first["result"]["file"])
-    assert first["result"]["value"] == 1 and so.parent == ext / "deepnvme_tiny_shared"
+    assert first["result"]["value"] == 1 and so.parent == tiny_build_dir(ext, tmp_path, "tiny_shared")
     assert first["result"]["name"] == "deepnvme_tiny_shared"
     assert (foreign / "tiny_shared.so").read_bytes() == b"not ours"
 
@@ -120,25 +126,52 @@ def test_two_processes_loading_at_once_build_once(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
         assert '"value": 1' in out
-    log = (ext / "deepnvme_tiny_race" / ".ninja_log").read_text()
+    log = (tiny_build_dir(ext, tmp_path, "tiny_race") / ".ninja_log").read_text()
     # Each compile step ran once: one process built, the other waited on torch's lock and reused it.
     outputs = [line.split("\t")[3] for line in log.splitlines() if not line.startswith("#")]
     assert outputs.count("tiny.o") == 1 and outputs.count("deepnvme_tiny_race.so") == 1
 
 
-def test_stale_lock_of_a_killed_build_does_not_hang(tmp_path):
-    """A lock file left by a killed build (torch would wait on it forever) is built past, not deleted: the
-    build moves to a retry folder, and a fresh process loads it warm from there."""
+def test_stale_torch_lock_is_cleared_and_the_build_stays_in_its_folder(tmp_path):
+    """A torch lock file nobody holds open (its owner died; torch would wait on it forever) is cleared under
+    deepnvme's lock: the build runs in the normal folder, without a warning, and the next load is warm."""
     write_plugin(tmp_path, name="tiny_stale")
     ext = tmp_path / "ext"
-    (ext / "deepnvme_tiny_stale").mkdir(parents=True)
-    (ext / "deepnvme_tiny_stale" / "lock").write_text("")
+    folder = tiny_build_dir(ext, tmp_path, "tiny_stale")
+    folder.mkdir(parents=True)
+    (folder / "lock").write_text("")
     out = run_python(LOAD_TINY.format(name="tiny_stale"), paths=[tmp_path], env=_env(ext))
     assert out["result"]["value"] == 1
-    assert (ext / "deepnvme_tiny_stale" / "lock").exists()  # torch's file is never ours to remove
-    assert Path(out["result"]["file"]).parent == ext / "deepnvme_tiny_stale" / "retry-1"
+    assert Path(out["result"]["file"]).parent == folder
+    assert not (folder / "lock").exists()
+    assert "RuntimeWarning" not in out["stderr"], out["stderr"]
     warm = run_python(LOAD_TINY.format(name="tiny_stale"), paths=[tmp_path], env=_env(ext))
     assert warm["result"]["value"] == 1 and warm["calls"] == []
+
+
+def test_a_live_torch_lock_is_never_cleared(tmp_path):
+    """A torch lock file that a live process holds open (a build outside deepnvme's lock) is left alone: the
+    build moves to a retry folder and says so, and a fresh process loads it warm from there."""
+    write_plugin(tmp_path, name="tiny_live")
+    ext = tmp_path / "ext"
+    lock = tiny_build_dir(ext, tmp_path, "tiny_live") / "lock"
+    lock.parent.mkdir(parents=True)
+    # The holder opens the file the way torch's FileBaton does, keeps it open, and says when it has it.
+    hold = "import os, sys; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('held', flush=True); " \
+           "sys.stdin.read()"
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(lock)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        out = run_python(LOAD_TINY.format(name="tiny_live"), paths=[tmp_path], env=_env(ext))
+        assert out["result"]["value"] == 1
+        assert lock.exists()
+        assert Path(out["result"]["file"]).parent == lock.parent / "retry-1"
+        assert "is held by a process building outside deepnvme's lock" in out["stderr"]
+        warm = run_python(LOAD_TINY.format(name="tiny_live"), paths=[tmp_path], env=_env(ext))
+        assert warm["result"]["value"] == 1 and warm["calls"] == []
+    finally:
+        holder.communicate(timeout=60)
 
 
 def test_build_root_without_torch_extensions_dir_is_ours_in_the_user_cache(monkeypatch, tmp_path):
@@ -198,16 +231,16 @@ def aio_ext_dir(request) -> Path:
     if not ASYNC_IO.exists():
         pytest.skip("csrc/aio is not written yet")
     module = request.getfixturevalue("aio_module")
-    from op_builder.builder import extensions_root
+    from op_builder import AsyncIOBuilder
 
     if module.__name__ != "deepnvme_async_io":
         pytest.skip(f"async_io came from a prebuilt module ({module.__name__}), not a JIT build")
-    return extensions_root()
+    return AsyncIOBuilder().jit_build_dir()
 
 
 @pytest.mark.slow
 def test_async_io_jit_build_and_fast_warm_load(aio_ext_dir):
-    ninja_file = (aio_ext_dir / "deepnvme_async_io" / "build.ninja").read_text()
+    ninja_file = (aio_ext_dir / "build.ninja").read_text()
     assert "-O3" in ninja_file and "-O0" not in ninja_file
     out = run_python("""
         import time
@@ -215,11 +248,15 @@ def test_async_io_jit_build_and_fast_warm_load(aio_ext_dir):
         import torch
         t1 = time.perf_counter()
         from op_builder import AsyncIOBuilder
-        m = AsyncIOBuilder().load()
+        b = AsyncIOBuilder()
+        m = b.load()
         t2 = time.perf_counter()
-        result = {"beyond_torch": t2 - t1, "name": m.__name__}
+        result = {"beyond_torch": t2 - t1, "name": m.__name__, "warm_miss": b.warm_miss}
     """)
-    assert out["calls"] == [] and out["cpp_extension"] is False
+    # What made it probe or build, when it did: the cache's own account of what changed since the stamp.
+    assert out["result"]["warm_miss"] is None, f"not warm: {out['result']['warm_miss']}; ran {out['calls']}"
+    assert out["calls"] == [], f"the warm path ran {out['calls']}"
+    assert out["cpp_extension"] is False
     assert out["result"]["name"] == "deepnvme_async_io"
     # The target is 0.3 s; allow slack for a loaded CI machine (bench/build_bench.py measures it properly).
     assert out["result"]["beyond_torch"] < 1.0

@@ -50,7 +50,8 @@ def test_sanitized_build_has_its_own_name_flags_and_key(monkeypatch: pytest.Monk
         b = builder_cls()
         b.jit_mode = True  # the flags are a JIT build's (see test_a_prebuild_is_never_sanitized)
         assert b.jit_module_name() == plain_name + tag
-        assert b.jit_build_dir() == plain_dir.with_name(plain_dir.name + tag)
+        # the same source tree's folder, under the sanitized module's name
+        assert b.jit_build_dir() == plain_dir.with_name(plain_dir.name.replace(plain_name, plain_name + tag))
         assert b.jit_key() != plain_key
         assert f"-fsanitize={text}" in b.cxx_args() and f"-fsanitize={text}" in b.extra_ldflags()
         assert b.cxx_args().index("-O1") > b.cxx_args().index("-O3")  # the later -O wins

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHILD = r"""
 import sys, torch, deepnvme
 sys.path.insert(0, {repo!r})
-from tests.test_serialization_atomic import checkpoint
+from tests.checkpoint.test_serialization_atomic import checkpoint
 path = sys.argv[1]
 i = 0
 while True:

@@ -119,8 +119,6 @@ BEING_REMOVED = [
     # serialization.py loads the op through the package face (`from deepnvme import AsyncIOBuilder`); it is
     # re-pointed to deepnvme._core.op with the rest of its core imports.
     ["deepnvme", "deepnvme.serialization"],
-    # the JIT cache calls back into the builder; it becomes a plain build description.
-    ["op_builder.builder", "op_builder.jit_cache"],
 ]
 
 

@@ -64,6 +64,13 @@ def set_value(root: Path, value: int, pkg: str = "tinyplug") -> None:
     (root / pkg / "csrc" / "tiny.h").write_text(f"#pragma once\n#define TINY_VALUE {value}\n")
 
 
+def tiny_build_dir(ext: Path, root: Path, name: str, pkg: str = "tinyplug") -> Path:
+    """Where a plugin op written by :func:`write_plugin` under ``root`` is JIT-built in ``ext``."""
+    from op_builder.jit_cache import build_folder
+
+    return build_folder(ext, f"deepnvme_{name}", root / pkg)
+
+
 def write_entry_point(root: Path, dist: str, group: str, name: str, value: str) -> None:
     """A minimal installed distribution (``*.dist-info``) on ``root`` that exposes one entry point."""
     info = root / f"{dist}-1.0.dist-info"
