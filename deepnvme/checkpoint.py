@@ -673,7 +673,14 @@ class AioStorageReader(FileSystemReader):
                 info = self.storage_data[req.storage_index]
                 if req.type == LoadItemType.BYTE_IO:
                     data = os.pread(meta_fd, info.length, info.offset)
-                    planner.load_bytes(req, io.BytesIO(data))
+                    try:  # the planner unpickles the item (torch.load): its errors are the file's
+                        planner.load_bytes(req, io.BytesIO(data))
+                    except (OSError, MemoryError):
+                        raise
+                    except Exception as exc:
+                        raise CheckpointFormatError(path, f"item {req.storage_index.fqn!r} at offset "
+                                                    f"{info.offset} does not load ({type(exc).__name__}: "
+                                                    f"{exc})") from exc
                     continue
                 job, temp = self._queue_tensor(handle, path, meta_fd, data_fd, info, req, planner,
                                                edges.pop(i))
