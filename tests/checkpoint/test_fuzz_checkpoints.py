@@ -120,23 +120,26 @@ def worker(bases: dict[str, Any]) -> Iterator[Worker]:
 
 
 def _fields(data: bytes) -> list[tuple[int, int]]:
-    """(offset, width) of the zip header fields of an archive: local headers, central entries, end records."""
+    """(offset, width) of the zip header fields of every archive in `data` (a .distcp file holds one per
+    item, back to back): local headers, central entries, end records."""
     out: list[tuple[int, int]] = []
     local = [(4, 2), (6, 2), (8, 2), (14, 4), (18, 4), (22, 4), (26, 2), (28, 2)]
     central = [(8, 2), (10, 2), (16, 4), (20, 4), (24, 4), (28, 2), (30, 2), (32, 2), (42, 4)]
-    try:
-        entries = zipcraft.entries(data)
-    except Exception:  # noqa: BLE001 - a base that zipfile cannot read still gets flips and cuts
-        return out
-    for e in entries:
-        out += [(e.header_offset + o, w) for o, w in local] + [(e.at + o, w) for o, w in central]
-    end = data.rfind(zipcraft.END)
-    if end >= 0:
+    end = data.find(zipcraft.END)
+    while end >= 0:
+        archive = data[:end + 22]  # zipfile places an archive found after other bytes by its end record
+        try:
+            entries = zipcraft.entries(archive)
+        except Exception:  # noqa: BLE001 - an end record zipfile cannot follow still gets flips and cuts
+            entries = []
+        for e in entries:
+            out += [(e.header_offset + o, w) for o, w in local] + [(e.at + o, w) for o, w in central]
         out += [(end + o, w) for o, w in [(8, 2), (10, 2), (12, 4), (16, 4)]]
-    end64 = data.rfind(zipcraft.END64)
-    if end64 >= 0:
-        out += [(end64 + o, 8) for o in (24, 32, 40, 48)]
-    return [(o, w) for o, w in out if o + w <= len(data)]
+        end64 = archive.rfind(zipcraft.END64)
+        if end64 >= 0:
+            out += [(end64 + o, 8) for o in (24, 32, 40, 48)]
+        end = data.find(zipcraft.END, end + 4)
+    return [(o, w) for o, w in out if 0 <= o and o + w <= len(data)]
 
 
 @st.composite
@@ -173,9 +176,15 @@ def mutations(draw: st.DrawFn, data: bytes, others: list[bytes]) -> bytes:
     return bytes(out)
 
 
-def _judge(answer: dict[str, Any], path: Path) -> None:
+def _judge(answer: dict[str, Any], path: Path, stocks_verdict_stands: bool = False) -> None:
+    """Fail unless every deepnvme outcome in `answer` is an allowed one (see the module). With
+    `stocks_verdict_stands` (DCP), an error identical to stock's also passes: DCP's own planner checks the
+    metadata against the state dict (a mutated shape: "Size mismatch ...") before any reader is asked."""
     stock = answer["stock"]
     for ours in answer["ours"]:
+        if stocks_verdict_stands and "error" in ours and "error" in stock and \
+                (ours["error"], ours["text"]) == (stock["error"], stock["text"]):
+            continue
         if "ok" in ours:
             assert "ok" in stock, f"deepnvme loaded what stock refuses ({stock})"
             assert ours["ok"] == stock["ok"], "deepnvme loaded other objects than stock"
@@ -221,8 +230,7 @@ def test_mutated_dcp_checkpoints(bases: dict[str, Any], worker: Worker, base: st
         for name, content in files.items():
             edited = data.draw(mutations(content, others)) if name == which else content
             (directory / name).write_bytes(edited)
-        answer = worker.load("dcp", directory)
-        _judge(answer, directory)
+        _judge(worker.load("dcp", directory), directory, stocks_verdict_stands=True)
 
     case()
 
