@@ -55,8 +55,8 @@ from torch.futures import Future
 
 from deepnvme._core import zipformat
 from deepnvme._core.errors import CheckpointFormatError, with_path
-from deepnvme._core.files import atomic_target, commit, discard, open_regular, temporary_name
-from deepnvme.files import SeekableReader, fsync_directory
+from deepnvme._core.files import atomic_target, commit, discard, fsync_directory, open_regular, temporary_name
+from deepnvme.files import SeekableReader
 from deepnvme.io import DEFAULT_HANDLE_SETTINGS, default_handle
 
 __all__ = ["AioStorageReader", "AioStorageWriter"]

@@ -23,10 +23,9 @@ import stat
 from collections.abc import Iterator
 
 from deepnvme._core.errors import with_path
-from deepnvme.files import fsync_directory
 
-__all__ = ["TEMP_SUFFIX", "atomic_target", "commit", "discard", "open_regular", "remove_stale_temps",
-           "temporary_name", "write_atomically"]
+__all__ = ["TEMP_SUFFIX", "atomic_target", "commit", "discard", "fsync_directory", "open_regular",
+           "remove_stale_temps", "temporary_name", "write_atomically"]
 
 TEMP_SUFFIX = ".deepnvme-tmp"
 _HOST = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname()) or "host"
@@ -92,6 +91,19 @@ def write_atomically(path: str, data: bytes, *, durable: bool = True, mode: int 
                 os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def fsync_directory(directory: str) -> None:
+    """Make a rename in ``directory`` durable. Some file systems refuse fsync on a directory (EINVAL,
+    ENOTSUP): there is nothing more to do there. Other errors carry the directory as their filename."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise type(exc)(exc.errno, exc.strerror, directory) from exc
+    finally:
+        os.close(fd)
 
 
 def remove_stale_temps(directory: str, name: str) -> None:
