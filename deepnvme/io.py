@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from deepnvme._core.errors import with_path as _with_path
+
 PAGE = mmap.PAGESIZE
 # Bytes per stripe in the parallel-writers mode; every writer of a file must use the same value.
 STRIPE_BYTES = 8 << 20
@@ -537,9 +539,3 @@ def _partition(total: int, ranks: int, rank: int) -> tuple[int, int]:
     share, extra = divmod(total, ranks)
     first = rank * share + min(rank, extra)
     return first, first + share + (1 if rank < extra else 0)
-
-
-def _with_path(exc: OSError, path: str) -> OSError:
-    """The same error (errno, subclass) naming `path`; the handle names descriptors, not paths."""
-    code = exc.errno if exc.errno is not None else errno.EIO
-    return OSError(code, f"{os.strerror(code)} (writing)", path)

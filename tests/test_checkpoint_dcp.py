@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -144,15 +146,27 @@ def _io_bytes(b: bytes) -> Any:
 
 
 def test_temporaries_of_a_killed_save_are_removed(tmp_path: Path) -> None:
+    """deepnvme's one atomic-replace recipe: a save removes the temporaries of its files that processes of
+    this host left and that are gone; one of a live process (another rank saving) stays."""
+    from deepnvme._core.files import _HOST, TEMP_SUFFIX
+
     directory = tmp_path / "c"
     directory.mkdir()
-    stale = [directory / ".__0_0.distcp.0badf00d.tmp", directory / ".metadata.0badf00d.tmp"]
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    stale = [directory / f".{name}.{_HOST}.{dead.stdout.strip()}.0badf00d{TEMP_SUFFIX}"
+             for name in ("__0_0.distcp", ".metadata")]
     for p in stale:
         p.write_bytes(b"half a file")
-    other_rank = directory / ".__1_0.distcp.0badf00d.tmp"
-    other_rank.write_bytes(b"not ours to remove")
-    dcp.save({"x": torch.ones(5)}, storage_writer=AioStorageWriter(directory))
-    assert not any(p.exists() for p in stale) and other_rank.exists()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        other_rank = directory / f".__0_0.distcp.{_HOST}.{live.pid}.0badf00d{TEMP_SUFFIX}"
+        other_rank.write_bytes(b"not ours to remove")
+        dcp.save({"x": torch.ones(5)}, storage_writer=AioStorageWriter(directory))
+        assert not any(p.exists() for p in stale) and other_rank.exists()
+    finally:
+        live.kill()
+        live.wait()
 
 
 def test_failed_save_keeps_previous_checkpoint(tmp_path: Path) -> None:

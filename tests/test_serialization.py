@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import deepnvme
+from deepnvme._core.zipformat import read_records as _records
 from deepnvme.io import (
     DIRECT_MIN_BYTES,
     PAGE,
@@ -29,7 +30,6 @@ from deepnvme.serialization import (
     CheckpointFormatError,
     _ArchiveReader,
     _page_aligned_storages,
-    _records,
     _SaveStream,
     _storages_of,
 )

@@ -20,6 +20,7 @@ import torch
 import deepnvme
 from deepnvme import crc as crc_module
 from deepnvme import serialization
+from deepnvme._core import zipformat
 from deepnvme.io import DIRECT_MIN_BYTES, PAGE
 
 BIG = DIRECT_MIN_BYTES + 12_345
@@ -134,8 +135,8 @@ def test_a_layout_other_than_torchs_is_read_exactly(tmp_path: Path, handle: Any,
     obj = {"w": torch.randn(BIG // 4), "s": torch.arange(9)}
     path = tmp_path / "a.pt"
     deepnvme.save(obj, path, handle=handle)
-    infer = serialization._inferred_offset
-    monkeypatch.setattr(serialization, "_inferred_offset",
+    infer = zipformat._inferred_offset
+    monkeypatch.setattr(zipformat, "_inferred_offset",
                         lambda m, following: None if (o := infer(m, following)) is None else o - 64)
     got = deepnvme.load(path, handle=handle)
     assert all(torch.equal(got[k], obj[k]) for k in obj)

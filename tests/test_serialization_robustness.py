@@ -18,6 +18,7 @@ import torch
 
 import deepnvme
 import deepnvme.serialization as serialization
+from deepnvme._core import zipformat
 from deepnvme.io import DIRECT_MIN_BYTES, PAGE
 from deepnvme.serialization import TEMP_SUFFIX
 
@@ -33,7 +34,7 @@ def handle(aio_module: ModuleType) -> Any:
 def _replace_path_once_records_are_read(monkeypatch: pytest.MonkeyPatch, path: Path, other: Path) -> None:
     """Atomically rename `other` over `path` right after load has opened `path` and read its directory,
     i.e. before any payload is read: the race of an evaluator loading while a trainer saves."""
-    read_records = serialization._records
+    read_records = zipformat.read_records
 
     def records_then_replace(fd: int, name: str, **how: Any) -> Any:
         found = read_records(fd, name, **how)
@@ -41,7 +42,7 @@ def _replace_path_once_records_are_read(monkeypatch: pytest.MonkeyPatch, path: P
             os.replace(other, path)
         return found
 
-    monkeypatch.setattr(serialization, "_records", records_then_replace)
+    monkeypatch.setattr(zipformat, "read_records", records_then_replace)
 
 
 @pytest.mark.parametrize("proc", ["proc", "no-proc"])
@@ -74,7 +75,7 @@ def test_payload_pages_are_read_o_direct_from_the_open_file(tmp_path: Path, hand
     deepnvme.save({"w": torch.ones(NUMEL)}, path, handle=handle)
     fd = os.open(path, os.O_RDONLY)
     try:
-        records = serialization._records(fd, str(path))
+        records = zipformat.read_records(fd, str(path))
         assert records is not None
         with serialization._ArchiveReader(fd, str(path), records, handle, True) as reader:
             direct = reader._direct()
