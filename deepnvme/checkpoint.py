@@ -21,11 +21,9 @@ otherwise (resharding). Payload CRC32s are not computed, as with
 from __future__ import annotations
 
 import dataclasses
-import errno
 import io
 import os
 import pickle
-import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,7 +38,7 @@ from torch.distributed.checkpoint.filesystem import (
     _StorageInfo,
     _StoragePrefix,
 )
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -54,8 +52,14 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from deepnvme.files import SeekableReader, fsync_directory
-from deepnvme.io import DEFAULT_HANDLE_SETTINGS, default_handle
+from deepnvme._core import zipformat
+from deepnvme._core.aio_types import AioHandle
+from deepnvme._core.checks import check_int, check_type
+from deepnvme._core.direct import open_direct
+from deepnvme._core.errors import CheckpointFormatError, with_path
+from deepnvme._core.files import atomic_target, commit, discard, fsync_directory, open_regular, temporary_name
+from deepnvme._core.handles import check_settings, default_handle, new_handle
+from deepnvme.files import SeekableReader
 
 __all__ = ["AioStorageReader", "AioStorageWriter"]
 
@@ -71,42 +75,19 @@ GAP_SPILL = 8 << 20
 EDGE = 4096
 
 
-def _handle_settings(handle: Any, given: dict[str, Any]) -> dict[str, Any]:
+def _handle_settings(handle: AioHandle | None, given: dict[str, Any]) -> dict[str, Any]:
     """The settings of a handle of our own, checked up front so a bad value fails at construction, not
-    mid-save; empty when `handle` is passed or nothing is set (then deepnvme.io.default_handle() serves)."""
-    given = {k: v for k, v in given.items() if v is not None}
-    if handle is not None or not given:
+    mid-save; empty when `handle` is passed or nothing is set (then each thread's default handle serves)."""
+    if handle is not None or all(v is None for v in given.values()):
         return {}
-    for name, value in given.items():
-        if name == "engine":
-            if not isinstance(value, str):
-                raise TypeError(f"engine must be a str, got {type(value).__name__}")
-        elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return {**DEFAULT_HANDLE_SETTINGS, **given}
+    return check_settings(given)
 
 
-def _resolve_handle(handle: Any, settings: dict[str, Any]) -> Any:
+def _resolve_handle(handle: AioHandle | None, settings: dict[str, Any]) -> AioHandle:
     """The handle given, else one made from `settings` (kept by the caller), else this thread's default."""
     if handle is not None:
         return handle
-    if settings:
-        from op_builder import AsyncIOBuilder
-
-        return AsyncIOBuilder().load().aio_handle(**settings)
-    return default_handle()
-
-
-def _open_direct(path: str, flags: int) -> int:
-    """Open with O_DIRECT where the file system allows it; else plainly (the handle then buffers)."""
-    direct = getattr(os, "O_DIRECT", 0)
-    if direct:
-        try:
-            return os.open(path, flags | direct)
-        except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):  # this file system refuses O_DIRECT
-                raise
-    return os.open(path, flags)
+    return new_handle(**settings) if settings else default_handle()
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -215,7 +196,7 @@ class _FileLayout:
     """Places the items of one .distcp file and queues its writes: gaps as whole aligned blocks, payloads
     straight from tensor memory at aligned offsets."""
 
-    def __init__(self, handle: Any, fd: int, relative_path: str) -> None:
+    def __init__(self, handle: AioHandle, fd: int, relative_path: str) -> None:
         self.handle = handle
         self.fd = fd
         self.relative_path = relative_path
@@ -298,7 +279,7 @@ class AioStorageWriter(FileSystemWriter):
     Constructed like FileSystemWriter: the checkpoint directory first, then its options, plus either a
     `handle` (an aio_handle you made) or settings (aio_handle keywords) for one of its own. `thread_count`
     is the number of files per rank, as for FileSystemWriter; the handle's `intra_op_parallelism` threads
-    do the I/O. Without a handle or settings, each writing thread uses its `deepnvme.io.default_handle()`.
+    do the I/O. Without a handle or settings, each writing thread uses a default handle of its own.
 
     Atomicity, beyond FileSystemWriter: each .distcp file is written under a temporary name, fsynced and then
     renamed, so a crash never leaves a half-written file under a checkpoint's name; `.metadata` is written
@@ -318,17 +299,15 @@ class AioStorageWriter(FileSystemWriter):
         cache_staged_state_dict: bool = False,
         overwrite: bool = True,
         *,
-        handle: Any = None,
+        handle: AioHandle | None = None,
         block_size: int | None = None,
         queue_depth: int | None = None,
         intra_op_parallelism: int | None = None,
         engine: str | None = None,
     ) -> None:
         """Point the writer at directory `path`; the options mean what they mean for FileSystemWriter."""
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-        if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
-            raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
+        check_type("path", path, (str, os.PathLike))
+        check_int("thread_count", thread_count)
         super().__init__(path, single_file_per_rank=single_file_per_rank, sync_files=sync_files,
                          thread_count=thread_count, per_thread_copy_ahead=per_thread_copy_ahead,
                          cache_staged_state_dict=cache_staged_state_dict, overwrite=overwrite)
@@ -344,9 +323,9 @@ class AioStorageWriter(FileSystemWriter):
         return state
 
     @property
-    def handle(self) -> Any:
+    def handle(self) -> AioHandle:
         """The handle given; else one made once from the settings given; else the calling thread's
-        deepnvme.io.default_handle() (async_save writes from a thread of its own)."""
+        default handle (async_save writes from a thread of its own)."""
         if self._handle is None and self._handle_settings:
             self._handle = _resolve_handle(None, self._handle_settings)
         return _resolve_handle(self._handle, {})
@@ -359,8 +338,6 @@ class AioStorageWriter(FileSystemWriter):
             groups = [g for g in _split_into_files(list(plan.items), self.thread_count) if g]
         else:
             groups = [[w] for w in plan.items]
-        token = uuid.uuid4().hex[:8]
-        _remove_stale_temps(directory, f".{prefix.prefix}")
         files: list[tuple[str, str, str]] = []  # (relative name, temporary path, final path)
         layouts: list[_FileLayout] = []
         results: list[WriteResult] = []
@@ -369,12 +346,12 @@ class AioStorageWriter(FileSystemWriter):
             for i in range(len(groups)):
                 name = f"{prefix.prefix}{i}{DEFAULT_SUFFIX}"
                 final = os.path.join(directory, name)
-                tmp = os.path.join(directory, f".{name}.{token}.tmp")
+                tmp = temporary_name(final)
                 files.append((name, tmp, final))
                 # Created plainly, then opened O_DIRECT: some file systems (ramfs) create the file and then
                 # refuse O_DIRECT, which would leave an O_EXCL retry facing its own file.
                 os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-                fd = _open_direct(tmp, os.O_WRONLY)
+                fd = open_direct(tmp, os.O_WRONLY)
                 layouts.append(_FileLayout(handle, fd, name))
             copies = 0
             for layout, group in zip(layouts, groups):
@@ -405,17 +382,19 @@ class AioStorageWriter(FileSystemWriter):
                 os.close(layout.fd)
                 layout.fd = -1
             for _, tmp, final in files:
-                os.replace(tmp, final)
+                commit(tmp, final, durable=False)  # the directory is fsynced once, below
             if self.sync_files:
                 fsync_directory(directory)
-        except BaseException:
+        except BaseException as exc:
             _drain_quietly(handle)
             for layout in layouts:
                 if layout.fd >= 0:
                     os.close(layout.fd)
             for _, tmp, _ in files:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+                discard(tmp)  # never raises: the error to report is `exc`
+            finals = {tmp: final for _, tmp, final in files}
+            if isinstance(exc, OSError) and exc.filename in finals:  # name the file, not its temporary
+                raise with_path(exc, finals[exc.filename]) from exc
             raise
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
@@ -435,39 +414,14 @@ class AioStorageWriter(FileSystemWriter):
         metadata.storage_meta = self.storage_meta()
         per_rank = not self.use_collectives and self.rank is not None
         final = str(self._get_metadata_path(self.rank if per_rank else None))
-        _remove_stale_temps(os.path.dirname(final), os.path.basename(final) + ".")
-        tmp = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                pickle.dump(metadata, f)
-                f.flush()
-                if self.sync_files:
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        if self.sync_files:
-            fsync_directory(str(self.path))
+        with atomic_target(final, durable=self.sync_files) as tmp, open(tmp, "xb") as f:
+            pickle.dump(metadata, f)
+            f.flush()
+            if self.sync_files:
+                os.fsync(f.fileno())
 
 
-def _remove_stale_temps(directory: str, prefix: str) -> None:
-    """Delete temporary files a killed save of this rank left (`prefix`...`.tmp`): they are never read, and
-    a rank saves into a checkpoint directory one save at a time."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return
-    for name in names:
-        if name.startswith(prefix) and name.endswith(".tmp"):
-            try:
-                os.unlink(os.path.join(directory, name))
-            except FileNotFoundError:
-                pass
-
-
-def _wait_for_writes(handle: Any, directory: str) -> None:
+def _wait_for_writes(handle: AioHandle, directory: str) -> None:
     """Wait for the queued writes; an I/O error names the checkpoint (the handle only knows descriptors)."""
     try:
         handle.wait()
@@ -498,7 +452,7 @@ def _plain_cpu(data: Any) -> tuple[torch.Tensor, int]:
     return t, copied
 
 
-def _drain_quietly(handle: Any) -> None:
+def _drain_quietly(handle: AioHandle) -> None:
     """Let every queued request finish before buffers are freed; the first error is already being raised."""
     try:
         handle.wait()
@@ -546,7 +500,7 @@ class _Edges:
     tail_at: int  # offset of `tail` within the archive
 
 
-def _queue_edges(handle: Any, fd: int, offset: int, length: int) -> _Edges:
+def _queue_edges(handle: AioHandle, fd: int, offset: int, length: int) -> _Edges:
     """Queue the reads of an archive's two ends."""
     head = torch.empty(min(length, EDGE), dtype=torch.uint8)
     tail_at = max(head.numel(), length - EDGE)
@@ -570,7 +524,7 @@ class AioStorageReader(FileSystemReader):
     """DCP StorageReader for FileSystemWriter's format (ours or stock) reading tensors through an aio_handle.
 
     Constructed like FileSystemReader, the checkpoint directory first, plus either a `handle` or the settings
-    for one of its own (default: the reading thread's `deepnvme.io.default_handle()`).
+    for one of its own (default: the reading thread's own default handle).
     Items written with stream extensions (FileSystemWriter's `_extensions`) are read the stock way.
     """
 
@@ -578,15 +532,14 @@ class AioStorageReader(FileSystemReader):
         self,
         path: str | os.PathLike,
         *,
-        handle: Any = None,
+        handle: AioHandle | None = None,
         block_size: int | None = None,
         queue_depth: int | None = None,
         intra_op_parallelism: int | None = None,
         engine: str | None = None,
     ) -> None:
         """Point the reader at checkpoint directory `path`."""
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        check_type("path", path, (str, os.PathLike))
         super().__init__(path)
         self._handle_settings = _handle_settings(handle, {
             "block_size": block_size, "queue_depth": queue_depth,
@@ -594,26 +547,58 @@ class AioStorageReader(FileSystemReader):
         self._handle = handle
 
     @property
-    def handle(self) -> Any:
+    def handle(self) -> AioHandle:
         """The handle given; else one made once from the settings given; else the calling thread's
-        deepnvme.io.default_handle() (async_save writes from a thread of its own)."""
+        default handle (async_save writes from a thread of its own)."""
         if self._handle is None and self._handle_settings:
             self._handle = _resolve_handle(None, self._handle_settings)
         return _resolve_handle(self._handle, {})
 
+    # The globals a `.metadata` pickle may name: DCP's metadata classes and what they hold (see
+    # _MetadataUnpickler). A subclass may add to this for metadata written with extra classes.
+    METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset({
+        ("torch.distributed.checkpoint.metadata", name) for name in (
+            "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+            "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+    } | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),  # a layout by its name, from torch's table of them
+        ("torch", "Size"),
+        ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # StorageMeta.checkpoint_id
+        ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+    })
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """FileSystemReader's metadata, with errors that say which checkpoint and file are at fault."""
+        """The checkpoint's metadata, unpickled allowing only DCP's metadata classes (stock DCP unpickles
+        it in full, so a crafted `.metadata` runs code); errors say which checkpoint and file are at fault."""
         path = str(self._get_metadata_path(kwargs.get("rank")))
         if not os.path.isdir(str(self.path)):
             raise FileNotFoundError(2, f"no checkpoint directory {str(self.path)!r}", str(self.path))
         if not os.path.exists(path):
             raise FileNotFoundError(2, "no DCP checkpoint here: its metadata file is missing", path)
-        try:
-            return super().read_metadata(*args, **kwargs)
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError,
-                IndexError) as exc:
-            raise ValueError(f"{path}: not a readable DCP metadata file ({type(exc).__name__}: {exc})") \
-                from exc
+        fd = open_regular(path)
+        with os.fdopen(fd, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f, self.METADATA_GLOBALS).load()
+            except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError,
+                    IndexError, KeyError, MemoryError, OverflowError, RecursionError) as exc:
+                raise CheckpointFormatError(path, f"not a readable DCP metadata file ({type(exc).__name__}: "
+                                            f"{exc})") from exc
+        if not isinstance(metadata, Metadata):
+            raise CheckpointFormatError(path, f"not a readable DCP metadata file (it holds a "
+                                        f"{type(metadata).__name__})")
+        _check_storage_data(metadata.storage_data, path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        """As FileSystemReader's, with every storage location checked first: on ranks that did not read the
+        metadata themselves (the coordinator broadcasts it) too."""
+        _check_storage_data(metadata.storage_data, str(self._get_metadata_path(kwargs.get("rank"))))
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of `plan`: bytes buffered, tensors through the handle, file by file."""
@@ -635,36 +620,43 @@ class AioStorageReader(FileSystemReader):
         fut.set_result(None)
         return fut
 
-    def _read_file(self, handle: Any, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+    def _read_file(self, handle: AioHandle, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
         """Read one .distcp file's items: queue every payload, then commit the tensors after one wait."""
-        meta_fd = os.open(path, os.O_RDONLY)
+        meta_fd = open_regular(path)  # a FIFO or device in the checkpoint is refused without blocking
         # The buffered descriptor reads only archives' small records: readahead would fetch payload bytes
         # that the O_DIRECT reads fetch again.
         os.posix_fadvise(meta_fd, 0, 0, os.POSIX_FADV_RANDOM)
         data_fd = -1
-        pending: list[_PendingRead] = []
+        edges: dict[int, _Edges] = {}
         try:
-            data_fd = _open_direct(path, os.O_RDONLY)
+            data_fd = open_direct(path, os.O_RDONLY)
             size = os.fstat(meta_fd).st_size
             reqs = sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset)
-            edges: dict[int, _Edges] = {}
             for i, req in enumerate(reqs):
                 info: _StorageInfo = self.storage_data[req.storage_index]
                 if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
-                    raise ValueError(f"{path}: truncated or not this checkpoint's file: item "
-                                     f"{req.storage_index.fqn!r} needs bytes [{info.offset}, "
-                                     f"{info.offset + info.length}) of a {size}-byte file")
+                    raise CheckpointFormatError(path, f"truncated or not this checkpoint's file: item "
+                                                f"{req.storage_index.fqn!r} needs bytes [{info.offset}, "
+                                                f"{info.offset + info.length}) of a {size}-byte file")
                 if req.type != LoadItemType.BYTE_IO:
                     edges[i] = _queue_edges(handle, data_fd, info.offset, info.length)
             # Every archive's small parts first, all in flight at once; then each payload is queued as
             # soon as its archive is parsed, so parsing the next overlaps reading this one.
             _finish(handle, [], planner, path)
             in_flight = 0
+            pending: list[_PendingRead] = []
             for i, req in enumerate(reqs):
                 info = self.storage_data[req.storage_index]
                 if req.type == LoadItemType.BYTE_IO:
                     data = os.pread(meta_fd, info.length, info.offset)
-                    planner.load_bytes(req, io.BytesIO(data))
+                    try:  # the planner unpickles the item (torch.load): its errors are the file's
+                        planner.load_bytes(req, io.BytesIO(data))
+                    except (OSError, MemoryError):
+                        raise
+                    except Exception as exc:
+                        raise CheckpointFormatError(path, f"item {req.storage_index.fqn!r} at offset "
+                                                    f"{info.offset} does not load ({type(exc).__name__}: "
+                                                    f"{exc})") from exc
                     continue
                 job, temp = self._queue_tensor(handle, path, meta_fd, data_fd, info, req, planner,
                                                edges.pop(i))
@@ -674,15 +666,18 @@ class AioStorageReader(FileSystemReader):
                     _finish(handle, pending, planner, path)
                     pending, in_flight = [], 0
             _finish(handle, pending, planner, path)
-            pending = []
+        except BaseException as exc:
+            _drain_quietly(handle)  # queued reads fill memory that goes with this frame: let them end first
+            if isinstance(exc, ValueError) and "past end of file" in str(exc):
+                # The handle refuses a read past the end: the file shrank after its size was checked.
+                raise CheckpointFormatError(path, f"truncated while being read ({exc})") from exc
+            raise
         finally:
-            if pending:
-                _drain_quietly(handle)
             os.close(meta_fd)
             if data_fd >= 0:
                 os.close(data_fd)
 
-    def _queue_tensor(self, handle: Any, path: str, meta_fd: int, data_fd: int, info: _StorageInfo,
+    def _queue_tensor(self, handle: AioHandle, path: str, meta_fd: int, data_fd: int, info: _StorageInfo,
                       req: ReadItem, planner: LoadPlanner, edges: _Edges) -> tuple[_PendingRead, int]:
         """Queue the read of one tensor item's payload; returns the job and its temporary's bytes."""
         try:
@@ -690,17 +685,20 @@ class AioStorageReader(FileSystemReader):
             saved = torch.load(_FileView(meta_fd, info.offset, info.length, edges), map_location="meta",
                                weights_only=True)
         except Exception as exc:
-            raise ValueError(f"{path}: item {req.storage_index.fqn!r} at offset {info.offset} is not a "
-                             f"readable torch.save archive (corrupted file?): {exc}") from exc
+            raise CheckpointFormatError(path, f"item {req.storage_index.fqn!r} at offset {info.offset} is "
+                                        f"not a readable torch.save archive (damaged file?): {exc}") from exc
         if not isinstance(saved, torch.Tensor):
-            raise ValueError(f"{path}: item {req.storage_index.fqn!r} holds a {type(saved).__name__}, "
-                             "not a tensor")
+            raise CheckpointFormatError(path, f"item {req.storage_index.fqn!r} holds a "
+                                        f"{type(saved).__name__}, not a tensor")
         storage = saved.untyped_storage()
         start = getattr(storage, "_checkpoint_offset", None)
         nbytes = storage.nbytes()
-        if start is None or start < 0 or start + nbytes > info.length:
-            raise ValueError(f"{path}: item {req.storage_index.fqn!r}: its payload lies outside the "
-                             "item's bytes")
+        # The meta load sizes the storage by the pickle and never reads the record, so check the record
+        # the archive's own directory assigns it: bytes past it belong to the directory or the next item.
+        _, record_at, record_size = _storage_record(meta_fd, path, info.offset, info.length, edges)
+        if start is None or start != record_at or nbytes != record_size:
+            raise CheckpointFormatError(path, f"item {req.storage_index.fqn!r}: the pickle asks for {nbytes} "
+                                        f"bytes at {start}, its record holds {record_size} at {record_at}")
         target = planner.resolve_tensor(req).detach()
         span = _leading_rows(saved, req.storage_offsets, req.lengths)
         if (span is not None and target.device.type == "cpu" and target.dtype == saved.dtype
@@ -714,6 +712,60 @@ class AioStorageReader(FileSystemReader):
         layout = torch.empty(0, dtype=saved.dtype).set_(buf.untyped_storage(), saved.storage_offset(),
                                                         saved.shape, saved.stride())
         return _PendingRead(req, target, layout), nbytes
+
+
+def _storage_record(fd: int, path: str, offset: int, length: int, edges: _Edges) -> tuple[str, int, int]:
+    """(key, offset, size) within the item of its archive's one storage record, from the archive's
+    directory and local header (both in the edges read ahead, as a rule)."""
+    view = _FileView(fd, offset, length, edges)
+
+    def read_at(at: int, n: int) -> bytes:
+        view.seek(at)
+        return view.read(n) or b""
+
+    try:
+        return zipformat.storage_record(view, path, read_at)
+    except CheckpointFormatError as exc:
+        raise CheckpointFormatError(path, f"the item at offset {offset}: {exc}") from exc
+
+
+def _check_storage_data(storage_data: Any, path: str) -> None:
+    """Every item's file must be a plain name inside the checkpoint directory, at a sane place in it."""
+    if not isinstance(storage_data, dict):
+        raise CheckpointFormatError(path, f"storage_data is a {type(storage_data).__name__}, not a dict")
+    for index, info in storage_data.items():
+        if not isinstance(info, _StorageInfo):
+            raise CheckpointFormatError(path, f"item {index}: a {type(info).__name__}, not a storage "
+                                        "location")
+        rel, fqn = info.relative_path, getattr(index, "fqn", index)
+        if (not isinstance(rel, str) or not rel or "\0" in rel or os.path.isabs(rel)
+                or ".." in rel.replace("\\", "/").split("/")):
+            raise CheckpointFormatError(path, f"item {fqn!r} names the file {rel!r}, which is not inside the "
+                                        "checkpoint directory")
+        places = (info.offset, info.length)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in places):
+            raise CheckpointFormatError(path, f"item {fqn!r}: offset {info.offset!r} and length "
+                                        f"{info.length!r} must be non-negative ints")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a `.metadata` file naming only the allowed globals: DCP's metadata classes, the types their
+    fields hold, and torch's dtypes (any attribute of torch that is a torch.dtype). Anything else (a
+    function to call, another class) raises UnpicklingError before it is looked up."""
+
+    def __init__(self, f: Any, allowed: frozenset[tuple[str, str]]) -> None:
+        super().__init__(f)
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._allowed or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                 torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not one of DCP's metadata types; AioStorageReader "
+                                     "reads metadata with a restricted unpickler (see its METADATA_GLOBALS)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("DCP metadata holds no persistent references")
 
 
 def _leading_rows(saved: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]
@@ -736,7 +788,7 @@ def _leading_rows(saved: torch.Tensor, offsets: Sequence[int], lengths: Sequence
     return offsets[0] * row, lengths[0] * row
 
 
-def _finish(handle: Any, pending: list[_PendingRead], planner: LoadPlanner, path: str) -> None:
+def _finish(handle: AioHandle, pending: list[_PendingRead], planner: LoadPlanner, path: str) -> None:
     """Wait for everything queued, then copy the resharded tensors into place and commit every tensor."""
     try:
         handle.wait()
@@ -746,9 +798,9 @@ def _finish(handle: Any, pending: list[_PendingRead], planner: LoadPlanner, path
         if job.saved is not None:
             part = narrow_tensor_by_index(job.saved, job.req.storage_offsets, job.req.lengths)
             if part.shape != job.target.shape:
-                raise ValueError(f"{path}: item {job.req.storage_index.fqn!r} holds shape "
-                                 f"{tuple(part.shape)}, "
-                                 f"the load asks for {tuple(job.target.shape)}")
+                raise CheckpointFormatError(path, f"item {job.req.storage_index.fqn!r} holds shape "
+                                            f"{tuple(part.shape)}, the load asks for "
+                                            f"{tuple(job.target.shape)}")
             job.target.copy_(part)
         planner.commit_tensor(job.req, job.target)
 

@@ -1,13 +1,15 @@
-"""Small file-system facts and acts the library and the tools share: fsync by name or of a directory, the
-mount of a path, and the seekable read-only stream torch's zip reader is handed."""
+"""Small file-system facts and acts the library and the tools share: fsync by name, the mount of a path, and
+the seekable read-only stream torch's zip reader is handed. fsync of a directory is part of the atomic
+replace recipe in deepnvme._core.files and is re-exported here for the callers that import it from here."""
 
 from __future__ import annotations
 
-import errno
 import io
 import os
 import re
 from pathlib import Path
+
+from deepnvme._core.files import fsync_directory
 
 __all__ = ["SeekableReader", "fsync_directory", "fsync_path", "mount_of"]
 
@@ -17,19 +19,6 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_directory(directory: str) -> None:
-    """Make a rename in ``directory`` durable. Some file systems refuse fsync on a directory (EINVAL,
-    ENOTSUP): there is nothing more to do there. Other errors carry the directory as their filename."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise type(exc)(exc.errno, exc.strerror, directory) from exc
     finally:
         os.close(fd)
 

@@ -21,7 +21,6 @@ into it, as DeepSpeed's does.
 
 from __future__ import annotations
 
-import errno
 import os
 import time
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from typing import Any
 from deepnvme._core.aio_types import AioHandle
 from deepnvme._core.checks import check_int, check_type
 from deepnvme._core.direct import AlignedWriter, close_pair, open_for_write
+from deepnvme._core.errors import with_path
 from deepnvme._core.memory import PAGE, byte_view, memory_of
 
 __all__ = ["BaseFileWriter", "FastFileWriter", "FastFileWriterConfig", "MockFileWriter", "PyFileWriter",
@@ -38,16 +38,6 @@ __all__ = ["BaseFileWriter", "FastFileWriter", "FastFileWriterConfig", "MockFile
 
 # Bytes per stripe in the parallel-writers mode; every writer of a file must use the same value.
 STRIPE_BYTES = 8 << 20
-
-# Until deepnvme.serialization and deepnvme.checkpoint import them from deepnvme._core, the core names they
-# take from here stay importable here; nothing else may use them through this module.
-from deepnvme._core.direct import DIRECT_MIN_BYTES  # noqa: E402, F401
-from deepnvme._core.handles import RECOMMENDED as DEFAULT_HANDLE_SETTINGS  # noqa: E402, F401
-from deepnvme._core.handles import default_handle  # noqa: E402, F401
-from deepnvme._core.memory import address_of, aligned_buffer  # noqa: E402, F401
-
-_AlignedWriter = AlignedWriter
-_memory_of = memory_of
 
 
 class _Shares:
@@ -217,7 +207,7 @@ class FastFileWriter(BaseFileWriter):
             for a, b in self._shares.owned(self._pos, self._pos + n):
                 self._writer.put(view[a - self._pos:b - self._pos], a)
         except OSError as exc:
-            raise _with_path(exc, self._file_path) from exc
+            raise with_path(exc, self._file_path) from exc
         self._pos += n
         self._stats["write"] += 1
         self._stats["bytes"] += n
@@ -257,7 +247,7 @@ class FastFileWriter(BaseFileWriter):
                     self._writer.put(memory_of(part), base + a, part)
                 at += piece.numel()
         except OSError as exc:
-            raise _with_path(exc, self._file_path) from exc
+            raise with_path(exc, self._file_path) from exc
         self._pos += (last - first) if self._partition_own_file else total
         self._stats["save_storage"] += len(storage_obj_list)
         self._stats["save_storage_bytes"] += last - first
@@ -277,7 +267,7 @@ class FastFileWriter(BaseFileWriter):
                 os.fsync(self._buffered_fd)
             except OSError as exc:
                 self._writer.abandon()
-                raise _with_path(exc, self._file_path) from exc
+                raise with_path(exc, self._file_path) from exc
         finally:
             close_pair(self._direct_fd, self._buffered_fd)
             self._direct_fd = self._buffered_fd = -1
@@ -323,9 +313,3 @@ def _partition(total: int, ranks: int, rank: int) -> tuple[int, int]:
     share, extra = divmod(total, ranks)
     first = rank * share + min(rank, extra)
     return first, first + share + (1 if rank < extra else 0)
-
-
-def _with_path(exc: OSError, path: str) -> OSError:
-    """The same error (errno, subclass) naming `path`; the handle names descriptors, not paths."""
-    code = exc.errno if exc.errno is not None else errno.EIO
-    return OSError(code, f"{os.strerror(code)} (writing)", path)

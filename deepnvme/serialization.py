@@ -40,32 +40,24 @@ import errno
 import io
 import os
 import pickle
-import secrets
-import socket
 import stat
-import struct
 import sys
 import threading
-import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from deepnvme.crc import crc32
-from deepnvme.files import SeekableReader, fsync_directory
-from deepnvme.io import (
-    DIRECT_MIN_BYTES,
-    PAGE,
-    _AlignedWriter,
-    _memory_of,
-    _with_path,
-    address_of,
-    aligned_buffer,
-    byte_view,
-    close_pair,
-    default_handle,
-    open_for_write,
-)
+from deepnvme._core import zipformat
+from deepnvme._core.aio_types import AioHandle
+from deepnvme._core.crc import crc32
+from deepnvme._core.direct import DIRECT_MIN_BYTES, AlignedWriter, close_pair, open_for_write
+from deepnvme._core.errors import CheckpointFormatError, RefusedPickle, with_path
+from deepnvme._core.files import TEMP_SUFFIX, commit, discard, open_regular, temporary_name
+from deepnvme._core.handles import default_handle
+from deepnvme._core.memory import PAGE, address_of, aligned_buffer, byte_view, memory_of, round_up
+from deepnvme._core.op import aio_module
+from deepnvme._core.zipformat import Record
+from deepnvme.files import SeekableReader
 
 # Page alignment of storage payloads in the archives save writes (torch's default is 64).
 STORAGE_ALIGNMENT = 4096
@@ -80,36 +72,27 @@ PREFETCH_OWN_BYTES = 64 << 10
 # batches read slower (each hand-over between the two handles thins the disk's queue), larger ones leave
 # more CRC work after the last read; of 64 MiB to 512 MiB, this size came closest to the raw read.
 BATCH_BYTES = 256 << 20
-TEMP_SUFFIX = ".deepnvme-tmp"
-# What stock torch.save's legacy (non-zip) format starts with: pickle protocol 2 and its magic number.
-_LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+# Re-exported: the names users and tests have imported from here.
+__all__ = ["TEMP_SUFFIX", "CheckpointFormatError", "load", "save"]
 
 
 class _Mispredicted(Exception):
-    """A member's data did not start where _records inferred: the archive must be read exactly."""
-
-
-class CheckpointFormatError(ValueError):
-    """The file is not a readable torch checkpoint: truncated, damaged, or of another format."""
-
-    def __init__(self, path: str, problem: str) -> None:
-        super().__init__(f"{path}: {problem}")
-        self.filename = path
+    """A member's data did not start where read_records inferred: the archive must be read exactly."""
 
 
 # ---------------------------------------------------------------------------------------------------- save
 
 
 def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
-         handle: Any = None, checksum: bool = True) -> None:
+         handle: AioHandle | None = None, checksum: bool = True) -> None:
     """torch.save(obj) to `path` atomically, storage payloads written O_DIRECT from the tensors' memory.
 
-    `handle` is an aio_handle (default: deepnvme.io.default_handle()). Raises FileNotFoundError when the
-    directory is missing, IsADirectoryError when `path` is a directory, OSError (errno, path) when a write
-    fails — ENOSPC included — and pickling errors as torch.save does; in every case a file that was at
-    `path` before is left as it was. `checksum=False` leaves every record's CRC-32 zero, as torch does
-    with compute_crc32 off: stock torch.load still reads the file, but neither zip tools nor
-    deepnvme.load can then check it. A symbolic link at `path` is written through, as torch.save does:
+    `handle` is an aio_handle (default: this thread's own, with the recommended settings). Raises
+    FileNotFoundError when the directory is missing, IsADirectoryError when `path` is a directory, OSError
+    (errno, path) when a write fails — ENOSPC included — and pickling errors as torch.save does; in every
+    case a file that was at `path` before is left as it was. `checksum=False` leaves every record's CRC-32
+    zero, as torch does with compute_crc32 off: stock torch.load still reads the file, but neither zip tools
+    nor deepnvme.load can then check it. A symbolic link at `path` is written through, as torch.save does:
     its target is atomically replaced and the link stays.
     """
     import torch
@@ -125,15 +108,15 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
     storages = _storages_of(obj, pickle_module, pickle_protocol)  # pickling errors surface before any file
     _join_closers()
     handle = default_handle() if handle is None else handle
-    tmp = os.path.join(directory, f".{name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+    tmp = temporary_name(target)
     # Allocated before the temporary exists, so a failure here (ENOMEM from the mmap) leaves nothing behind.
     buffers = [aligned_buffer(STAGING_BYTES) for _ in range(2)]
-    direct_fd = buffered_fd = -1
+    direct_fd = buffered_fd = replaced = -1
     try:
         writer = None
         try:
             direct_fd, buffered_fd = open_for_write(tmp, os.O_CREAT | os.O_EXCL, 0o666)
-            writer = _AlignedWriter(handle, direct_fd, buffered_fd, buffers)
+            writer = AlignedWriter(handle, direct_fd, buffered_fd, buffers)
             # torch's own CRC-32 (one core, slower than the disk) is off; the stream computes them faster.
             with _page_aligned_storages(crc=False) as settable:
                 stream = _SaveStream(writer, storages, checksums=checksum and settable)
@@ -151,20 +134,13 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
         finally:
             close_pair(direct_fd, buffered_fd)
         replaced = _hold_replaced(target)
-        try:
-            os.replace(tmp, target)
-        except BaseException:
-            _close_quietly(replaced)
-            raise
+        commit(tmp, target)
     except OSError as exc:
-        _unlink_quietly(tmp)
-        raise _with_path(exc, path) from exc
+        discard(tmp)  # never raises: the error to report is this one, under the caller's name for the file
+        raise with_path(exc, path) from exc
     except BaseException:
-        _unlink_quietly(tmp)
+        discard(tmp)
         raise
-    try:
-        fsync_directory(directory)
-        _remove_stale_temps(directory, name)
     finally:
         _close_later(replaced)
 
@@ -179,11 +155,11 @@ class _SaveStream:
     (held back until torch has written all of it).
     """
 
-    def __init__(self, writer: _AlignedWriter, storages: dict[tuple[int, int], Any],
+    def __init__(self, writer: AlignedWriter, storages: dict[tuple[int, int], Any],
                  checksums: bool = False) -> None:
         self._writer = writer
         self._storages = storages
-        self._zip = _ZipFollower() if checksums else None
+        self._zip = zipformat.CrcFollower() if checksums else None
         self.pos = 0
 
     def writable(self) -> bool:
@@ -227,158 +203,6 @@ class _SaveStream:
 
     def flush(self) -> None:
         """The bytes are already on their way; save() waits for them before the rename."""
-
-
-# Zip signatures of torch's archives (miniz writes every member with a data descriptor, flag bit 3).
-_LOCAL = b"PK\x03\x04"
-_CENTRAL = b"PK\x01\x02"
-_DESCRIPTOR = b"PK\x07\x08"
-
-
-class _ZipFollower:
-    """Follows torch's zip writer through its write() calls to put the CRC-32s into the archive.
-
-    miniz writes each member as: local header (30 bytes, CRC and sizes zero, flag bit 3), file name,
-    extra field (torch's padding to the storage alignment), then, if the member has data, the data in
-    one write and a data descriptor (16 bytes, 24 for zip64: signature, CRC, sizes). An empty member has
-    neither. The central directory comes last. So the write after a header's extra field is taken as
-    data (its CRC computed at once) and confirmed by the descriptor that follows with its length; a write
-    that may instead be the next header or the directory (it starts with their signature and is not a
-    known storage) is held, copied, until that is settled. feed() and close() give back what to write,
-    as (bytes, file offset, is the caller's storage payload). If the calls ever stop matching this
-    layout, the follower warns and stops filling them in: the central directory keeps the zeros torch
-    wrote, which torch.load and deepnvme.load read as "no CRC" (zip tools will call them wrong).
-    """
-
-    def __init__(self) -> None:
-        self._header = bytearray()  # the local header being read
-        self._need = 30  # bytes of header still to come (30, then the name and extra field)
-        self._state = "header"  # header | data | descriptor | central | lost
-        self._name = ""
-        self._data_len = 0
-        self._data_crc = 0
-        self._held: tuple[bytes, int] | None = None  # a write that may be data or the next header
-        self._unsettled: memoryview | None = None  # data given back whose CRC is still to compute
-        self._central = bytearray()
-        self._central_at = 0
-        self.crcs: dict[str, int] = {}
-
-    def lost(self, why: str) -> None:
-        if self._state != "lost":
-            import warnings
-
-            warnings.warn(f"deepnvme.save: {why}, which the CRC-32 bookkeeping does not follow; this "
-                          "archive's CRC fields stay zero", RuntimeWarning, stacklevel=4)
-            self._state = "lost"
-
-    def feed(self, view: memoryview, at: int, known_storage: bool) -> list[tuple[Any, int, bool]]:
-        if self._state == "lost":
-            return [(view, at, known_storage)]
-        if self._state == "central":
-            self._central += view
-            return []
-        if self._state == "data":
-            return self._data(view, at, known_storage)
-        if self._state == "descriptor":
-            return self._descriptor(view, at, known_storage)
-        return self._header_bytes(view, at, known_storage)
-
-    def close(self) -> list[tuple[Any, int, bool]]:
-        out: list[tuple[Any, int, bool]] = []
-        if self._held is not None:  # a last write that was held and never confirmed as data
-            held, self._held = self._held, None
-            self._state = "header"
-            out += self._header_bytes(memoryview(held[0]), held[1], False)
-        if self._state == "central":
-            self._patch_central()
-            out.append((memoryview(self._central), self._central_at, False))
-            self._central = bytearray()
-        elif self._state not in ("lost", "header"):
-            self.lost("torch's archive ended inside a member")
-        return out
-
-    def _header_bytes(self, view: memoryview, at: int, known_storage: bool) -> list[tuple[Any, int, bool]]:
-        if not self._header and bytes(view[:4]) == _CENTRAL:
-            self._state, self._central, self._central_at = "central", bytearray(view), at
-            return []
-        if not self._header and bytes(view[:4]) != _LOCAL:
-            self.lost("a member did not start with a local header")
-            return [(view, at, known_storage)]
-        if len(view) > self._need:
-            self.lost("a local header shared a write with other bytes")
-            return [(view, at, known_storage)]
-        self._header += view
-        self._need -= len(view)
-        if self._need == 0:
-            if len(self._header) == 30:
-                name_len, extra_len = struct.unpack_from("<HH", self._header, 26)
-                self._need = name_len + extra_len
-            if self._need == 0:
-                name_len = struct.unpack_from("<H", self._header, 26)[0]
-                self._name = bytes(self._header[30:30 + name_len]).decode("utf-8", "replace")
-                self._header, self._need, self._state = bytearray(), 30, "data"
-        return [(view, at, known_storage)]
-
-    def _data(self, view: memoryview, at: int, known_storage: bool) -> list[tuple[Any, int, bool]]:
-        self._data_len = len(view)
-        self._state = "descriptor"
-        if not known_storage and bytes(view[:4]) in (_LOCAL, _CENTRAL):
-            # The member may be empty and this the next header or the directory: hold it until known.
-            self._held = (bytes(view), at)
-            self._data_crc = crc32(self._held[0])
-            return []
-        # Written first (settle() computes its CRC after), so the CRC overlaps the payload's own write.
-        self._unsettled = view
-        return [(view, at, known_storage)]
-
-    def settle(self) -> None:
-        """The CRC of the data feed() just gave back, once the caller has queued its write."""
-        if self._unsettled is not None:
-            self._data_crc = crc32(self._unsettled)
-            self._unsettled = None
-
-    def _descriptor(self, view: memoryview, at: int, known_storage: bool) -> list[tuple[Any, int, bool]]:
-        held, self._held = self._held, None
-        if _is_descriptor(view, self._data_len):
-            self.crcs[self._name] = self._data_crc
-            patched = bytearray(view)
-            struct.pack_into("<I", patched, 4, self._data_crc)
-            self._state = "header"
-            out = [] if held is None else [(memoryview(held[0]), held[1], False)]
-            return [*out, (memoryview(patched), at, False)]
-        if held is None:
-            self.lost("a member's data was not followed by its data descriptor")
-            return [(view, at, known_storage)]
-        # The held write was no data: the member was empty and that write came after it.
-        self.crcs[self._name] = 0
-        self._state = "header"
-        out = self._header_bytes(memoryview(held[0]), held[1], False)
-        return out + self.feed(view, at, known_storage)
-
-    def _patch_central(self) -> None:
-        """Put each member's CRC into its central directory entry (46 bytes, name, extra, comment)."""
-        c, i = self._central, 0
-        while c[i:i + 4] == _CENTRAL and i + 46 <= len(c):
-            name_len, extra_len, comment_len = struct.unpack_from("<HHH", c, i + 28)
-            name = bytes(c[i + 46:i + 46 + name_len]).decode("utf-8", "replace")
-            size = struct.unpack_from("<I", c, i + 24)[0]
-            if name in self.crcs:
-                struct.pack_into("<I", c, i + 16, self.crcs[name])
-            elif size:
-                self.lost(f"the central directory names {name!r}, which was not followed")
-                return
-            i += 46 + name_len + extra_len + comment_len
-
-
-def _is_descriptor(view: memoryview, data_len: int) -> bool:
-    """A data descriptor for `data_len` bytes of data, as torch leaves it (CRC zero)."""
-    if len(view) == 16 and bytes(view[:4]) == _DESCRIPTOR:
-        crc, comp, uncomp = struct.unpack_from("<III", view, 4)
-    elif len(view) == 24 and bytes(view[:4]) == _DESCRIPTOR:
-        crc, comp, uncomp = struct.unpack_from("<IQQ", view, 4)
-    else:
-        return False
-    return crc == 0 and comp == uncomp == data_len
 
 
 def _storages_of(obj: Any, pickle_module: Any, protocol: int) -> dict[tuple[int, int], Any]:
@@ -428,31 +252,6 @@ def _page_aligned_storages(crc: bool = True) -> Iterator[bool]:
         yield True
 
 
-_HOST = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname()) or "host"
-
-
-def _remove_stale_temps(directory: str, name: str) -> None:
-    """Delete temporaries of `name` left by this host's processes that no longer exist (killed saves)."""
-    prefix = f".{name}.{_HOST}."
-    with contextlib.suppress(OSError), os.scandir(directory) as entries:
-        for entry in entries:
-            if not (entry.name.startswith(prefix) and entry.name.endswith(TEMP_SUFFIX)):
-                continue
-            pid_text = entry.name[len(prefix):].split(".", 1)[0]
-            if pid_text.isdigit() and int(pid_text) != os.getpid() and not _process_exists(int(pid_text)):
-                _unlink_quietly(entry.path)
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _hold_replaced(target: str) -> int:
     """An open descriptor of the regular file at `target`, or -1. While it is open, the rename over the
     file does not free its blocks (for a large file that takes a file system hundreds of milliseconds);
@@ -496,11 +295,6 @@ def _close_quietly(fd: int) -> None:
             os.close(fd)
 
 
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
 def _checked_path(path: Any) -> str:
     if not isinstance(path, (str, bytes, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
@@ -510,7 +304,8 @@ def _checked_path(path: Any) -> str:
 # ---------------------------------------------------------------------------------------------------- load
 
 
-def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool = True, *, handle: Any = None,
+def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool = True, *,
+         handle: AioHandle | None = None,
          verify: bool = True, mmap: bool = False, pickle_module: Any = None, **pickle_load_args: Any) -> Any:
     """torch.load(path, map_location, weights_only=...) with each payload read by the handle into its tensor.
 
@@ -524,14 +319,15 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool =
     kwargs = dict(pickle_load_args, map_location=map_location, weights_only=weights_only)
     if pickle_module is not None:
         kwargs["pickle_module"] = pickle_module
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_regular(path)  # a FIFO or device is refused here, without blocking
     try:
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
         restore = None if mmap else _restore_location(map_location)
-        records = _records(fd, path, exact=restore is None)
-        if records is None or mmap:  # the legacy format, or torch's mmap path: torch reads it itself
-            return _torch_load(path, path, kwargs | {"mmap": mmap} if mmap else kwargs)
+        records = zipformat.read_records(fd, path, exact=restore is None)
+        if mmap:  # torch's memory-mapped path: torch maps the file by its name
+            return _torch_load(path, path, kwargs | {"mmap": mmap})
+        if records is None:  # the legacy format: torch reads it, from the file opened here
+            with os.fdopen(os.dup(fd), "rb") as f:
+                return _torch_load(f, path, kwargs)
         handles = [default_handle(), default_handle(1)] if handle is None else [handle]
         reader = _ArchiveReader(fd, path, records, handles[0], verify)
         try:
@@ -540,7 +336,7 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool =
                     reader.prefetch(handles)
                 except _Mispredicted:  # an archive not laid out as torch's writer does: read its headers
                     reader.close()
-                    reader = _ArchiveReader(fd, path, _records(fd, path), handles[0], verify)
+                    reader = _ArchiveReader(fd, path, zipformat.read_records(fd, path), handles[0], verify)
                     reader.prefetch(handles)
                 kwargs["map_location"] = reader.substituting(restore)
             result = _torch_load(reader, path, kwargs)
@@ -566,7 +362,14 @@ def _restore_location(map_location: Any) -> Any:
 
 
 def _torch_load(f: Any, path: str, kwargs: dict[str, Any]) -> Any:
-    """torch.load, with its errors about the archive turned into CheckpointFormatError naming `path`."""
+    """torch.load, every error it raises about the file turned into CheckpointFormatError naming `path`.
+
+    Whatever torch raises while it reads an archive whose structure read_records accepted comes from the
+    file (a pickle naming records that are not there, a record of another size, a member named `..`, a
+    damaged pickle): CheckpointFormatError. What is not about the file keeps its type: the caller's
+    map_location failing (a CUDA device on a machine without one), MemoryError, KeyboardInterrupt. A
+    weights_only refusal stays a pickle.UnpicklingError (stock's type) and is a CheckpointFormatError too.
+    """
     import torch
 
     try:
@@ -575,105 +378,23 @@ def _torch_load(f: Any, path: str, kwargs: dict[str, Any]) -> Any:
         error = getattr(f, "error", None)
         if error is not None:
             raise error from exc
-        if isinstance(exc, RuntimeError) and "PytorchStreamReader" in str(exc):
-            raise CheckpointFormatError(path, f"damaged archive ({exc})") from exc
-        if isinstance(exc, (EOFError, pickle.UnpicklingError)) and "Weights only load failed" not in str(exc):
-            raise CheckpointFormatError(path, f"damaged or not a torch checkpoint ({exc})") from exc
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"while loading {path}")
-        raise
+        if exc is getattr(f, "restore_error", None) or isinstance(exc, MemoryError) or _about_devices(exc):
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"while loading {path}")
+            raise
+        if isinstance(exc, OSError):
+            raise with_path(exc, path, "reading") from exc
+        if isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in str(exc):
+            raise RefusedPickle(path, str(exc)) from exc
+        problem = f"damaged or not a torch checkpoint ({type(exc).__name__}: {exc})"
+        raise CheckpointFormatError(path, problem) from exc
 
 
-@dataclass
-class _Record:
-    """One stored archive member: where its bytes lie and their CRC-32 (None when torch wrote none)."""
-
-    name: str
-    offset: int
-    size: int
-    crc: int | None
-    header_offset: int = -1  # where its local header starts; set when `offset` is a prediction to check
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.size
-
-    @property
-    def is_storage(self) -> bool:
-        """torch names storage payloads <archive>/data/<key>."""
-        return self.name.partition("/")[2].startswith("data/")
-
-
-def _records(fd: int, path: str, exact: bool = True) -> dict[int, _Record] | None:
-    """The archive's members by data offset; None for torch's legacy pickle format. Checks the structure.
-
-    A member's data starts after its local header, whose length only the local header tells: `exact`
-    reads every one (a small read each, scattered over the file). Otherwise, for archives laid out as
-    torch's zip writer lays them out (each member's data, then its data descriptor, then the next
-    member), the data offset is inferred from the next member's header offset and the record keeps
-    `header_offset` so that the guess is checked against the local header once that has been read.
-    """
-    size = os.fstat(fd).st_size
-    start = os.pread(fd, len(_LEGACY_MAGIC), 0)
-    if start == _LEGACY_MAGIC:
-        return None
-    if size == 0:
-        raise CheckpointFormatError(path, "empty file, not a torch checkpoint")
-    if not start.startswith(b"PK\x03\x04"):
-        raise CheckpointFormatError(path, "not a torch checkpoint (not a zip archive nor the legacy format)")
-    with os.fdopen(os.dup(fd), "rb") as f:
-        try:
-            archive = zipfile.ZipFile(f)
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
-            raise CheckpointFormatError(path, f"truncated or damaged zip archive ({exc})") from exc
-        members = archive.infolist()
-        directory = getattr(archive, "start_dir", None)
-    if not any(m.filename.endswith(("/data.pkl", "/constants.pkl")) for m in members):
-        raise CheckpointFormatError(path, "a zip archive but not a torch checkpoint (no data.pkl)")
-    members.sort(key=lambda m: m.header_offset)
-    records = {}
-    for i, m in enumerate(members):
-        if m.compress_type != zipfile.ZIP_STORED:
-            raise CheckpointFormatError(path, f"damaged: {m.filename} is compressed, which torch never does")
-        crc = m.CRC if (m.CRC or m.file_size == 0) else None  # torch writes 0 when compute_crc32 is off
-        following = members[i + 1].header_offset if i + 1 < len(members) else directory
-        offset = None if exact else _inferred_offset(m, following)
-        if offset is None:
-            offset = _local_data_offset(fd, path, m)
-            record = _Record(m.filename, offset, m.file_size, crc)
-        else:
-            record = _Record(m.filename, offset, m.file_size, crc, m.header_offset)
-        if record.end > size:
-            raise CheckpointFormatError(path, f"truncated or damaged: {m.filename} lies outside the file")
-        records[offset] = record
-    end = 0
-    for offset in sorted(records):  # load reads members into separate memory: they must not overlap
-        if offset < end:
-            raise CheckpointFormatError(path, f"damaged: {records[offset].name} overlaps another member")
-        end = records[offset].end
-    return records
-
-
-def _local_data_offset(fd: int, path: str, m: zipfile.ZipInfo) -> int:
-    """Where member `m`'s data starts, from its local header."""
-    header = os.pread(fd, 30, m.header_offset)
-    if len(header) < 30 or header[:4] != _LOCAL:
-        raise CheckpointFormatError(path, f"truncated or damaged: bad local header of {m.filename}")
-    name_len, extra_len = struct.unpack("<HH", header[26:30])
-    return m.header_offset + 30 + name_len + extra_len
-
-
-def _inferred_offset(m: zipfile.ZipInfo, following: int | None) -> int | None:
-    """Where torch's zip writer put member `m`'s data, given where the next thing (member or directory)
-    starts; None where the layout does not say. miniz writes a data descriptor (flag bit 3) after
-    non-empty data: 16 bytes, or 24 when the member needs zip64 (offset or size past 32 bits)."""
-    if following is None or not m.flag_bits & 0x08:
-        return None
-    if m.file_size == 0:
-        return following  # no data, no descriptor: the offset only has to be unique and in order
-    zip64 = m.header_offset >= 0xFFFFFFFF or m.file_size >= 0xFFFFFFFF
-    offset = following - (24 if zip64 else 16) - m.file_size
-    return offset if offset >= m.header_offset + 30 + len(m.orig_filename.encode()) else None
+def _about_devices(exc: Exception) -> bool:
+    """torch's errors for a map_location this machine cannot serve (no CUDA, no such device)."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("is_available() is False" in text
+                                              or "Attempting to deserialize object on" in text)
 
 
 # Where the kernel exposes this process's descriptors: reopening one there gives the file it holds, even
@@ -693,8 +414,11 @@ class _ArchiveReader(SeekableReader):
     never copied.
     """
 
-    def __init__(self, fd: int, path: str, records: dict[int, _Record], handle: Any, verify: bool) -> None:
+    def __init__(self, fd: int, path: str, records: dict[int, Record], handle: AioHandle,
+                 verify: bool) -> None:
         super().__init__(os.fstat(fd).st_size)
+        if records and max(r.end for r in records.values()) > self._size:
+            raise CheckpointFormatError(path, "truncated: the file shrank while it was being read")
         self._fd = fd
         self._path = path
         self._records = records
@@ -702,11 +426,12 @@ class _ArchiveReader(SeekableReader):
         self._verify = verify
         self._direct_fd = -1
         self._prefetched: _Prefetched | None = None
-        self._skipped: dict[int, _Record] = {}  # torch's payload memory left unread, by address
+        self._skipped: dict[int, Record] = {}  # torch's payload memory left unread, by address
         self._substitute = False
         self.error: Exception | None = None  # the first failure; torch only sees a short read
+        self.restore_error: Exception | None = None  # an error of the caller's map_location
 
-    def prefetch(self, handles: list[Any]) -> None:
+    def prefetch(self, handles: list[AioHandle]) -> None:
         """Read the whole archive now (see the class); raises OSError or CheckpointFormatError."""
         self._prefetched = _Prefetched(self._direct(), self._path, self._size, self._records, handles,
                                        self._verify)
@@ -722,12 +447,15 @@ class _ArchiveReader(SeekableReader):
             record = self._skipped.pop(storage.data_ptr(), None) if storage.device.type == "cpu" else None
             if record is not None:
                 ours = self._prefetched.storage_of(record)
-                if storage.nbytes() == ours.nbytes():
-                    storage = ours
-                else:  # a pickle whose size disagrees with the record's: torch's storage, filled
-                    n = min(storage.nbytes(), ours.nbytes())
-                    byte_view(storage)[:n].copy_(byte_view(ours)[:n])
-            return restore(storage, location)
+                if storage.nbytes() != ours.nbytes():  # torch sized it by the record: cannot differ
+                    raise CheckpointFormatError(self._path, f"damaged: {record.name} holds {ours.nbytes()} "
+                                                f"bytes, the pickle asks for {storage.nbytes()}")
+                storage = ours
+            try:
+                return restore(storage, location)
+            except Exception as exc:
+                self.restore_error = exc  # the caller's map_location failed, not the file
+                raise
 
         return restore_prefetched
 
@@ -744,19 +472,24 @@ class _ArchiveReader(SeekableReader):
                 n = len(view)
             else:
                 n = _pread_into(self._fd, view, self._pos)
-        except (OSError, CheckpointFormatError) as exc:
-            self.error = exc if isinstance(exc, CheckpointFormatError) else _read_error(exc, self._path)
+        except (OSError, ValueError) as exc:  # the handle's ValueError: a read past a shrunk file's end
+            if isinstance(exc, OSError):
+                self.error = with_path(exc, self._path, "reading")
+            elif isinstance(exc, CheckpointFormatError):
+                self.error = exc
+            else:
+                self.error = CheckpointFormatError(self._path, f"truncated while being read ({exc})")
             return 0
         self._pos += n
         return n
 
-    def _from_prefetched(self, view: memoryview, record: _Record | None) -> int:
+    def _from_prefetched(self, view: memoryview, record: Record | None) -> int:
         prefetched = self._prefetched
         if record is not None and record.size == len(view) and prefetched.has_storage(record):
             if self._substitute:
                 self._skipped[address_of(view)] = record
             else:
-                view[:] = _memory_of(prefetched.tensor_of(record))
+                view[:] = memory_of(prefetched.tensor_of(record))
             return len(view)
         if prefetched.copy_out(view, self._pos):
             return len(view)
@@ -770,7 +503,7 @@ class _ArchiveReader(SeekableReader):
         self._skipped.clear()
         super().close()
 
-    def _read_member(self, view: memoryview, record: _Record) -> None:
+    def _read_member(self, view: memoryview, record: Record) -> None:
         """Fill `view` (torch's storage memory) with the member's bytes and check them."""
         start, end = record.offset, record.offset + record.size
         check = self._verify and record.crc is not None
@@ -840,7 +573,7 @@ class _ArchiveReader(SeekableReader):
         return self._direct_fd
 
 
-def _crc_error(path: str, record: _Record, crc: int) -> CheckpointFormatError:
+def _crc_error(path: str, record: Record, crc: int) -> CheckpointFormatError:
     return CheckpointFormatError(path, f"damaged: the CRC-32 of {record.name} does not match "
                                  f"(stored {record.crc:#010x}, read {crc:#010x})")
 
@@ -866,23 +599,21 @@ class _Prefetched:
     CRCs checked) on a worker thread.
     """
 
-    def __init__(self, fd: int, path: str, size: int, records: dict[int, _Record], handles: list[Any],
+    def __init__(self, fd: int, path: str, size: int, records: dict[int, Record], handles: list[AioHandle],
                  verify: bool) -> None:
         import torch
-
-        from deepnvme import AsyncIOBuilder
 
         self._path = path
         self._by_name = {r.name.partition("/")[2]: r for r in records.values()}
         ordered = sorted(records.values(), key=lambda r: r.offset)
         large = [r for r in ordered if r.is_storage and r.size >= PREFETCH_OWN_BYTES]
-        empty_at_residue = AsyncIOBuilder().load().empty_at_residue
+        empty_at_residue = aio_module().empty_at_residue
         self._tensors: dict[int, Any] = {}  # offset -> uint8 tensor over the payload's own storage
         pieces: list[_Piece] = []
         gaps: list[tuple[int, int]] = []  # file ranges read into scratch
         at = 0
         for r in large:
-            body_start, body_end = _round_up(r.offset), r.end // PAGE * PAGE
+            body_start, body_end = round_up(r.offset), r.end // PAGE * PAGE
             if body_start > at:
                 gaps.append((at, body_start))
             tensor = empty_at_residue(r.size, r.offset % PAGE)
@@ -897,9 +628,9 @@ class _Prefetched:
         total = 0
         for a, b in gaps:
             self._gap_at.append((a, b, total))
-            total += _round_up(b - a)
+            total += round_up(b - a)
         self._scratch = aligned_buffer(total) if total else torch.empty(0, dtype=torch.uint8)
-        self._scratch_mem = _memory_of(self._scratch)
+        self._scratch_mem = memory_of(self._scratch)
         pieces += [_Piece(a, self._scratch[s:s + b - a]) for a, b, s in self._gap_at]
         pieces.sort(key=lambda p: p.offset)
         batch, filled = 0, 0
@@ -910,13 +641,13 @@ class _Prefetched:
             filled += p.tensor.numel()
         # What to finish after each batch: the members whose last byte it read.
         ends = [p.offset + p.tensor.numel() for p in pieces]
-        finish: list[list[_Record]] = [[] for _ in range(batch + 1)]
+        finish: list[list[Record]] = [[] for _ in range(batch + 1)]
         for r in ordered:
             if r.size and (verify and r.crc is not None or r.offset in self._tensors or r.header_offset >= 0):
                 finish[pieces[bisect.bisect_left(ends, r.end)].batch].append(r)
         self._read(fd, pieces, finish, handles, verify)
 
-    def _read(self, fd: int, pieces: list[_Piece], finish: list[list[_Record]], handles: list[Any],
+    def _read(self, fd: int, pieces: list[_Piece], finish: list[list[Record]], handles: list[AioHandle],
               verify: bool) -> None:
         inflight: collections.deque[tuple[Any, int]] = collections.deque()
         worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deepnvme-load-check")
@@ -930,23 +661,26 @@ class _Prefetched:
                     for c in checks:  # a damaged member already found: read no further
                         if c.done():
                             c.result()
+                inflight.append((handle, batch))  # before queueing: a refused request still drains the rest
                 while i < len(pieces) and pieces[i].batch == batch:
                     handle.async_pread(pieces[i].tensor, fd, pieces[i].offset)
                     i += 1
-                inflight.append((handle, batch))
             while inflight:
                 self._complete(inflight, finish, worker, checks, verify)
             for c in checks:
                 c.result()
-        except BaseException:
+        except BaseException as exc:
             for handle, _ in inflight:  # the reads' memory goes with this object: let them end first
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(Exception):
                     handle.wait()
+            if isinstance(exc, ValueError) and not isinstance(exc, CheckpointFormatError):
+                # The handle refuses a read past the end: the file shrank after its directory was read.
+                raise CheckpointFormatError(self._path, f"truncated while being read ({exc})") from exc
             raise
         finally:
             worker.shutdown(wait=True, cancel_futures=True)
 
-    def _complete(self, inflight: collections.deque[tuple[Any, int]], finish: list[list[_Record]],
+    def _complete(self, inflight: collections.deque[tuple[Any, int]], finish: list[list[Record]],
                   worker: Any, checks: list[Any], verify: bool) -> None:
         """Wait for the oldest batch in flight, then hand its members to the worker."""
         handle, batch = inflight[0]
@@ -954,25 +688,22 @@ class _Prefetched:
             handle.wait()
         except OSError as exc:
             inflight.popleft()
-            raise _read_error(exc, self._path) from exc
+            raise with_path(exc, self._path, "reading") from exc
         inflight.popleft()
         checks.append(worker.submit(self._finish, finish[batch], verify))
 
-    def _finish(self, records: list[_Record], verify: bool) -> None:
+    def _finish(self, records: list[Record], verify: bool) -> None:
         """Check inferred offsets against the local headers; copy the partial first and last pages of
         each payload in from the gaps; check the CRCs."""
         for r in records:
             if r.header_offset >= 0:
-                header = self._gap_view(r.header_offset, 30)
-                if header is None or bytes(header[:4]) != _LOCAL:
-                    raise _Mispredicted(r.name)
-                name_len, extra_len = struct.unpack_from("<HH", header, 26)
-                if r.header_offset + 30 + name_len + extra_len != r.offset:
+                header = self._gap_view(r.header_offset, zipformat.LOCAL_HEADER_BYTES)
+                if header is None or zipformat.data_offset(header, r.header_offset) != r.offset:
                     raise _Mispredicted(r.name)
             tensor = self._tensors.get(r.offset)
             if tensor is not None:
-                mem = _memory_of(tensor)
-                head, tail = _round_up(r.offset) - r.offset, r.end // PAGE * PAGE - r.offset
+                mem = memory_of(tensor)
+                head, tail = round_up(r.offset) - r.offset, r.end // PAGE * PAGE - r.offset
                 if not (self.copy_out(mem[:head], r.offset) and self.copy_out(mem[tail:], r.offset + tail)):
                     raise RuntimeError(f"{self._path}: the edges of {r.name} were not read (a deepnvme bug)")
             else:
@@ -982,13 +713,13 @@ class _Prefetched:
                 if got != r.crc:
                     raise _crc_error(self._path, r, got)
 
-    def has_storage(self, record: _Record) -> bool:
+    def has_storage(self, record: Record) -> bool:
         return record.offset in self._tensors
 
-    def tensor_of(self, record: _Record) -> Any:
+    def tensor_of(self, record: Record) -> Any:
         return self._tensors[record.offset]
 
-    def storage_of(self, record: _Record) -> Any:
+    def storage_of(self, record: Record) -> Any:
         return self._tensors[record.offset].untyped_storage()
 
     def member_bytes(self, name: str) -> memoryview | None:
@@ -1016,10 +747,6 @@ class _Prefetched:
         return self._scratch_mem[s + offset - a:s + offset - a + n]
 
 
-def _round_up(n: int) -> int:
-    return -(-n // PAGE) * PAGE
-
-
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
@@ -1038,8 +765,3 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
 def _pread_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
     if _pread_into(fd, view, offset) != len(view):
         raise CheckpointFormatError(path, f"truncated: expected {len(view)} bytes at offset {offset}")
-
-
-def _read_error(exc: OSError, path: str) -> OSError:
-    code = exc.errno if exc.errno is not None else errno.EIO
-    return OSError(code, f"{os.strerror(code)} (reading)", path)

@@ -17,6 +17,8 @@ SUPPORT = Path(__file__).resolve().parent / "support"
 if str(SUPPORT) not in sys.path:
     sys.path.insert(0, str(SUPPORT))
 
+from mounts import full_fs, ramfs  # noqa: E402, F401 - mounted file systems, fixtures of several folders
+
 from op_builder.engines import names as _engine_names  # noqa: E402 - after the sys.path line above
 
 # Every real engine the library knows, in its order of preference (from the engine catalogue).

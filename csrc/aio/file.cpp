@@ -198,6 +198,20 @@ int TargetFile::buffered_fd() {
     int flags = (write_ ? O_WRONLY : O_RDONLY) | O_CLOEXEC;
     std::string proc = "/proc/self/fd/" + std::to_string(src);
     int fd = open_retry(proc.c_str(), flags, 0);
+    if (fd < 0 && user_fd_ >= 0 && (errno == EACCES || errno == EPERM)) {
+        // The caller's O_DIRECT descriptor cannot write unaligned bytes, and its file description's flags
+        // are the caller's (clearing O_DIRECT there would change their descriptor under them): the only
+        // buffered way in is a reopen, which the file's mode refuses now. Say what works instead.
+        int err = errno;
+        throw_io(err,
+                 std::string("the descriptor was opened with O_DIRECT and the unaligned start or end of this "
+                             "range needs a buffered descriptor of the same file, but reopening it (through "
+                             "/proc/self/fd) for ") +
+                     (write_ ? "writing" : "reading") +
+                     " is refused (the file's mode no longer allows it): pass a descriptor opened without "
+                     "O_DIRECT, or align the offset and length to " + std::to_string(align_.off) + " bytes",
+                 path_);
+    }
     if (fd < 0) throw_io(errno, "cannot reopen without O_DIRECT for unaligned edges", path_);
     owned_buffered_ = FileDesc(fd);
     buffered_fd_ = fd;

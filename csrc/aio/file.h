@@ -67,7 +67,11 @@ public:
     TargetFile& operator=(TargetFile&&) noexcept;
 
     int direct_fd() const noexcept { return direct_fd_; }  // -1 if no O_DIRECT descriptor
-    int buffered_fd();                                     // opens one on first use; throws IoError
+    // A buffered descriptor for the unaligned edges: opened on first use by reopening /proc/self/fd/N
+    // (for a caller's O_DIRECT descriptor too, whose flags are the caller's to keep). Throws IoError; where
+    // the file's mode refuses the reopen (EACCES/EPERM), the message says to pass a descriptor without
+    // O_DIRECT (used as it is, never reopened) or to align the range.
+    int buffered_fd();
     const std::string& path() const noexcept { return path_; }
     const Alignment& alignment() const noexcept { return align_; }
     uint64_t size() const;                                 // current size (fstat)

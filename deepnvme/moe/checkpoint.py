@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepnvme._core.errors import CheckpointFormatError
+from deepnvme._core.files import write_atomically
 from deepnvme.moe.experts import EXPERT_KEY, expert_ranks
 
 MAIN_FILE = "mp_rank_00_model_states.pt"
@@ -35,18 +37,28 @@ def expert_file(layer: int, expert: int) -> str:
 
 def _write(obj: Any, path: str) -> None:
     """Write one checkpoint file with deepnvme's checkpoint writer (atomic, payloads straight from memory)."""
-    import deepnvme
+    from deepnvme.serialization import save
 
-    deepnvme.save(obj, path)
+    save(obj, path)
 
 
 def _read(path: str) -> Any:
     """Read one checkpoint file onto the CPU, tensors and plain containers only."""
-    import deepnvme
+    from deepnvme.serialization import load
 
     if not os.path.isfile(path):
         raise FileNotFoundError(errno.ENOENT, "checkpoint file missing", path)
-    return deepnvme.load(path, map_location="cpu", weights_only=True)
+    return load(path, map_location="cpu", weights_only=True)
+
+
+def _checked_tag(tag: Any, where: str) -> str:
+    """`tag` when it names a folder directly inside the checkpoint directory; ValueError otherwise (an
+    absolute path, `..`, `.`, a separator or NUL would put the files elsewhere)."""
+    if (not isinstance(tag, str) or not tag or tag in (".", "..") or "\0" in tag
+            or os.sep in tag or (os.altsep and os.altsep in tag)):
+        raise ValueError(f"{where} must name a folder inside the checkpoint directory (no '{os.sep}', not "
+                         f"'.' or '..'), got {tag!r}")
+    return tag
 
 
 def _moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -72,8 +84,7 @@ def save_moe_checkpoint(
     """Write this rank's share of checkpoint `tag` of `model` (call it on every rank); returns the folder."""
     import torch.distributed as dist
 
-    if not isinstance(tag, str) or not tag or os.sep in tag:
-        raise ValueError(f"tag must be a non-empty name without '{os.sep}', got {tag!r}")
+    _checked_tag(tag, "tag")
     rank = _rank()
     folder = os.path.join(save_dir, tag)
     os.makedirs(folder, exist_ok=True)
@@ -104,10 +115,7 @@ def save_moe_checkpoint(
     if distributed:
         dist.barrier()  # every file of the tag is written before `latest` names it
     if rank == 0:
-        latest = os.path.join(save_dir, LATEST_FILE)
-        with open(f"{latest}.tmp", "w") as f:
-            f.write(tag)
-        os.replace(f"{latest}.tmp", latest)
+        write_atomically(os.path.join(save_dir, LATEST_FILE), tag.encode())
     if distributed:
         dist.barrier()  # and no rank returns (and maybe reads `latest`) before it is there
     return folder
@@ -118,13 +126,21 @@ def latest_tag(load_dir: str) -> str:
     path = os.path.join(load_dir, LATEST_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(errno.ENOENT, "no 'latest' file in the checkpoint folder", path)
-    with open(path) as f:
-        return f.read().strip()
+    with open(path, "rb") as f:
+        text = f.read(4096)
+    try:
+        tag = text.decode().strip()
+    except UnicodeDecodeError as exc:
+        raise CheckpointFormatError(path, "not a tag (not UTF-8 text)") from exc
+    try:
+        return _checked_tag(tag, "the tag in 'latest'")
+    except ValueError as exc:
+        raise CheckpointFormatError(path, str(exc)) from exc
 
 
 def read_client_state(load_dir: str, tag: str | None = None) -> dict[str, Any]:
     """Everything in the main file except the weights (e.g. the model config saved beside them)."""
-    tag = latest_tag(load_dir) if tag is None else tag
+    tag = latest_tag(load_dir) if tag is None else _checked_tag(tag, "tag")
     main = _read(os.path.join(load_dir, tag, MAIN_FILE))
     return {k: v for k, v in main.items() if k != "module"}
 
@@ -134,12 +150,13 @@ def load_moe_checkpoint(model: nn.Module, load_dir: str, tag: str | None = None)
 
     The experts per MoE layer must match the saved ones; the expert-parallel size may differ.
     """
-    tag = latest_tag(load_dir) if tag is None else tag
+    tag = latest_tag(load_dir) if tag is None else _checked_tag(tag, "tag")
     folder = os.path.join(load_dir, tag)
     main_path = os.path.join(folder, MAIN_FILE)
     main = _read(main_path)
-    if not isinstance(main, dict) or "module" not in main or "num_experts" not in main:
-        raise ValueError(f"{main_path}: not an MoE model checkpoint (no 'module' or 'num_experts')")
+    if (not isinstance(main, dict) or not isinstance(main.get("module"), dict)
+            or not isinstance(main.get("num_experts"), list)):
+        raise CheckpointFormatError(main_path, "not an MoE model checkpoint (no 'module' or 'num_experts')")
     layers = _moe_layers(model)
     ours = [int(layer.num_experts) for _, layer in layers]
     if list(main["num_experts"]) != ours:
@@ -153,9 +170,14 @@ def load_moe_checkpoint(model: nn.Module, load_dir: str, tag: str | None = None)
         for local in range(layer.num_local_experts):
             global_id = ep_rank * layer.num_local_experts + local
             path = os.path.join(folder, expert_file(layer_id, global_id))
-            for key, value in _read(path).items():
-                if not key.startswith(f"{prefix}{global_id}."):
-                    raise ValueError(f"{path}: key {key!r} is not expert {global_id} of layer {name!r}")
+            expert = _read(path)
+            if not isinstance(expert, dict):
+                raise CheckpointFormatError(path, f"an expert file holds a {type(expert).__name__}, not a "
+                                            "dict")
+            for key, value in expert.items():
+                if not isinstance(key, str) or not key.startswith(f"{prefix}{global_id}."):
+                    raise CheckpointFormatError(path, f"key {key!r} is not expert {global_id} of layer "
+                                                f"{name!r}")
                 state[f"{prefix}{local}.{key[len(prefix) + len(str(global_id)) + 1 :]}"] = value
     model.load_state_dict(state)
     return {k: v for k, v in main.items() if k != "module"}

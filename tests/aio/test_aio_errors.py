@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import subprocess
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +12,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from mounts import mount_or_skip, sh, umount
 from thread_helpers import wait_until
 
 MiB = 1 << 20
@@ -27,44 +27,6 @@ def random_tensor(n: int) -> tuple[torch.Tensor, bytes]:
     """A plain uint8 tensor holding n random bytes, and the bytes."""
     data = os.urandom(n)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8), data
-
-
-def sh(*cmd: str) -> subprocess.CompletedProcess:
-    """Run a system command, capturing its output."""
-    return subprocess.run(cmd, check=False, capture_output=True, text=True)
-
-
-def mount_or_skip(args: list[str], where: Path) -> None:
-    """Mount something at `where`, skipping the test when this machine does not allow it."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount")
-    where.mkdir(parents=True, exist_ok=True)
-    r = sh("mount", *args, str(where))
-    if r.returncode != 0:
-        pytest.skip(f"mount {' '.join(args)} failed: {r.stderr.strip()}")
-
-
-def umount(where: Path) -> None:
-    """Unmount, lazily if something still holds it."""
-    if sh("umount", str(where)).returncode != 0:
-        sh("umount", "-l", str(where))
-
-
-@pytest.fixture(scope="module")
-def full_fs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A 16 MiB ext4 file system on a loop device, unmounted at teardown."""
-    base = tmp_path_factory.mktemp("fullfs")
-    img, mnt = base / "fs.img", base / "mnt"
-    with open(img, "wb") as f:
-        f.truncate(16 * MiB)
-    r = sh("mkfs.ext4", "-q", "-F", str(img))
-    if r.returncode != 0:
-        pytest.skip(f"mkfs.ext4 failed: {r.stderr.strip()}")
-    mount_or_skip(["-o", "loop", str(img)], mnt)
-    try:
-        yield mnt
-    finally:
-        umount(mnt)
 
 
 @pytest.fixture(scope="module")
@@ -90,17 +52,6 @@ def fs_4kn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             umount(mnt)
     finally:
         sh("losetup", "-d", dev)
-
-
-@pytest.fixture
-def ramfs(tmp_path: Path) -> Iterator[Path]:
-    """A fresh ramfs mount, a file system that refuses O_DIRECT at open."""
-    mnt = tmp_path / "ramfs"
-    mount_or_skip(["-t", "ramfs", "ramfs"], mnt)
-    try:
-        yield mnt
-    finally:
-        umount(mnt)
 
 
 @pytest.fixture

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,6 @@ import dcp_workers
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_aio_errors import full_fs, ramfs  # noqa: F401 - mounted file systems, as fixtures
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -144,15 +145,27 @@ def _io_bytes(b: bytes) -> Any:
 
 
 def test_temporaries_of_a_killed_save_are_removed(tmp_path: Path) -> None:
+    """deepnvme's one atomic-replace recipe: a save removes the temporaries of its files that processes of
+    this host left and that are gone; one of a live process (another rank saving) stays."""
+    from deepnvme._core.files import _HOST, TEMP_SUFFIX
+
     directory = tmp_path / "c"
     directory.mkdir()
-    stale = [directory / ".__0_0.distcp.0badf00d.tmp", directory / ".metadata.0badf00d.tmp"]
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    stale = [directory / f".{name}.{_HOST}.{dead.stdout.strip()}.0badf00d{TEMP_SUFFIX}"
+             for name in ("__0_0.distcp", ".metadata")]
     for p in stale:
         p.write_bytes(b"half a file")
-    other_rank = directory / ".__1_0.distcp.0badf00d.tmp"
-    other_rank.write_bytes(b"not ours to remove")
-    dcp.save({"x": torch.ones(5)}, storage_writer=AioStorageWriter(directory))
-    assert not any(p.exists() for p in stale) and other_rank.exists()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        other_rank = directory / f".__0_0.distcp.{_HOST}.{live.pid}.0badf00d{TEMP_SUFFIX}"
+        other_rank.write_bytes(b"not ours to remove")
+        dcp.save({"x": torch.ones(5)}, storage_writer=AioStorageWriter(directory))
+        assert not any(p.exists() for p in stale) and other_rank.exists()
+    finally:
+        live.kill()
+        live.wait()
 
 
 def test_failed_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
@@ -240,6 +253,14 @@ def test_bad_arguments(tmp_path: Path) -> None:
         AioStorageWriter(123)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="path"):
         AioStorageReader(None)  # type: ignore[arg-type]
+    # The handle settings are checked once, in deepnvme._core.handles, when the writer is made: beyond a
+    # handle's limits, of the wrong type, or unknown, before any save starts.
+    with pytest.raises(ValueError, match="queue_depth"):
+        AioStorageWriter(tmp_path, queue_depth=100000)
+    with pytest.raises(TypeError, match="thread_count"):
+        AioStorageWriter(tmp_path, thread_count=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="block_size"):
+        AioStorageReader(tmp_path, block_size="1M")  # type: ignore[arg-type]
 
 
 def test_given_handle_is_used(tmp_path: Path, aio_module: Any) -> None:

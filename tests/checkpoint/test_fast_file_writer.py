@@ -14,14 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from deepnvme.io import (
-    PAGE,
-    FastFileWriter,
-    FastFileWriterConfig,
-    MockFileWriter,
-    PyFileWriter,
-    _memory_of,
-)
+from deepnvme._core.memory import PAGE, memory_of
+from deepnvme.io import FastFileWriter, FastFileWriterConfig, MockFileWriter, PyFileWriter
 
 REPO = Path(__file__).resolve().parents[2]
 DS_PYTHON = Path("/work/dsvenv/bin/python")
@@ -101,7 +95,7 @@ def test_storage_object_list_with_and_without_sizes(tmp_path: Path, handle: Any)
         path = tmp_path / f"list{save_size}.bin"
         with FastFileWriter(str(path), _config(handle)) as w:
             n = w.save_torch_storage_object_list(pairs, save_size)
-        want = b"".join((t.numel().to_bytes(8, "little") if save_size else b"") + bytes(_memory_of(t))
+        want = b"".join((t.numel().to_bytes(8, "little") if save_size else b"") + bytes(memory_of(t))
                         for t in tensors)
         assert path.read_bytes() == want and n == len(want)
     counted = MockFileWriter(str(tmp_path / "mock.bin")).save_torch_storage_object_list(pairs, True)

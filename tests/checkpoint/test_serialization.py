@@ -16,20 +16,13 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme.io import (
-    DIRECT_MIN_BYTES,
-    PAGE,
-    _AlignedWriter,
-    aligned_buffer,
-    byte_view,
-    close_pair,
-    open_for_write,
-)
+from deepnvme._core.direct import DIRECT_MIN_BYTES, AlignedWriter, close_pair, open_for_write
+from deepnvme._core.memory import PAGE, aligned_buffer, byte_view
+from deepnvme._core.zipformat import read_records as _records
 from deepnvme.serialization import (
     CheckpointFormatError,
     _ArchiveReader,
     _page_aligned_storages,
-    _records,
     _SaveStream,
     _storages_of,
 )
@@ -89,7 +82,7 @@ def test_payloads_are_page_aligned_and_go_direct_from_tensor_memory(tmp_path: Pa
     obj = {f"w{i}": torch.randn(BIG // 4 + i) for i in range(4)} | {"tiny": torch.arange(3)}
     path = str(tmp_path / "a.pt")
     direct, buffered = open_for_write(path, os.O_CREAT)
-    writer = _AlignedWriter(handle, direct, buffered, [aligned_buffer(1 << 20) for _ in range(2)])
+    writer = AlignedWriter(handle, direct, buffered, [aligned_buffer(1 << 20) for _ in range(2)])
     try:
         stream = _SaveStream(writer, _storages_of(obj, pickle, 2))
         with _page_aligned_storages():
@@ -360,7 +353,7 @@ def test_handle_failures_raise_oserror_naming_the_path(tmp_path: Path, aio_modul
 def test_default_handle_is_per_thread_and_lazy_exports() -> None:
     import threading
 
-    from deepnvme.io import default_handle
+    from deepnvme._core.handles import default_handle
 
     mine = default_handle()
     assert default_handle() is mine

@@ -18,9 +18,11 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme import crc as crc_module
 from deepnvme import serialization
-from deepnvme.io import DIRECT_MIN_BYTES, PAGE
+from deepnvme._core import crc as crc_module
+from deepnvme._core import zipformat
+from deepnvme._core.direct import DIRECT_MIN_BYTES
+from deepnvme._core.memory import PAGE
 
 BIG = DIRECT_MIN_BYTES + 12_345
 
@@ -94,7 +96,7 @@ def test_checksum_false_leaves_the_crcs_zero(tmp_path: Path, handle: Any) -> Non
 def test_loaded_storages_match_torch_loads_and_sit_at_their_file_offset(tmp_path: Path, handle: Any) -> None:
     """Storage sizes, resizability, dtypes, views as torch.load gives them; each large payload's memory is
     at its file offset modulo the page, for ours (page-aligned) and stock torch.save files (64-aligned)."""
-    from deepnvme.io import byte_view
+    from deepnvme._core.memory import byte_view
 
     base = torch.randn(BIG // 4)
     obj = {"base": base, "view": base[7:1000], "other": torch.randn(BIG // 8 + 1).to(torch.float64),
@@ -129,8 +131,8 @@ def test_a_layout_other_than_torchs_is_read_exactly(tmp_path: Path, handle: Any,
     obj = {"w": torch.randn(BIG // 4), "s": torch.arange(9)}
     path = tmp_path / "a.pt"
     deepnvme.save(obj, path, handle=handle)
-    infer = serialization._inferred_offset
-    monkeypatch.setattr(serialization, "_inferred_offset",
+    infer = zipformat._inferred_offset
+    monkeypatch.setattr(zipformat, "_inferred_offset",
                         lambda m, following: None if (o := infer(m, following)) is None else o - 64)
     got = deepnvme.load(path, handle=handle)
     assert all(torch.equal(got[k], obj[k]) for k in obj)

@@ -17,7 +17,9 @@ import torch
 
 import deepnvme
 import deepnvme.serialization as serialization
-from deepnvme.io import DIRECT_MIN_BYTES, PAGE
+from deepnvme._core import zipformat
+from deepnvme._core.direct import DIRECT_MIN_BYTES
+from deepnvme._core.memory import PAGE
 from deepnvme.serialization import TEMP_SUFFIX
 
 # Several whole pages between a partial first and last page: head, tail and the O_DIRECT middle all read.
@@ -27,7 +29,7 @@ NUMEL = (DIRECT_MIN_BYTES + 5 * PAGE + 123) // 4
 def _replace_path_once_records_are_read(monkeypatch: pytest.MonkeyPatch, path: Path, other: Path) -> None:
     """Atomically rename `other` over `path` right after load has opened `path` and read its directory,
     i.e. before any payload is read: the race of an evaluator loading while a trainer saves."""
-    read_records = serialization._records
+    read_records = zipformat.read_records
 
     def records_then_replace(fd: int, name: str, **how: Any) -> Any:
         found = read_records(fd, name, **how)
@@ -35,7 +37,7 @@ def _replace_path_once_records_are_read(monkeypatch: pytest.MonkeyPatch, path: P
             os.replace(other, path)
         return found
 
-    monkeypatch.setattr(serialization, "_records", records_then_replace)
+    monkeypatch.setattr(zipformat, "read_records", records_then_replace)
 
 
 @pytest.mark.parametrize("proc", ["proc", "no-proc"])
@@ -68,7 +70,7 @@ def test_payload_pages_are_read_o_direct_from_the_open_file(tmp_path: Path, hand
     deepnvme.save({"w": torch.ones(NUMEL)}, path, handle=handle)
     fd = os.open(path, os.O_RDONLY)
     try:
-        records = serialization._records(fd, str(path))
+        records = zipformat.read_records(fd, str(path))
         assert records is not None
         with serialization._ArchiveReader(fd, str(path), records, handle, True) as reader:
             direct = reader._direct()
@@ -95,8 +97,8 @@ def _fail(exc: BaseException) -> Any:
 @pytest.mark.parametrize(("where", "exc"), [
     ("aligned_buffer", OSError(12, "Cannot allocate memory")),  # what mmap raises for ENOMEM
     ("aligned_buffer", _Interrupted()),
-    ("_AlignedWriter", _Interrupted()),
-    ("_AlignedWriter", MemoryError()),
+    ("AlignedWriter", _Interrupted()),
+    ("AlignedWriter", MemoryError()),
 ])
 def test_save_failing_before_the_first_write_leaves_no_temporary_and_no_fd(
         tmp_path: Path, handle: Any, monkeypatch: pytest.MonkeyPatch, where: str, exc: BaseException) -> None:

@@ -113,17 +113,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
-# Circles whose fix lands from another branch of issue 18; each entry must go when its fix is merged (the
-# test fails both on a new circle and on a listed one that is gone).
-BEING_REMOVED = [
-    # serialization.py loads the op through the package face (`from deepnvme import AsyncIOBuilder`); it is
-    # re-pointed to deepnvme._core.op with the rest of its core imports.
-    ["deepnvme", "deepnvme.serialization"],
-]
-
-
 def test_no_import_circles_in_the_tree() -> None:
-    assert cycles(import_graph(ROOT)) == BEING_REMOVED
+    assert cycles(import_graph(ROOT)) == []
 
 
 def test_a_planted_circle_is_found(tmp_path: Path) -> None:
@@ -156,3 +147,14 @@ def test_the_library_never_imports_the_tools_or_the_recipe() -> None:
     core = {m: sorted(t for t in graph[m] if t.startswith("deepnvme") and not t.startswith("deepnvme._core"))
             for m in graph if m.startswith("deepnvme._core")}
     assert {m: t for m, t in core.items() if t} == {}  # the core stands on op_builder only
+
+
+def test_the_op_is_loaded_through_one_door() -> None:
+    """Of the library's modules only deepnvme._core.op imports the async_io builder (the package face
+    re-exports the builders for users, lazily); nothing climbs back up through `from deepnvme import ...`."""
+    graph = import_graph(ROOT)
+    library = [m for m in graph if m.startswith("deepnvme.") and not m.endswith(".__main__")
+               and not m.startswith(("deepnvme.tools", "deepnvme.moe.recipe"))]
+    assert sorted(m for m in library if "op_builder.async_io" in graph[m] or "op_builder" in graph[m]) == [
+        "deepnvme._core.op"]
+    assert sorted(m for m in library if "deepnvme" in graph[m]) == []

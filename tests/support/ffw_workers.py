@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import deepnvme.io as dio  # noqa: E402
 from deepnvme import AsyncIOBuilder  # noqa: E402
+from deepnvme._core.memory import memory_of  # noqa: E402
 
 STRIPE = 64 << 10  # small stripes, so that a 1 MB state dict gives each rank many of them
 
@@ -75,7 +76,7 @@ def main(rank: int, world: int, folder: str) -> None:
         assert mine < 0.75 * len(expected), f"rank 0 wrote {mine} of {len(expected)} bytes: not a share"
         loaded = torch.load(shared, weights_only=True)
         assert all(torch.equal(loaded[k], sd[k]) for k in sd)
-        want = b"".join(struct_count(t) + bytes(dio._memory_of(t)) for t in sd.values())
+        want = b"".join(struct_count(t) + bytes(memory_of(t)) for t in sd.values())
         with open(listed, "rb") as f:
             assert f.read() == want, "storage list file differs"
         for r in range(world):
