@@ -254,7 +254,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         entries, at = [], 0
         for k, v in state.items():
             if self._is_swapped(p, k, v):
-                dtype = v.dtype if (self.master_weights or not v.is_floating_point()) else p.dtype
+                # The state of an fp32 master is fp32 (Adagrad makes its sums at construction, in the
+                # model's dtype); otherwise torch's rule: floating state takes the parameter's dtype.
+                dtype = v.dtype if not v.is_floating_point() else torch.float32 if self.master_weights else p.dtype
                 entries.append(_Entry(k, at, dtype, v.shape))
                 at += round_up(v.numel() * dtype.itemsize)
         self._units += 1
