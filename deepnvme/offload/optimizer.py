@@ -256,7 +256,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if self._is_swapped(p, k, v):
                 # The state of an fp32 master is fp32 (Adagrad makes its sums at construction, in the
                 # model's dtype); otherwise torch's rule: floating state takes the parameter's dtype.
-                dtype = v.dtype if not v.is_floating_point() else torch.float32 if self.master_weights else p.dtype
+                floating = torch.float32 if self.master_weights else p.dtype
+                dtype = floating if v.is_floating_point() else v.dtype
                 entries.append(_Entry(k, at, dtype, v.shape))
                 at += round_up(v.numel() * dtype.itemsize)
         self._units += 1

@@ -107,7 +107,8 @@ def test_master_weights_carried_by_checkpoints(workdir: Path, tmp_path: Path) ->
     ref_losses = train(ref, ref_opt, range(STEPS), masters=masters)
 
     first = model(dtype=torch.bfloat16)
-    with OffloadedOptimizer(OPTIMIZERS["adam"](first.parameters()), workdir, BUDGET, master_weights=True) as opt:
+    inner = OPTIMIZERS["adam"](first.parameters())
+    with OffloadedOptimizer(inner, workdir, BUDGET, master_weights=True) as opt:
         losses = train(first, opt, range(10))
         opt.save(tmp_path / "a.pt")
         whole = opt.state_dict()
