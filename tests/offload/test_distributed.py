@@ -1,4 +1,4 @@
-"""OffloadedOptimizer on torch's own distributed engines (gloo, 2 processes): each rank offloads its own state.
+"""OffloadedOptimizer on torch's distributed engines (gloo, 2 processes): each rank offloads its own state.
 
 Each rank trains the same model on its own batches twice, from the same seed: with the plain optimizer and
 with it offloaded (every rank in its own subdirectory of one shared swap directory). Losses and parameters
@@ -54,7 +54,8 @@ def _run(rank: int, kind: str, offload: bool, directory: str) -> tuple[list[floa
 def _body(rank: int, world: int, directory: str) -> dict[str, Any]:
     out = {}
     for kind in ("ddp", "zero"):
-        out[kind] = {"plain": _run(rank, kind, False, directory), "offload": _run(rank, kind, True, directory)}
+        out[kind] = {"plain": _run(rank, kind, False, directory),
+                     "offload": _run(rank, kind, True, directory)}
     out["left"] = os.listdir(directory)
     return out
 
