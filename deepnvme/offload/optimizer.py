@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from deepnvme.offload._doors import PAGE, save_streamed
+from deepnvme.offload.closing import Closing
 from deepnvme.offload.pool import round_up
 from deepnvme.offload.swap import Lease, ReadAhead, SwapSpace, Unit
 
@@ -73,7 +74,7 @@ class _Record:
         return {e.key: raw[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.entries}
 
 
-class OffloadedOptimizer(torch.optim.Optimizer):
+class OffloadedOptimizer(Closing, torch.optim.Optimizer):
     """Wrap `optimizer` so that its state lives in files under `directory` between steps.
 
     `budget_bytes` is the locked memory offload uses: the pool every read and write goes through
@@ -465,17 +466,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._closed = True
         self.swap.close()
 
-    def __enter__(self) -> OffloadedOptimizer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - nothing can be raised from a finaliser
-            pass
 
     def __repr__(self) -> str:
         return (f"OffloadedOptimizer({type(self.optimizer).__name__}, {self.swap.directory!r}, "

@@ -23,6 +23,7 @@ from typing import Any
 
 from deepnvme.offload import preflight, swapdir
 from deepnvme.offload._doors import PAGE, locked_bytes, new_handle
+from deepnvme.offload.closing import Closing
 from deepnvme.offload.pool import Buffer, BufferPool, round_up
 from deepnvme.offload.queues import DEMAND, PREFETCH, IOQueue, Ticket
 
@@ -118,7 +119,7 @@ class Lease:
         self.buffer.release()
 
 
-class SwapSpace:
+class SwapSpace(Closing):
     """Units of bytes in files, moved through `budget_bytes` of locked memory (see the module docstring).
 
     Pre-flight, before anything is created: the budget against RLIMIT_MEMLOCK, the directory (exists,
@@ -273,7 +274,7 @@ class SwapSpace:
 
     def close(self) -> None:
         """Finish queued I/O, free the pool, close files, remove this space's subdirectory (idempotent)."""
-        if self.closed:
+        if getattr(self, "closed", True):  # closed, or __init__ failed before there was anything to close
             return
         self.closed = True
         for q in (self.reads, self.writes):
@@ -286,19 +287,9 @@ class SwapSpace:
                 os.close(fd)
         self._fd = -1
         self._ext.clear()
-        swapdir.remove_own(self.path) if hasattr(self, "path") else None
+        if hasattr(self, "path"):
+            swapdir.remove_own(self.path)
 
-    def __enter__(self) -> SwapSpace:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - nothing can be raised from a finaliser
-            pass
 
 
 class ReadAhead:

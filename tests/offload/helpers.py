@@ -4,25 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
+from tests.mounts import mounted
 
 
-@contextlib.contextmanager
-def tmpfs(path: Path, options: str) -> Iterator[Path]:
+def tmpfs(path: Path, options: str) -> contextlib.AbstractContextManager[Path]:
     """A tmpfs mounted at `path` with `options` (e.g. "size=1m" or "ro"); skips where mounting is refused."""
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); needs root")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
+    return mounted(path, "tmpfs", options)
 
 
 def open_fds() -> set[str]:
