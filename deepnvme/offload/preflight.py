@@ -84,7 +84,8 @@ def open_direct(path: str, flags: int, mode: int = 0o600) -> tuple[int, bool]:
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
-    fd = os.open(path, flags | os.O_CLOEXEC, mode)
+    # Linux creates the file before it refuses O_DIRECT: an O_EXCL open would now find our own file.
+    fd = os.open(path, flags & ~os.O_EXCL | os.O_CLOEXEC, mode)
     warnings.warn(f"O_DIRECT is not supported by the file system of {os.path.dirname(path)} (first seen with "
                   f"{path}); deepnvme uses buffered I/O there: correct, but through the page cache",
                   RuntimeWarning, stacklevel=3)

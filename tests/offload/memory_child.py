@@ -65,10 +65,19 @@ def main() -> None:
             threads.append(threading.active_count())
     state_bytes = opt.swap.reserved_bytes
     peak_in_use = opt.swap.pool.peak_in_use
+    growth = {}
+    ckpt = os.path.join(directory, "ckpt.pt")
+    for what, fn in (("save", lambda: opt.save(ckpt)), ("load", lambda: opt.load(ckpt))):
+        before = status("VmRSS")
+        reset_peak()
+        fn()
+        growth[what] = status("VmHWM") - before
+    os.unlink(ckpt)
     opt.close()
     print(json.dumps({"state_bytes": state_bytes, "peak_growth": peak_growth, "locked_max": max(locked_seen),
                       "peak_in_use": peak_in_use, "rss": rss[0], "fds": fds, "threads": threads,
-                      "locked_after": locked_bytes() - locked_base,
+                      "locked_after": locked_bytes() - locked_base, "save_growth": growth["save"],
+                      "load_growth": growth["load"],
                       "left": os.listdir(directory)}))
 
 

@@ -2,6 +2,7 @@
 
 - a step's peak resident growth stays within the budget plus a fixed overhead, for a state 8x the budget;
 - locked memory is the budget, never more, at every tile;
+- save() and load() of that state grow the peak RSS by no more than the budget plus the same overhead;
 - over 200 small steps: no growth of RSS, descriptors or threads; nothing left after close.
 """
 
@@ -33,6 +34,7 @@ def test_step_memory_within_budget_for_a_state_8x_larger(workdir: Path) -> None:
     assert r["state_bytes"] >= 8 * BUDGET
     assert r["peak_growth"] <= BUDGET + OVERHEAD, r
     assert r["locked_max"] <= BUDGET and r["peak_in_use"] <= BUDGET, r
+    assert r["save_growth"] <= BUDGET + OVERHEAD and r["load_growth"] <= BUDGET + OVERHEAD, r
     assert r["locked_after"] == 0 and r["left"] == []
 
 

@@ -250,3 +250,19 @@ def test_closed_space_refuses(workdir: Path) -> None:
     space.close()
     with pytest.raises(RuntimeError, match="closed"):
         space.read([u])
+
+
+def test_directory_refusing_o_direct_goes_buffered_with_a_warning(tmp_path: Path) -> None:
+    from tests.mounts import mounted
+
+    with mounted(tmp_path / "ramfs", "ramfs") as mnt:
+        with pytest.warns(RuntimeWarning, match="O_DIRECT is not supported"):
+            space = SwapSpace(mnt, 1 << 20)
+        with space:
+            assert not space.direct
+            data = _fill(space, [100, PAGE + 3])
+            lease = space.read([space.unit("u0"), space.unit("u1")])
+            lease.wait()
+            assert torch.equal(lease.view("u0"), data[0]) and torch.equal(lease.view("u1"), data[1])
+            lease.release()
+        assert os.listdir(mnt) == []
