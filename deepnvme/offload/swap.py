@@ -8,8 +8,9 @@ the true range. Space for owned units is reserved with fallocate when they are a
 up then, naming the directory, and never as a short write later.
 
 Reads and writes go through two queues (queues.IOQueue), one thread and one handle each; every request has
-its own ticket. A `Lease` is the memory of a group of units (one pool buffer, the units laid out in it at
-page boundaries) and the tickets of their reads; `ReadAhead` issues the leases of a sequence of groups in
+its own ticket. Units that lie back to back in a file and in a lease move in one request. A `Lease` is the
+memory of a group of units (one pool buffer, the units laid out in it at page boundaries) and the tickets
+of their reads; `ReadAhead` issues the leases of a sequence of groups in
 order, as far ahead as the pool has room, and demands the one the caller needs next.
 """
 
@@ -74,6 +75,21 @@ class Lease:
         at = self._slot[unit.name]
         return self.buffer.tensor[at:at + unit.io_nbytes]
 
+    def runs(self, units: Sequence[Unit]) -> list[tuple[Any, int, str]]:
+        """(pool view, file offset, path) of one request per run of units that lie back to back both in the
+        pool and in one file (the parameters of a tile, written in order, do): one request per tile
+        rather than one per tensor."""
+        out: list[list[Any]] = []  # [slot, io_start, io_end, path]
+        for u in units:
+            slot = self._slot[u.name]
+            last = out[-1] if out else None
+            if (last is not None and last[3] == u.path and last[2] == u.io_start
+                    and last[0] + (last[2] - last[1]) == slot):
+                last[2] = u.io_end
+            else:
+                out.append([slot, u.io_start, u.io_end, u.path])
+        return [(self.buffer.tensor[slot:slot + end - start], start, path) for slot, start, end, path in out]
+
     def view(self, unit: Unit | str) -> Any:
         """A uint8 tensor over the unit's true bytes in the pool (valid until the lease is released)."""
         u = unit if isinstance(unit, Unit) else self.space.unit(unit)
@@ -100,9 +116,10 @@ class Lease:
         if not owned:
             self.buffer.release()
             return []
-        self._writes_left = len(owned)
-        self.tickets = [Ticket(self.io_view(u), self.space._fd, u.io_start, u.path, True, self._written)
-                        for u in owned]
+        runs = self.runs(owned)
+        self._writes_left = len(runs)
+        self.tickets = [Ticket(view, self.space._fd, start, path, True, self._written)
+                        for view, start, path in runs]
         for t in self.tickets:
             self.space._track_write(self.space.writes.submit(t))
         return self.tickets
@@ -249,10 +266,9 @@ class SwapSpace(Closing):
         if lease is None:
             return None
         priority = DEMAND if demand else PREFETCH
-        for u in lease.units:
-            fd = self._fd if u.owned else self._ext[u.path]
-            lease.tickets.append(self.reads.submit(Ticket(lease.io_view(u), fd, u.io_start, u.path, False),
-                                                   priority))
+        for view, start, path in lease.runs(lease.units):
+            fd = self._fd if path == self.file else self._ext[path]
+            lease.tickets.append(self.reads.submit(Ticket(view, fd, start, path, False), priority))
         return lease
 
     def _track_write(self, ticket: Ticket) -> None:

@@ -54,13 +54,15 @@ def test_group_lease_and_rewrite(workdir: Path) -> None:
         data = _fill(space, [5000, 9000, 123])
         units = [space.unit(f"u{i}") for i in range(3)]
         lease = space.read(units, demand=True)
+        assert len(lease.tickets) == 1  # back to back in the file and in the pool: one request
         lease.wait()
         for u, x in zip(units, data):
             assert torch.equal(lease.view(u), x)
             lease.view(u).add_(1)
-        lease.write_back()
+        assert len(lease.write_back()) == 1
         space.wait_writes()
-        again = space.read(units)
+        again = space.read(units[::-1])  # out of file order: one request per unit
+        assert len(again.tickets) == 3
         again.wait()
         for u, x in zip(units, data):
             assert torch.equal(again.view(u), x + 1)
