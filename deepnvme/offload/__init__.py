@@ -2,7 +2,8 @@
 
 - :class:`SwapSpace` (swap.py): the core, named units of bytes in files, one pool of locked buffers
   (pool.py), separate read and write queues with completion per request (queues.py), prefetch with demand
-  first, pre-flight checks (preflight.py) and per-process directories (swapdir.py).
+  first, pre-flight checks (preflight.py) and per-process directories (swapdir.py); closing.py is the
+  context-manager face they share, _doors.py every import from the rest of deepnvme.
 - :class:`OffloadedOptimizer` (optimizer.py): any torch.optim optimizer with its state on the drive.
 """
 
