@@ -84,7 +84,7 @@ class _Mispredicted(Exception):
 
 
 def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
-         handle: AioHandle | None = None, checksum: bool = True) -> None:
+         handle: AioHandle | None = None, checksum: bool = True, payloads: Any = None) -> None:
     """torch.save(obj) to `path` atomically, storage payloads written O_DIRECT from the tensors' memory.
 
     `handle` is an aio_handle (default: this thread's own, with the recommended settings). Raises
@@ -94,6 +94,11 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
     zero, as torch does with compute_crc32 off: stock torch.load still reads the file, but neither zip tools
     nor deepnvme.load can then check it. A symbolic link at `path` is written through, as torch.save does:
     its target is atomically replaced and the link stays.
+
+    `payloads` lets a caller supply storage bytes that are not in memory (deepnvme.offload streams an
+    optimizer's state from its swap file this way): called with each storage of `obj` as torch writes
+    it, it returns a uint8 tensor holding that storage's bytes, or None to write the storage's own. The
+    tensor is written before the next call, so it may be reused then.
     """
     import torch
 
@@ -119,7 +124,7 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
             writer = AlignedWriter(handle, direct_fd, buffered_fd, buffers)
             # torch's own CRC-32 (one core, slower than the disk) is off; the stream computes them faster.
             with _page_aligned_storages(crc=False) as settable:
-                stream = _SaveStream(writer, storages, checksums=checksum and settable)
+                stream = _SaveStream(writer, storages, checksums=checksum and settable, payloads=payloads)
                 torch.save(obj, stream, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
             stream.close_archive()
             writer.finish()
@@ -156,9 +161,10 @@ class _SaveStream:
     """
 
     def __init__(self, writer: AlignedWriter, storages: dict[tuple[int, int], Any],
-                 checksums: bool = False) -> None:
+                 checksums: bool = False, payloads: Any = None) -> None:
         self._writer = writer
         self._storages = storages
+        self._payloads = payloads
         self._zip = zipformat.CrcFollower() if checksums else None
         self.pos = 0
 
@@ -168,10 +174,16 @@ class _SaveStream:
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         n = len(view)
-        source = None
-        if n >= DIRECT_MIN_BYTES:
+        source = supplied = None
+        if n >= DIRECT_MIN_BYTES or self._payloads is not None:
             storage = self._storages.get((address_of(view), n))
-            if storage is not None:
+            if storage is not None and self._payloads is not None:
+                supplied = self._payloads(storage)
+            if supplied is not None:
+                if supplied.numel() != n:
+                    raise ValueError(f"payloads gave {supplied.numel()} bytes for a storage of {n}")
+                source, view = supplied, memory_of(supplied)
+            elif storage is not None and n >= DIRECT_MIN_BYTES:
                 source = byte_view(storage)
         if self._zip is None:
             self._writer.put(view, self.pos, source)
@@ -179,6 +191,8 @@ class _SaveStream:
             for piece, at, piece_source in self._zip.feed(view, self.pos, source is not None):
                 self._writer.put(piece, at, source if piece_source else None)
             self._zip.settle()
+        if supplied is not None:  # the caller may reuse that memory once this returns
+            self._writer.wait()
         self.pos += n
         return n
 

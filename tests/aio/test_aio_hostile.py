@@ -19,6 +19,7 @@ from types import ModuleType
 import pytest
 import torch
 from builder_helpers import REPO_ROOT
+from mounts import mounted
 
 KiB, MiB = 1 << 10, 1 << 20
 U8 = torch.empty(0, dtype=torch.uint8)
@@ -569,17 +570,8 @@ def ramfs(tmp_path: Path) -> Iterator[Path]:
     """A fresh ramfs mount (a file system that refuses O_DIRECT, so the handle warns)."""
     if os.geteuid() != 0:
         pytest.skip("needs root to mount a ramfs")
-    mnt = tmp_path / "ramfs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True, text=True,
-                       check=False)
-    if r.returncode != 0:
-        pytest.skip(f"mount -t ramfs failed: {r.stderr.strip()}")
-    try:
+    with mounted(tmp_path / "ramfs", "ramfs") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True, check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
 
 
 def test_warning_as_error_leaves_nothing_half_done(aio_module: ModuleType, ramfs: Path) -> None:

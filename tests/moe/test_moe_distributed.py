@@ -9,26 +9,18 @@ finish (DeepSpeed hangs there, #6809): every collective has a 60 s timeout and t
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import launch
 from torch import nn
 
 M, F_HIDDEN, AUX = 8, 16, 0.1
 TOL = 1e-5
 DEADLINE_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build(sc: dict[str, Any], ep_size: int) -> nn.Module:
@@ -129,44 +121,13 @@ def _broadcast_check(rank: int, world: int, sc: dict[str, Any]) -> dict[str, Any
     }
 
 
-def _worker(rank: int, world: int, port: int, scenarios: list[dict[str, Any]], out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        results = [
-            (_broadcast_check if sc.get("broadcast") else _scenario)(rank, world, sc) for sc in scenarios
-        ]
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _scenarios(rank: int, world: int, scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [(_broadcast_check if sc.get("broadcast") else _scenario)(rank, world, sc) for sc in scenarios]
 
 
 def _launch(world: int, scenarios: list[dict[str, Any]], tmp_path: Path) -> list[list[dict[str, Any]]]:
     """Run the scenarios in ``world`` spawned processes; fail (never hang) if any process errs or overruns."""
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, scenarios, str(tmp_path))) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(DEADLINE_S)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} still running after {DEADLINE_S}s"
-    codes = [p.exitcode for p in procs]
-    assert codes == [0] * world, f"exit codes {codes}"
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    return launch(world, _scenarios, (scenarios,), tmp_path, DEADLINE_S)
 
 
 def _check(per_rank: list[list[dict[str, Any]]], expected_groups: dict[str, int]) -> None:

@@ -1,9 +1,10 @@
 """Mounted file systems for the tests that need one (root with mount rights; skipped elsewhere): a small
-full-able ext4 on a loop device and a ramfs, which refuses O_DIRECT. Import the fixtures into a test module
-to use them."""
+full-able ext4 on a loop device and a ramfs, which refuses O_DIRECT (fixtures, shared through
+tests/conftest.py), and `mounted`, any file system type with options for the length of a block."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections.abc import Iterator
@@ -61,3 +62,18 @@ def ramfs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         umount(mnt)
+
+
+@contextlib.contextmanager
+def mounted(path: Path, fstype: str, options: str = "") -> Iterator[Path]:
+    """`fstype` mounted at `path` (created) with `options`; skips the test where mounting is refused."""
+    path.mkdir(parents=True, exist_ok=True)
+    cmd = ["mount", "-t", fstype, *(["-o", options] if options else []), fstype, str(path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        pytest.skip(f"mount -t {fstype} failed (needs root): {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True, check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)

@@ -1,0 +1,287 @@
+#!/usr/bin/env python3
+"""The offloaded optimizer's step against its bounds and against DeepSpeed's NVMe optimizer offload.
+
+    python3 bench/offload_bench.py [--dir /work/benchtmp] [--sizes 1G,4G] [--budget 256M] [--repeats 3]
+                                   [--deepspeed_python /work/dsvenv/bin/python] [--quick] [--out PREFIX]
+
+For each size (bytes of Adam state: exp_avg + exp_avg_sq, fp32; the model is a stack of square Linear
+layers with that much state), one Adam step of:
+- memory:  torch.optim.Adam with its state in memory (the compute bound);
+- raw:     the aio handle reading then writing the same bytes as the offloaded step moves (the state),
+           in budget-sized requests from one locked buffer (the I/O bound of one drive);
+- offload: deepnvme.offload.OffloadedOptimizer(Adam) with --budget of locked memory;
+- deepspeed: DeepSpeed 0.19.8 ZeRO-3, offload_optimizer nvme, pipeline_read/write, default aio and
+           buffer_count, world size 1, DS_ACCELERATOR=cpu, in its own venv and process
+           (bench/offload_deepspeed_side.py); its engine's optimizer.step alone is timed.
+The contenders run back to back in an order that rotates every repeat; cells are medians. Reported per
+contender: seconds per step, CPU seconds per step (this process's user+system; DeepSpeed's its own), GB
+moved per step, locked memory; and the ratios the issue sets targets for: offload / max(memory, raw) and
+DeepSpeed / offload. Writes Markdown to stdout and <out>.md, every sample to <out>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from deepnvme.offload import OffloadedOptimizer  # noqa: E402
+from deepnvme.offload._doors import locked_bytes, new_handle  # noqa: E402
+
+MIB = 1 << 20
+GB = 1e9
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": MIB, "G": 1 << 30}
+    text = text.strip().upper()
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def shape_for(state_bytes: int) -> tuple[int, int]:
+    """(width, layers) of a Linear stack whose Adam state (8 bytes per parameter) is about `state_bytes`."""
+    width = 2048 if state_bytes >= 1 << 30 else 1024 if state_bytes >= 64 * MIB else 256
+    layers = max(1, round(state_bytes / (8 * (width * width + width))))
+    return width, layers
+
+
+def build(width: int, layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+
+def fake_grads(model: nn.Module) -> None:
+    """Gradients without a backward pass: only the optimizer step is timed, and each step sees the same."""
+    gen = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.empty_like(p)
+        p.grad.normal_(generator=gen)
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    t, c = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - t, time.process_time() - c
+
+
+class RawIO:
+    """The handle reading, then writing, `nbytes` of a file in `chunk`-byte requests from a locked buffer."""
+
+    def __init__(self, path: str, nbytes: int, chunk: int) -> None:
+        self.handle = new_handle()
+        self.nbytes, self.chunk = nbytes, chunk
+        self.buf = self.handle.new_cpu_locked_tensor(chunk, torch.empty(0, dtype=torch.uint8))
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        os.posix_fallocate(self.fd, 0, nbytes)
+        self.buf.fill_(7)
+        self._each(write=True)
+
+    def _each(self, write: bool) -> None:
+        for off in range(0, self.nbytes, self.chunk):
+            n = min(self.chunk, self.nbytes - off)
+            view = self.buf[:n]
+            (self.handle.sync_pwrite if write else self.handle.sync_pread)(view, self.fd, off)
+
+    def step(self) -> None:
+        self._each(write=False)
+        self._each(write=True)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self.handle.free_cpu_locked_tensor(self.buf)
+
+
+class DeepSpeedSide:
+    """DeepSpeed's step in its own interpreter: one line "STEP" in, "<s> <cpu s> <locked>" out."""
+
+    def __init__(self, python: str, width: int, layers: int, nvme: str) -> None:
+        self.error: str | None = None
+        cmd = [python, str(ROOT / "bench" / "offload_deepspeed_side.py"), "--width", str(width), "--layers",
+               str(layers), "--nvme", nvme]
+        env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+        env.pop("PYTHONPATH", None)  # DeepSpeed's venv has its own torch; this tree is not needed there
+        try:
+            self.proc: subprocess.Popen | None = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
+        except OSError as exc:
+            self.proc, self.error = None, f"cannot start {python}: {exc}"
+            return
+        first = self._line()
+        if first != "READY":
+            self.error = first.removeprefix("UNAVAILABLE ") or f"exited with {self.proc.wait()}"
+            self.close()
+
+    def _line(self) -> str:
+        """The child's next stdout line that is not DeepSpeed's own chatter."""
+        while self.proc and self.proc.stdout:
+            line = self.proc.stdout.readline()
+            if not line:
+                return ""
+            line = line.strip()
+            if line == "READY" or line.startswith(("UNAVAILABLE", "ERROR")) or line[:1].isdigit():
+                return line
+        return ""
+
+    def step(self) -> tuple[float, float, int] | None:
+        if self.proc is None or self.proc.stdin is None:
+            return None
+        self.proc.stdin.write("STEP\n")
+        line = self._line()
+        if not line or not line[:1].isdigit():
+            self.error = line or "its process ended"
+            self.close()
+            return None
+        s, cpu, locked = line.split()
+        return float(s), float(cpu), int(locked)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            if self.proc.stdin:
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str], None]) -> dict:
+    width, layers = shape_for(size)
+    budget = args.budget
+    log(f"size {size / GB:.2f} GB of Adam state: {layers} x Linear({width}, {width}), "
+        f"budget {budget / MIB:.0f} MiB")
+    mem_model, off_model = build(width, layers), build(width, layers)
+    fake_grads(mem_model)
+    fake_grads(off_model)
+    mem_opt = torch.optim.Adam(mem_model.parameters(), lr=1e-4)
+    locked_before = locked_bytes()
+    off_opt = OffloadedOptimizer(torch.optim.Adam(off_model.parameters(), lr=1e-4), work / "offload", budget)
+    off_locked = locked_bytes() - locked_before
+    mem_opt.step()  # state made outside the clock, as for every contender
+    off_opt.step()
+    state = off_opt.swap.reserved_bytes
+    raw = RawIO(str(work / "raw.bin"), state, max(MIB, budget // 4))
+    ds = None
+    if args.deepspeed_python:
+        (work / "ds").mkdir(exist_ok=True)
+        ds = DeepSpeedSide(args.deepspeed_python, width, layers, str(work / "ds"))
+        if ds.error:
+            log(f"  DeepSpeed unavailable: {ds.error}")
+    contenders: dict[str, Callable[[], tuple[float, float, int] | None]] = {
+        "memory": lambda: (*timed(mem_opt.step), 0),
+        "raw": lambda: (*timed(raw.step), raw.chunk),
+        "offload": lambda: (*timed(off_opt.step), off_locked),
+    }
+    if ds is not None and not ds.error:
+        contenders["deepspeed"] = ds.step
+    samples: dict[str, list[tuple[float, float, int]]] = {k: [] for k in contenders}
+    names = list(contenders)
+    for r in range(args.repeats):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            got = contenders[name]()
+            if got is not None:
+                samples[name].append(got)
+                log(f"  repeat {r} {name:9s} {got[0]:.3f} s")
+    if ds is not None:
+        ds.close()
+    # Both took the same steps on the same gradients: a step that moved other bytes would not count.
+    if len(samples["memory"]) == len(samples["offload"]) and not all(
+            torch.equal(a, b) for a, b in zip(mem_model.parameters(), off_model.parameters())):
+        raise RuntimeError("the offloaded optimizer's parameters differ from the in-memory one's")
+    off_opt.close()
+    raw.close()
+    moved = {"memory": 0, "raw": 2 * state, "offload": 2 * state, "deepspeed": None}
+    cells = {}
+    for name, got in samples.items():
+        if not got:
+            continue
+        cells[name] = {"s": statistics.median(g[0] for g in got),
+                       "cpu_s": statistics.median(g[1] for g in got),
+                       "locked": max(g[2] for g in got), "bytes_moved": moved[name], "samples": got}
+    bound = max(cells["memory"]["s"], cells["raw"]["s"])
+    out = {"size": size, "width": width, "layers": layers, "state_bytes": state, "budget": budget,
+           "cells": cells, "offload_vs_bound": cells["offload"]["s"] / bound}
+    if "deepspeed" in cells:
+        out["deepspeed_vs_offload"] = cells["deepspeed"]["s"] / cells["offload"]["s"]
+        out["locked_vs_deepspeed"] = off_locked / max(1, cells["deepspeed"]["locked"])
+    elif ds is not None:
+        out["deepspeed_error"] = ds.error
+    return out
+
+
+def render(results: list[dict], meta: dict) -> str:
+    quick = ", --quick" if meta["quick"] else ""
+    lines = [f"# Offloaded optimizer step ({meta['when']}, {meta['host']}{quick})",
+             "", f"Adam, fp32; {meta['repeats']} interleaved repeats, medians. {meta['note']}", "",
+             "| state | budget | contender | s/step | CPU-s/step | GB moved/step | locked MiB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        for name, c in r["cells"].items():
+            moved = "" if c["bytes_moved"] is None else f"{c['bytes_moved'] / GB:.2f}"
+            lines.append(f"| {r['state_bytes'] / GB:.2f} GB | {r['budget'] / MIB:.0f} MiB | {name} | "
+                         f"{c['s']:.3f} | "
+                         f"{c['cpu_s']:.3f} | {moved} | {c['locked'] / MIB:.0f} |")
+    lines += ["", "| state | offload / max(memory, raw) | DeepSpeed / offload | locked: offload / DS |",
+              "|---|---|---|---|"]
+    for r in results:
+        ds = (f"{r['deepspeed_vs_offload']:.2f}" if "deepspeed_vs_offload" in r
+              else r.get("deepspeed_error", "-"))
+        lk = f"{r['locked_vs_deepspeed']:.2f}" if "locked_vs_deepspeed" in r else "-"
+        lines.append(f"| {r['state_bytes'] / GB:.2f} GB | {r['offload_vs_bound']:.2f} | {ds} | {lk} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default=None, help="where the swap files go (default: a temporary directory)")
+    ap.add_argument("--sizes", default="1G,4G", help="bytes of Adam state per model, comma-separated")
+    ap.add_argument("--budget", default="256M", help="locked memory of the offloaded optimizer")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--deepspeed_python", default="", help="an interpreter that imports deepspeed 0.19.8")
+    ap.add_argument("--quick", action="store_true", help="one small size, 2 repeats: shows the bench works")
+    ap.add_argument("--note", default="", help="a line for the report (e.g. 'machine busy')")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "offload"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.budget, args.repeats = "64M", "16M", 2
+    args.budget = parse_size(args.budget)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="offload-bench-", dir=args.dir))
+    (work / "offload").mkdir()
+
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    try:
+        results = [run_size(args, size, work, log) for size in sizes]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
+            "quick": args.quick, "repeats": args.repeats, "note": args.note, "torch": torch.__version__}
+    text = render(results, meta)
+    print(text)
+    Path(args.out + ".md").write_text(text)
+    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

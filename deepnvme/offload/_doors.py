@@ -1,0 +1,23 @@
+"""Every import deepnvme.offload takes from the rest of deepnvme, in one place: the private core's page
+size, its handles (the recommended settings, checked once) and the compiled ops, and deepnvme.save."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deepnvme._core.handles import new_handle  # noqa: F401 - re-exported
+from deepnvme._core.memory import PAGE  # noqa: F401 - re-exported
+from deepnvme._core.op import aio_module, pin_memory_module
+
+
+def locked_bytes() -> int:
+    """Bytes of locked memory registered in this process (every handle's and pin_handle's)."""
+    aio_module()  # the registry is shared once async_io is loaded
+    return int(pin_memory_module().pin_handle().locked_bytes())
+
+
+def save_streamed(obj: Any, path: Any, payloads: Any) -> None:
+    """deepnvme.save of `obj`, each storage's bytes given by `payloads(storage)` (serialization.save)."""
+    from deepnvme.serialization import save
+
+    save(obj, path, payloads=payloads)

@@ -1,0 +1,92 @@
+"""Checks made before a swap space does any work; each error names the value and what to change.
+
+- locked memory: the pool locks `budget_bytes`; without CAP_IPC_LOCK, RLIMIT_MEMLOCK must allow it;
+- free space: what will be written must fit on the drive (checked again when space is reserved);
+- the directory: it must be writable; where the file system refuses O_DIRECT, I/O goes buffered with
+  the project's usual warning.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import warnings
+
+from deepnvme.offload._doors import PAGE
+
+CAP_IPC_LOCK_BIT = 14
+
+
+def has_cap_ipc_lock() -> bool:
+    """Whether this process may lock memory beyond RLIMIT_MEMLOCK (CAP_IPC_LOCK in its effective set)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK_BIT & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def check_memlock(budget_bytes: int, already_locked: int = 0, *, limit: int | None = None,
+                  privileged: bool | None = None) -> None:
+    """Raise ValueError when locking `budget_bytes` more would pass RLIMIT_MEMLOCK.
+
+    `limit` and `privileged` default to this process's soft limit and CAP_IPC_LOCK.
+    """
+    if limit is None:
+        limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    if privileged is None:
+        privileged = has_cap_ipc_lock()
+    if privileged or limit == resource.RLIM_INFINITY:
+        return
+    if already_locked + budget_bytes > limit:
+        room = max(0, limit - already_locked) // PAGE * PAGE
+        raise ValueError(
+            f"budget_bytes={budget_bytes} would be locked, but RLIMIT_MEMLOCK is {limit} bytes "
+            f"({already_locked} already locked in this process): pass budget_bytes <= {room}, or raise the "
+            f"limit (`ulimit -l {-(-(already_locked + budget_bytes) // 1024)}` or more, 'memlock' in "
+            "/etc/security/limits.conf, `docker run --ulimit memlock=-1`)")
+
+
+def check_free_space(directory: str, nbytes: int) -> None:
+    """Raise OSError(ENOSPC) naming `directory` when fewer than `nbytes` are free there."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise OSError(errno.ENOSPC, f"{nbytes} bytes are to be written but only {free} are free there: "
+                      "free space or choose another directory", directory)
+
+
+def check_writable(directory: str) -> None:
+    """Raise the OSError (EACCES, EROFS, ENOENT...) that making a file in `directory` gives."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(errno.ENOENT, "the swap directory does not exist: create it first", directory)
+    probe = os.path.join(directory, f".deepnvme-probe-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{os.strerror(exc.errno or errno.EIO)}: swap directory not writable; "
+                      "choose a writable directory", directory) from exc
+    os.close(fd)
+    os.unlink(probe)
+
+
+def open_direct(path: str, flags: int, mode: int = 0o600) -> tuple[int, bool]:
+    """Open `path` with O_DIRECT; where the file system refuses it, buffered with the usual warning.
+
+    Returns (fd, direct).
+    """
+    try:
+        return os.open(path, flags | os.O_DIRECT | os.O_CLOEXEC, mode), True
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    # Linux creates the file before it refuses O_DIRECT: an O_EXCL open would now find our own file.
+    fd = os.open(path, flags & ~os.O_EXCL | os.O_CLOEXEC, mode)
+    warnings.warn(f"O_DIRECT is not supported by the file system of {os.path.dirname(path)} (first seen with "
+                  f"{path}); deepnvme uses buffered I/O there: correct, but through the page cache",
+                  RuntimeWarning, stacklevel=3)
+    return fd, False

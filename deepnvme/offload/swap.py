@@ -1,0 +1,358 @@
+"""The swap space: named units of bytes in files on a drive, moved through one budgeted pool of locked memory.
+
+A unit is a byte range of a file: (file, offset, nbytes). Units the space owns live in one swap file of its
+own subdirectory (see swapdir), each at a page-aligned offset and padded to whole pages for O_DIRECT, the
+true length kept; units of existing files (read-only, e.g. tensors in a safetensors shard) are read from
+where they are, the pages around them read too so that the read stays O_DIRECT, and the view given back is
+the true range. Space for owned units is reserved with fallocate when they are added, so a full disk shows
+up then, naming the directory, and never as a short write later.
+
+Reads and writes go through two queues (queues.IOQueue), one thread and one handle each; every request has
+its own ticket. Units that lie back to back in a file and in a lease move in one request. A `Lease` is the
+memory of a group of units (one pool buffer, the units laid out in it at page boundaries) and the tickets
+of their reads; `ReadAhead` issues the leases of a sequence of groups in
+order, as far ahead as the pool has room, and demands the one the caller needs next.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from deepnvme.offload import preflight, swapdir
+from deepnvme.offload._doors import PAGE, locked_bytes, new_handle
+from deepnvme.offload.closing import Closing
+from deepnvme.offload.pool import Buffer, BufferPool, round_up
+from deepnvme.offload.queues import DEMAND, PREFETCH, IOQueue, Ticket
+
+SWAP_FILE = "swap.bin"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """`nbytes` at `offset` of `path`; `owned` units are the swap space's (writable), others read-only."""
+
+    name: str
+    path: str
+    offset: int
+    nbytes: int
+    owned: bool
+    io_start: int  # the page-aligned range read or written for it
+    io_end: int
+
+    @property
+    def io_nbytes(self) -> int:
+        return self.io_end - self.io_start
+
+    @property
+    def head(self) -> int:
+        """Where the unit's bytes start in its I/O range."""
+        return self.offset - self.io_start
+
+
+class Lease:
+    """Pool memory holding a group of units, and the tickets of the requests on it."""
+
+    def __init__(self, space: SwapSpace, units: Sequence[Unit], buffer: Buffer) -> None:
+        self.space, self.units, self.buffer = space, list(units), buffer
+        self.tickets: list[Ticket] = []
+        self._slot: dict[str, int] = {}
+        at = 0
+        for u in self.units:
+            self._slot[u.name] = at
+            at += round_up(u.io_nbytes)
+        self._writes_left = 0
+
+    @staticmethod
+    def size_of(units: Sequence[Unit]) -> int:
+        """Pool bytes a lease of `units` takes."""
+        return sum(round_up(u.io_nbytes) for u in units)
+
+    def io_view(self, unit: Unit) -> Any:
+        at = self._slot[unit.name]
+        return self.buffer.tensor[at:at + unit.io_nbytes]
+
+    def runs(self, units: Sequence[Unit]) -> list[tuple[Any, int, str]]:
+        """(pool view, file offset, path) of one request per run of units that lie back to back both in the
+        pool and in one file (the parameters of a tile, written in order, do): one request per tile
+        rather than one per tensor."""
+        out: list[list[Any]] = []  # [slot, io_start, io_end, path]
+        for u in units:
+            slot = self._slot[u.name]
+            last = out[-1] if out else None
+            if (last is not None and last[3] == u.path and last[2] == u.io_start
+                    and last[0] + (last[2] - last[1]) == slot):
+                last[2] = u.io_end
+            else:
+                out.append([slot, u.io_start, u.io_end, u.path])
+        return [(self.buffer.tensor[slot:slot + end - start], start, path) for slot, start, end, path in out]
+
+    def view(self, unit: Unit | str) -> Any:
+        """A uint8 tensor over the unit's true bytes in the pool (valid until the lease is released)."""
+        u = unit if isinstance(unit, Unit) else self.space.unit(unit)
+        at = self._slot[u.name] + u.head
+        return self.buffer.tensor[at:at + u.nbytes]
+
+    def demand(self) -> None:
+        """Serve this lease's reads before queued prefetches."""
+        for t in self.tickets:
+            self.space.reads.demand(t)
+
+    def wait(self) -> None:
+        """Wait for this lease's requests only; raise the first error once all of them have finished."""
+        for t in self.tickets:
+            t.settle()
+        for t in self.tickets:
+            if t.error is not None:
+                raise t.error
+
+    def write_back(self) -> list[Ticket]:
+        """Queue writes of every owned unit from the pool; memory goes back to the pool once written."""
+        self.wait()
+        owned = [u for u in self.units if u.owned]
+        if not owned:
+            self.buffer.release()
+            return []
+        runs = self.runs(owned)
+        self._writes_left = len(runs)
+        self.tickets = [Ticket(view, self.space._fd, start, path, True, self._written)
+                        for view, start, path in runs]
+        for t in self.tickets:
+            self.space._track_write(self.space.writes.submit(t))
+        return self.tickets
+
+    def _written(self, _ticket: Ticket) -> None:
+        self._writes_left -= 1  # only the write thread runs this
+        if self._writes_left == 0:
+            self.buffer.release()
+
+    def release(self) -> None:
+        """Give the memory back without writing (requests in flight finish first)."""
+        for t in self.tickets:
+            t.settle()
+        self.buffer.release()
+
+
+class SwapSpace(Closing):
+    """Units of bytes in files, moved through `budget_bytes` of locked memory (see the module docstring).
+
+    Pre-flight, before anything is created: the budget against RLIMIT_MEMLOCK, the directory (exists,
+    writable, O_DIRECT or a warning), `expected_bytes` against the free space. Stale subdirectories of
+    dead processes in `directory` are removed. `close()` removes this space's files.
+    """
+
+    def __init__(self, directory: str | os.PathLike, budget_bytes: int, *, handle: Any = None,
+                 expected_bytes: int = 0) -> None:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
+            raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}")
+        if budget_bytes < PAGE:
+            raise ValueError(f"budget_bytes={budget_bytes} is below a page ({PAGE} bytes): pass the bytes of "
+                             "locked memory offload may use, at least the largest unit")
+        directory = os.path.abspath(os.fspath(directory))
+        preflight.check_memlock(budget_bytes, locked_bytes())
+        preflight.check_writable(directory)
+        swapdir.remove_stale(directory)
+        if expected_bytes:
+            preflight.check_free_space(directory, expected_bytes)
+        self.directory = directory
+        self.path = swapdir.make_own(directory)
+        self.file = os.path.join(self.path, SWAP_FILE)
+        self._fd = -1
+        self._ext: dict[str, int] = {}
+        self._units: dict[str, Unit] = {}
+        self._reserved = 0
+        self._pending_writes: list[Ticket] = []
+        self.reads = self.writes = None
+        self.pool = None
+        self.closed = False
+        try:
+            self._fd, self.direct = preflight.open_direct(self.file, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            self.pool = BufferPool(budget_bytes, handle if handle is not None else new_handle())
+            self.reads = IOQueue(handle if handle is not None else new_handle(), "read")
+            self.writes = IOQueue(new_handle(), "write")
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------------------------------ units
+    def add(self, name: str, nbytes: int) -> Unit:
+        """Reserve `nbytes` (padded to pages) in the swap file for a new unit `name`."""
+        self._check_open()
+        if name in self._units:
+            raise ValueError(f"a unit named {name!r} exists already")
+        if nbytes <= 0:
+            raise ValueError(f"unit {name!r}: nbytes must be positive, got {nbytes}")
+        padded = round_up(nbytes)
+        if padded > self.pool.capacity:
+            raise ValueError(f"unit {name!r} takes {padded} bytes, over budget_bytes={self.pool.capacity}: "
+                             f"raise budget_bytes to at least {padded}")
+        offset = self._reserved
+        try:
+            os.posix_fallocate(self._fd, offset, padded)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                st = os.statvfs(self.directory)
+                raise OSError(errno.ENOSPC, f"no space for {padded} more bytes of swap ({offset} reserved, "
+                              f"{st.f_bavail * st.f_frsize} free): free space or choose another directory",
+                              self.directory) from exc
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise OSError(exc.errno, exc.strerror, self.file) from exc
+            os.ftruncate(self._fd, offset + padded)  # no fallocate here: at least the length is right
+        self._reserved = offset + padded
+        unit = Unit(name, self.file, offset, nbytes, True, offset, offset + padded)
+        self._units[name] = unit
+        return unit
+
+    def add_external(self, name: str, path: str | os.PathLike, offset: int, nbytes: int) -> Unit:
+        """A read-only unit: `nbytes` at `offset` of an existing file (e.g. a safetensors tensor)."""
+        self._check_open()
+        path = os.path.abspath(os.fspath(path))
+        if name in self._units:
+            raise ValueError(f"a unit named {name!r} exists already")
+        if offset < 0 or nbytes <= 0:
+            raise ValueError(f"unit {name!r}: offset must be >= 0 and nbytes > 0, got {offset}, {nbytes}")
+        fd = self._ext.get(path)
+        if fd is None:
+            fd = self._ext[path] = preflight.open_direct(path, os.O_RDONLY)[0]
+        size = os.fstat(fd).st_size
+        if offset + nbytes > size:
+            raise ValueError(f"unit {name!r}: bytes [{offset}, {offset + nbytes}) lie past the end of {path} "
+                             f"({size} bytes)")
+        start = offset // PAGE * PAGE
+        end = max(offset + nbytes, min(round_up(offset + nbytes), size))
+        unit = Unit(name, path, offset, nbytes, False, start, end)
+        if round_up(unit.io_nbytes) > self.pool.capacity:
+            raise ValueError(f"unit {name!r} takes {round_up(unit.io_nbytes)} bytes, more than "
+                             f"budget_bytes={self.pool.capacity}: raise budget_bytes to at least that")
+        self._units[name] = unit
+        return unit
+
+    def unit(self, name: str) -> Unit:
+        """The unit called `name` (KeyError naming it if none)."""
+        try:
+            return self._units[name]
+        except KeyError:
+            raise KeyError(f"no unit named {name!r} in this swap space") from None
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the swap file reserved for owned units."""
+        return self._reserved
+
+    def check_files(self) -> None:
+        """Raise OSError naming the swap file if it was deleted or cut short under this space."""
+        self._check_open()
+        st = os.fstat(self._fd)
+        if st.st_nlink == 0:
+            raise OSError(errno.ENOENT, "the swap file was deleted while in use; its state is lost (load a "
+                          "checkpoint into a new optimizer)", self.file)
+        if st.st_size < self._reserved:
+            raise OSError(errno.EIO, f"the swap file holds {st.st_size} bytes, {self._reserved} written: "
+                          "it was truncated while in use; its state is lost (load a checkpoint)", self.file)
+
+    # ------------------------------------------------------------------------------------------ moves
+    def allocate(self, units: Sequence[Unit], block: bool = True) -> Lease | None:
+        """Pool memory for `units` without reading them (their contents are about to be written)."""
+        self._check_open()
+        buf = self.pool.acquire(Lease.size_of(units), block)
+        return None if buf is None else Lease(self, units, buf)
+
+    def read(self, units: Sequence[Unit], *, block: bool = True, demand: bool = False) -> Lease | None:
+        """Queue reads of `units` into pool memory; None when `block` is False and the pool has no room."""
+        lease = self.allocate(units, block)
+        if lease is None:
+            return None
+        priority = DEMAND if demand else PREFETCH
+        for view, start, path in lease.runs(lease.units):
+            fd = self._fd if path == self.file else self._ext[path]
+            lease.tickets.append(self.reads.submit(Ticket(view, fd, start, path, False), priority))
+        return lease
+
+    def _track_write(self, ticket: Ticket) -> None:
+        self._pending_writes = [t for t in self._pending_writes if not t.done() or t.error is not None]
+        self._pending_writes.append(ticket)
+
+    def wait_writes(self) -> None:
+        """Wait for every queued write; raise the first error among them."""
+        pending, self._pending_writes = self._pending_writes, []
+        for t in pending:
+            t.settle()
+        for t in pending:
+            if t.error is not None:
+                raise t.error
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"the swap space in {self.directory} is closed")
+
+    def close(self) -> None:
+        """Finish queued I/O, free the pool, close files, remove this space's subdirectory (idempotent)."""
+        if getattr(self, "closed", True):  # closed, or __init__ failed before there was anything to close
+            return
+        self.closed = True
+        for q in (self.reads, self.writes):
+            if q is not None:
+                q.close()
+        if self.pool is not None:
+            self.pool.close()
+        for fd in [self._fd, *self._ext.values()]:
+            if fd >= 0:
+                os.close(fd)
+        self._fd = -1
+        self._ext.clear()
+        if hasattr(self, "path"):
+            swapdir.remove_own(self.path)
+
+
+
+class ReadAhead:
+    """Leases of `groups` (lists of units), issued in order as far ahead as the pool allows.
+
+    `take(i)` must be called for i = 0, 1, ... in order; it issues group i (waiting for pool room if
+    needed), demands it, waits for it, issues more groups ahead without blocking, and returns the lease
+    (None for an empty group). The caller writes back or releases each lease; `close()` releases those
+    issued but never taken.
+    """
+
+    def __init__(self, space: SwapSpace, groups: Sequence[Sequence[Unit]], ahead: bool = True) -> None:
+        self.space, self.groups, self.ahead = space, list(groups), ahead
+        self._issued: dict[int, Lease | None] = {}
+        self._next = 0
+
+    def pump(self) -> None:
+        """Issue the next groups while the pool has room (never waits)."""
+        while self.ahead and self._next < len(self.groups):
+            units = self.groups[self._next]
+            lease = self.space.read(units, block=False) if units else None
+            if units and lease is None:
+                return
+            self._issued[self._next] = lease
+            self._next += 1
+
+    def take(self, i: int) -> Lease | None:
+        if i not in self._issued:
+            if i != self._next:
+                raise ValueError(f"ReadAhead.take({i}) out of order (next is {self._next})")
+            units = self.groups[i]
+            self._issued[i] = self.space.read(units, demand=True) if units else None
+            self._next += 1
+        lease = self._issued.pop(i)
+        if lease is not None:
+            lease.demand()
+        self.pump()
+        if lease is not None:
+            try:
+                lease.wait()
+            except BaseException:
+                lease.release()
+                raise
+        return lease
+
+    def close(self) -> None:
+        for lease in self._issued.values():
+            if lease is not None:
+                lease.release()
+        self._issued.clear()

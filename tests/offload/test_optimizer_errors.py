@@ -1,0 +1,183 @@
+"""OffloadedOptimizer with bad input: a clear exception (or a documented refusal), never wrong state."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from deepnvme.offload import OffloadedOptimizer
+from tests.offload.helpers import tmpfs
+from tests.offload.optim_cases import OPTIMIZERS, model, train
+
+BUDGET = 64 << 10
+
+
+def _opt(m: nn.Module, workdir: Path, **kw: object) -> OffloadedOptimizer:
+    return OffloadedOptimizer(OPTIMIZERS["adam"](m.parameters()), workdir, kw.pop("budget", BUDGET), **kw)
+
+
+def test_budget_zero_or_below_a_parameter(workdir: Path) -> None:
+    m = model()
+    with pytest.raises(ValueError, match="budget_bytes=0"):
+        _opt(m, workdir, budget=0)
+    big = nn.Linear(1024, 1024)
+    with pytest.raises(ValueError, match=r"budget_bytes=65536 is smaller than a fp32 state.*\(1024, 1024\)"):
+        OffloadedOptimizer(torch.optim.Adam(big.parameters()), workdir, BUDGET)
+    assert os.listdir(workdir) == []
+
+
+def test_budget_below_a_parameters_whole_state(workdir: Path) -> None:
+    """One state tensor fits the budget but Adam's two do not. How much state a parameter has is known only
+    once the wrapped optimizer made it, during the first step: that step raises, naming the sizes, and the
+    optimizer refuses to go on (the parameter moved but its state could not be kept)."""
+    m = nn.Linear(100, 100, bias=False)
+    with OffloadedOptimizer(torch.optim.Adam(m.parameters()), workdir, 48 << 10) as opt:
+        m(torch.randn(2, 100)).sum().backward()
+        with pytest.raises(ValueError, match=r"takes 81920 bytes, over budget_bytes=49152.*raise"):
+            opt.step()
+        with pytest.raises(RuntimeError, match="refuses to step"):
+            opt.step()
+
+
+def test_parameter_changing_shape_or_dtype(workdir: Path) -> None:
+    m = model()
+    with _opt(m, workdir) as opt:
+        train(m, opt, range(2))
+        w = m[0].weight
+        keep = w.data
+        w.data = torch.zeros(3, 3)
+        w.grad = torch.zeros(3, 3)
+        with pytest.raises(ValueError, match=r"parameter 0 of group 0 changed from \(48, 16\)"):
+            opt.step()
+        w.data, w.grad = keep.double(), torch.zeros_like(keep.double())
+        with pytest.raises(ValueError, match="torch.float32 to .*torch.float64"):
+            opt.step()
+        w.data = keep
+        train(m, opt, range(2, 3))  # a refused step changed nothing: training goes on
+
+
+def test_sparse_gradients_refused(workdir: Path) -> None:
+    emb = nn.Embedding(10, 4, sparse=True)
+    with OffloadedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), workdir, BUDGET) as opt:
+        emb(torch.tensor([1, 2])).sum().backward()
+        with pytest.raises(RuntimeError, match="sparse gradient"):
+            opt.step()
+
+
+def test_step_after_close(workdir: Path) -> None:
+    m = model()
+    opt = _opt(m, workdir)
+    opt.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.save(workdir / "x.pt")
+
+
+@pytest.mark.parametrize("how", ["deleted", "truncated"])
+def test_swap_file_removed_under_a_running_optimizer(how: str, workdir: Path) -> None:
+    m = model()
+    with _opt(m, workdir) as opt:
+        train(m, opt, range(2))
+        before = [p.detach().clone() for p in m.parameters()]
+        if how == "deleted":
+            os.unlink(opt.swap.file)
+        else:
+            os.truncate(opt.swap.file, 4096)
+        with pytest.raises(OSError, match=how) as err:
+            train(m, opt, range(2, 3))
+        assert err.value.filename == opt.swap.file
+        assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))  # refused before any update
+
+
+def test_swap_file_cut_mid_step_is_an_oserror_naming_it(workdir: Path) -> None:
+    """A read that finds the file short raises OSError naming the file, and the optimizer refuses to go on.
+
+    With a 32 KiB budget the read-ahead holds the first two tiles when the file is cut (in the first tile's
+    step); the later tiles' reads are issued only once those are written back, and find the file short.
+    (Cut after every read was issued, the write-back would write every unit whole again: no state lost.)
+    """
+    m = model()
+    with _opt(m, workdir, budget=32 << 10) as opt:
+        train(m, opt, range(2))
+        calls = []
+
+        def cut(_opt: object, _args: object, _kw: object) -> None:
+            calls.append(1)
+            if len(calls) == 1:
+                os.truncate(opt.swap.file, 4096)
+
+        handle = opt.optimizer.register_step_pre_hook(cut)
+        with pytest.raises(OSError) as err:
+            train(m, opt, range(2, 3))
+        handle.remove()
+        assert err.value.filename == opt.swap.file
+        with pytest.raises(RuntimeError, match="refuses to step until load"):
+            train(m, opt, range(3, 4))
+
+
+@pytest.mark.parametrize("real_signal", [False, True])
+def test_interrupted_step_refuses_until_load(real_signal: bool, workdir: Path, tmp_path: Path) -> None:
+    ref = model()
+    ref_opt = OPTIMIZERS["adam"](ref.parameters())
+    ref_losses = train(ref, ref_opt, range(8))
+    m = model()
+    with _opt(m, workdir) as opt:
+        losses = train(m, opt, range(4))
+        opt.save(tmp_path / "ck.pt")
+        weights = {k: v.clone() for k, v in m.state_dict().items()}
+        tiles = []
+
+        def interrupt(_opt: object, _args: object, _kw: object) -> None:
+            tiles.append(1)
+            if len(tiles) == 2:  # after the first tile was updated
+                if real_signal:
+                    os.kill(os.getpid(), signal.SIGINT)
+                else:
+                    raise KeyboardInterrupt
+
+        hook = opt.optimizer.register_step_pre_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            train(m, opt, range(4, 5))
+        hook.remove()
+        assert len(tiles) >= 2
+        with pytest.raises(RuntimeError, match="KeyboardInterrupt.*refuses to step until load"):
+            train(m, opt, range(4, 5))
+        with pytest.raises(RuntimeError, match="refuses"):
+            opt.save(tmp_path / "other.pt")
+        assert opt.swap.pool.in_use == 0  # no pool memory leaked by the interruption
+        m.load_state_dict(weights)
+        opt.load(tmp_path / "ck.pt")
+        assert losses + train(m, opt, range(4, 8)) == ref_losses
+
+
+def test_full_disk(tmp_path: Path) -> None:
+    m = nn.Linear(256, 256)
+    with tmpfs(tmp_path / "small", "size=256k") as mnt:
+        with pytest.raises(OSError, match="free space") as err:
+            OffloadedOptimizer(torch.optim.Adam(m.parameters()), mnt, 1 << 20)
+        assert err.value.filename == str(mnt) and os.listdir(mnt) == []
+        small = nn.Linear(128, 128)  # 64 KiB of parameters: the estimate fits, Adam's two states do not
+        with OffloadedOptimizer(torch.optim.Adam(small.parameters()), mnt, 1 << 20) as opt:
+            (mnt / "filler").write_bytes(b"\0" * (150 << 10))
+            small(torch.randn(2, 128)).sum().backward()
+            with pytest.raises(OSError, match="no space") as err:
+                opt.step()
+            assert err.value.filename == str(mnt)
+        os.unlink(mnt / "filler")
+        assert os.listdir(mnt) == []
+
+
+def test_read_only_directory(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "ro", "ro,size=64k") as mnt, pytest.raises(OSError, match="not writable"):
+        OffloadedOptimizer(torch.optim.Adam(model().parameters()), mnt, BUDGET)
+
+
+def test_not_an_optimizer(workdir: Path) -> None:
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        OffloadedOptimizer([torch.zeros(2)], workdir, BUDGET)  # type: ignore[arg-type]

@@ -1,0 +1,270 @@
+"""The swap space on the real disk: units in and out, queues, pre-flight checks, directories, bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepnvme.offload import ReadAhead, SwapSpace, preflight, swapdir
+from deepnvme.offload._doors import PAGE, locked_bytes
+from deepnvme.offload.queues import DEMAND, Ticket
+from tests.offload.helpers import open_fds, tmpfs
+
+SIZES = [1, 511, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17, 100_000]
+
+
+def _fill(space: SwapSpace, sizes: list[int], seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    data = []
+    for i, n in enumerate(sizes):
+        u = space.add(f"u{i}", n)
+        x = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        lease = space.allocate([u])
+        lease.view(u).copy_(x)
+        lease.write_back()
+        data.append(x)
+    space.wait_writes()
+    return data
+
+
+def test_units_round_trip_true_lengths(workdir: Path) -> None:
+    with SwapSpace(workdir, 1 << 20) as space:
+        data = _fill(space, SIZES)
+        reader = ReadAhead(space, [[space.unit(f"u{i}")] for i in range(len(SIZES))])
+        for i, x in enumerate(data):
+            lease = reader.take(i)
+            assert lease.view(f"u{i}").numel() == x.numel()
+            assert torch.equal(lease.view(f"u{i}"), x)
+            lease.release()
+        reader.close()
+        # Every unit starts on a page, padded for O_DIRECT; the file holds the padded lengths.
+        assert all(space.unit(f"u{i}").offset % PAGE == 0 for i in range(len(SIZES)))
+        assert os.path.getsize(space.file) == space.reserved_bytes
+        assert space.pool.in_use == 0
+
+
+def test_group_lease_and_rewrite(workdir: Path) -> None:
+    with SwapSpace(workdir, 1 << 20) as space:
+        data = _fill(space, [5000, 9000, 123])
+        units = [space.unit(f"u{i}") for i in range(3)]
+        lease = space.read(units, demand=True)
+        assert len(lease.tickets) == 1  # back to back in the file and in the pool: one request
+        lease.wait()
+        for u, x in zip(units, data):
+            assert torch.equal(lease.view(u), x)
+            lease.view(u).add_(1)
+        assert len(lease.write_back()) == 1
+        space.wait_writes()
+        again = space.read(units[::-1])  # out of file order: one request per unit
+        assert len(again.tickets) == 3
+        again.wait()
+        for u, x in zip(units, data):
+            assert torch.equal(again.view(u), x + 1)
+        again.release()
+
+
+def test_locked_memory_is_the_budget_and_close_leaves_nothing(workdir: Path) -> None:
+    before_locked, before_fds = locked_bytes(), open_fds()
+    space = SwapSpace(workdir, 64 * PAGE)
+    assert locked_bytes() - before_locked == 64 * PAGE
+    _fill(space, [PAGE * 10] * 20)  # 200 pages through a pool of 64
+    assert space.pool.peak_in_use <= 64 * PAGE
+    path = space.path
+    space.close()
+    assert locked_bytes() == before_locked
+    assert not os.path.exists(path) and os.listdir(workdir) == []
+    assert open_fds() - before_fds == set()
+
+
+def test_writes_never_delay_reads_and_completion_is_per_request(workdir: Path) -> None:
+    """A write stuck in the write queue does not hold a read back; a demanded read overtakes prefetches."""
+    with SwapSpace(workdir, 1 << 20) as space:
+        data = _fill(space, [PAGE] * 6)
+        units = [space.unit(f"u{i}") for i in range(6)]
+        gate = threading.Event()
+        # A write whose completion blocks the write thread until the gate opens.
+        block = space.pool.acquire(PAGE)
+        stuck = space.writes.submit(Ticket(block.tensor, space._fd, units[0].io_start, space.file, True,
+                                           lambda _t: gate.wait()))
+        block.tensor.copy_(data[0])
+        lease = space.read([units[1]], demand=True)
+        lease.wait()  # returns although the write has not completed
+        assert torch.equal(lease.view(units[1]), data[1]) and not stuck.done()
+        lease.release()
+        # Now the read thread: hold it on one read, queue prefetches, then demand the last one.
+        order: list[int] = []
+        read_gate = threading.Event()
+        first = space.reads.submit(Ticket(space.pool.acquire(PAGE).tensor, space._fd, 0, space.file, False,
+                                          lambda _t: read_gate.wait()))
+        leases = [space.read([units[i]]) for i in range(2, 6)]
+        for i, le in zip(range(2, 6), leases):
+            for t in le.tickets:
+                t.on_done = lambda _t, i=i: order.append(i)
+        leases[-1].demand()
+        read_gate.set()
+        first.wait()
+        for le in leases:
+            le.wait()
+        assert order[0] == 5, order
+        assert leases[-1].tickets[0].priority == DEMAND
+        for le, i in zip(leases, range(2, 6)):
+            assert torch.equal(le.view(units[i]), data[i])
+            le.release()
+        gate.set()
+        stuck.wait()
+
+
+def test_read_ahead_stops_at_the_budget(workdir: Path) -> None:
+    with SwapSpace(workdir, 4 * PAGE) as space:
+        data = _fill(space, [PAGE] * 10)
+        reader = ReadAhead(space, [[space.unit(f"u{i}")] for i in range(10)])
+        for i in range(10):
+            lease = reader.take(i)
+            assert torch.equal(lease.view(f"u{i}"), data[i])
+            assert space.pool.in_use <= 4 * PAGE
+            lease.release()
+        reader.close()
+
+
+def test_external_units_at_any_offset(workdir: Path) -> None:
+    gen = torch.Generator().manual_seed(3)
+    blob = torch.randint(0, 256, (5 * PAGE + 123,), dtype=torch.uint8, generator=gen)
+    path = workdir / "shard.bin"
+    path.write_bytes(blob.numpy().tobytes())
+    ranges = [(0, 10), (7, PAGE), (PAGE, PAGE), (3 * PAGE - 5, 2 * PAGE), (5 * PAGE, 123),
+              (100, 5 * PAGE + 23)]
+    with SwapSpace(workdir, 1 << 20) as space:
+        units = [space.add_external(f"t{i}", path, off, n) for i, (off, n) in enumerate(ranges)]
+        lease = space.read(units)
+        lease.wait()
+        for u, (off, n) in zip(units, ranges):
+            assert torch.equal(lease.view(u), blob[off:off + n])
+        lease.write_back()  # read-only units are never written
+        space.wait_writes()
+        with pytest.raises(ValueError, match="past the end"):
+            space.add_external("late", path, 5 * PAGE, 124)
+    assert path.read_bytes() == blob.numpy().tobytes()
+
+
+def test_budget_checks(workdir: Path) -> None:
+    with pytest.raises(ValueError, match="budget_bytes=0"):
+        SwapSpace(workdir, 0)
+    with pytest.raises(TypeError, match="budget_bytes must be an int"):
+        SwapSpace(workdir, 1.5e6)  # type: ignore[arg-type]
+    with SwapSpace(workdir, 2 * PAGE) as space, pytest.raises(ValueError, match="raise budget_bytes to"):
+        space.add("big", 2 * PAGE + 1)
+    assert os.listdir(workdir) == []
+
+
+def test_memlock_check_names_limit_and_fix() -> None:
+    with pytest.raises(ValueError, match=r"RLIMIT_MEMLOCK is 8388608 bytes.*ulimit -l"):
+        preflight.check_memlock(16 << 20, 0, limit=8 << 20, privileged=False)
+    preflight.check_memlock(16 << 20, 0, limit=8 << 20, privileged=True)
+    preflight.check_memlock(4 << 20, 0, limit=8 << 20, privileged=False)
+
+
+def test_memlock_refused_without_the_capability(workdir: Path) -> None:
+    """A process without CAP_IPC_LOCK and an 8 MiB limit gets the error before anything is created."""
+    if not preflight.has_cap_ipc_lock():
+        pytest.skip("already without CAP_IPC_LOCK; the pure check above covers it")
+    code = ("import resource,sys; resource.setrlimit(resource.RLIMIT_MEMLOCK,(8<<20,8<<20));"
+            "from deepnvme.offload import SwapSpace\n"
+            "try:\n SwapSpace(sys.argv[1], 64<<20)\nexcept ValueError as e:\n print('REFUSED', e)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run(["capsh", "--drop=cap_ipc_lock", "--", "-c", f'{sys.executable} -c "$0" "$1"', code,
+                           str(workdir)], capture_output=True, text=True, env=env)
+    if done.returncode != 0 and "REFUSED" not in done.stdout:
+        pytest.skip(f"capsh could not drop the capability: {done.stderr.strip()[-300:]}")
+    assert "REFUSED" in done.stdout and "budget_bytes=67108864" in done.stdout, done.stdout + done.stderr
+    assert os.listdir(workdir) == []
+
+
+def test_full_disk_names_directory(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "small", "size=256k") as mnt:
+        with pytest.raises(OSError, match="free space") as err:
+            SwapSpace(mnt, 1 << 20, expected_bytes=10 << 20)
+        assert err.value.filename == str(mnt)
+        with SwapSpace(mnt, 1 << 20) as space:
+            with pytest.raises(OSError, match="no space for") as err:
+                for i in range(200):
+                    space.add(f"u{i}", 8 * PAGE)
+            assert err.value.errno == 28 and err.value.filename == str(mnt)
+        assert os.listdir(mnt) == []
+
+
+def test_read_only_directory(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "ro", "ro,size=64k") as mnt, pytest.raises(OSError, match="not writable") as err:
+        SwapSpace(mnt, 1 << 20)
+    assert err.value.filename == str(mnt)
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="create it first"):
+        SwapSpace(tmp_path / "nope", 1 << 20)
+
+
+def test_stale_directories_of_dead_processes_only(workdir: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = workdir / f"{swapdir.PREFIX}{swapdir.HOST}-{dead.pid}-12345"
+    reused = workdir / f"{swapdir.PREFIX}{swapdir.HOST}-{os.getppid()}-1"  # a live pid, another start time
+    live = workdir / swapdir.own_name(os.getppid())
+    other_host = workdir / f"{swapdir.PREFIX}elsewhere-{dead.pid}-12345"
+    for d in (stale, reused, live, other_host):
+        (d / "space-0").mkdir(parents=True)
+        (d / "space-0" / "swap.bin").write_bytes(b"x")
+    with SwapSpace(workdir, 1 << 20) as space:
+        assert not stale.exists() and not reused.exists()
+        assert live.exists() and other_host.exists()
+        assert Path(space.path).parent.name == swapdir.own_name()
+        with SwapSpace(workdir, 1 << 20) as second:  # two spaces of one process keep apart
+            assert second.path != space.path and Path(second.path).parent == Path(space.path).parent
+
+
+def test_deleted_or_truncated_swap_file(workdir: Path) -> None:
+    with SwapSpace(workdir, 1 << 20) as space:
+        _fill(space, [PAGE * 3])
+        os.truncate(space.file, PAGE)
+        with pytest.raises(OSError, match="truncated") as err:
+            space.check_files()
+        assert err.value.filename == space.file
+        lease = space.read([space.unit("u0")])
+        with pytest.raises(OSError) as err:
+            lease.wait()
+        assert err.value.filename == space.file
+        lease.release()
+        os.unlink(space.file)
+        with pytest.raises(OSError, match="deleted") as err:
+            space.check_files()
+        assert err.value.filename == space.file
+
+
+def test_closed_space_refuses(workdir: Path) -> None:
+    space = SwapSpace(workdir, 1 << 20)
+    u = space.add("a", 10)
+    space.close()
+    space.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        space.read([u])
+
+
+def test_directory_refusing_o_direct_goes_buffered_with_a_warning(tmp_path: Path) -> None:
+    from mounts import mounted
+
+    with mounted(tmp_path / "ramfs", "ramfs") as mnt:
+        with pytest.warns(RuntimeWarning, match="O_DIRECT is not supported"):
+            space = SwapSpace(mnt, 1 << 20)
+        with space:
+            assert not space.direct
+            data = _fill(space, [100, PAGE + 3])
+            lease = space.read([space.unit("u0"), space.unit("u1")])
+            lease.wait()
+            assert torch.equal(lease.view("u0"), data[0]) and torch.equal(lease.view("u1"), data[1])
+            lease.release()
+        assert os.listdir(mnt) == []
