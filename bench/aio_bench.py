@@ -4,7 +4,7 @@
     python3 bench/aio_bench.py [--dir /work/benchtmp] [--sizes 64M,256M,1G,4G] [--repeats 3]
                                [--deepspeed_python /work/dsvenv/bin/python] [--quick] [--out PREFIX]
 
-The grid (issue 11): block 1 MiB and 8 MiB x queue depth 32 and 128 x 1 and 2 threads (the handle's
+The grid: block 1 MiB and 8 MiB x queue depth 32 and 128 x 1 and 2 threads (the handle's
 intra_op_parallelism) or jobs (fio's numjobs), at every --sizes size. At each point the handle writes and
 reads the whole size with one sync_pwrite / sync_pread (open included in the time), from a locked tensor and
 from a plain ``torch.empty`` one, and fio does the same with its twin engine, through the command
@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import sys
@@ -40,10 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # this checkout's deepnvme, not an installed one
+from _harness import ROOT, children_cpu, timed  # first: puts this checkout on sys.path
+from aio_cases import MIB, SMALL_COUNT, SMALL_SIZE, Setting, aio_seq, aio_small, handle_settings
 
+from deepnvme._core.aio_types import AioModule  # noqa: E402
 from deepnvme.files import fsync_path, mount_of  # noqa: E402
 from deepnvme.tools.pagecache import DESCRIPTIONS, drop_file_cache, read_mode  # noqa: E402
 from deepnvme.tools.resident import touch_pages  # noqa: E402
@@ -60,9 +59,6 @@ from deepnvme.tools.tune.fio import (  # noqa: E402
 )
 
 GIB = 1 << 30
-MIB = 1 << 20
-SMALL_COUNT = 1000
-SMALL_SIZE = 64 << 10
 GRID_BLOCKS = (1 * MIB, 8 * MIB)
 GRID_DEPTHS = (32, 128)
 GRID_JOBS = (1, 2)
@@ -70,23 +66,12 @@ GRID_JOBS = (1, 2)
 #: plain path allocates a bounce buffer per request and is slow enough to dominate the run otherwise).
 DS_LOCKED = [(b, d, 2) for b in GRID_BLOCKS for d in GRID_DEPTHS]
 DS_PLAIN = [(b, 128, 2) for b in GRID_BLOCKS]
-#: issue 11's targets for best handle / best fio, by size (the largest threshold not above the size)
+#: the targets for best handle / best fio, by size (the largest threshold not above the size), as the README's
+#: I/O grid table states them
 TARGETS = ((GIB, 0.95), (256 * MIB, 0.9), (64 * MIB, 0.8))
 DEFAULT_SIZES = "64M,256M,1G,4G"
 LONG = 4 * GIB  # sizes from here on get --long_repeats
 QUICK_SIZES = "64M,1G"
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One grid point: block size, queue depth per thread/job, threads/jobs."""
-
-    block: int
-    depth: int
-    jobs: int
-
-    def label(self) -> str:
-        return f"bs {format_size(self.block)} QD{self.depth} x{self.jobs}"
 
 
 def grid() -> list[Setting]:
@@ -111,56 +96,7 @@ class Case:
     layout_changes: int = 0
 
 
-def cpu_self() -> float:
-    """User+system CPU seconds of this process (all its threads)."""
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
-def timed(fn: Callable[[], object]) -> tuple[float, float]:
-    """Wall and CPU seconds of fn() in this process."""
-    c0, t0 = cpu_self(), time.perf_counter()
-    fn()
-    return time.perf_counter() - t0, cpu_self() - c0
-
-
 # ---------------------------------------------------------------------------------------- deepnvme
-def handle_settings(engine: str, depth: int, threads: int, block: int = MIB) -> dict:
-    """aio_handle keywords for one sequential point (overlapped events, batched submission)."""
-    return {"block_size": block, "queue_depth": depth, "single_submit": False, "overlap_events": True,
-            "intra_op_parallelism": threads, "engine": engine}
-
-
-def aio_seq(handle, tensor, path: str, op: str) -> Callable[[], tuple[float, float]]:
-    """One sync_pwrite or sync_pread of the whole tensor, open included; the cache dropped before reads and
-    the tensor's pages made resident (see deepnvme.tools.resident) before the clock starts."""
-    def run() -> tuple[float, float]:
-        touch_pages(tensor)
-        if op == "read":
-            drop_file_cache(path)
-            return timed(lambda: handle.sync_pread(tensor, path))
-        return timed(lambda: handle.sync_pwrite(tensor, path))
-
-    return run
-
-
-def aio_small(handle, views: list, paths: list[str], offsets: list[int],
-              count_check: bool = True) -> Callable[[], tuple[float, float]]:
-    """1000 async_pread calls, then one wait(): the many-small-tensors pattern of offloading.
-    ``count_check=False`` for DeepSpeed, whose wait() counts its internal sub-requests."""
-    def run() -> tuple[float, float]:
-        def body() -> None:
-            for v, p, o in zip(views, paths, offsets):
-                handle.async_pread(v, p, o)
-            done = handle.wait()
-            if count_check and done != len(views):
-                raise RuntimeError(f"wait() completed {done} of {len(views)} requests")
-
-        return timed(body)
-
-    return run
-
-
 # --------------------------------------------------------------------------------------------- fio
 def fio_seq(path: str, op: str, engine: str, s: Setting, total: int) -> Callable[[], tuple]:
     """fio at a grid point (see deepnvme.tools.tune.fio for what makes it the same as the handle's run).
@@ -187,13 +123,12 @@ def fio_randread(path: str, engine: str, seconds: float) -> Callable[[], tuple[f
     def run() -> tuple[float, float]:
         import subprocess
 
-        c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        c0 = children_cpu()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120, check=False)
-        c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = children_cpu() - c0
         if proc.returncode != 0:
             raise RuntimeError(f"fio randread failed: {proc.stderr.strip() or proc.stdout.strip()}")
         job = json.loads(proc.stdout[proc.stdout.index("{"):])["jobs"][0]
-        cpu = c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime
         ios = job["read"]["total_ios"] or 1
         return SMALL_COUNT / job["read"]["iops"], cpu * SMALL_COUNT / ios
 
@@ -213,7 +148,7 @@ def leave_no_cache(path: str, fn: Callable[[], tuple[float, float]]) -> Callable
     return run
 
 
-def baseline_cases(aio: Any, size: int, plain: Any, locked: Any, seq: str, engine: str, work: str
+def baseline_cases(aio: AioModule, size: int, plain: Any, locked: Any, seq: str, engine: str, work: str
                    ) -> list[list[Case]]:
     """torch.save+fsync / torch.load, numpy tofile+fsync / fromfile, and the handle's write + fsync; one
     heat per direction."""
@@ -293,7 +228,7 @@ def summary(case: Case) -> dict:
 
 
 def target_for(size: int) -> float | None:
-    """Issue 11's best-handle/best-fio target at a size, or None below 64 MiB."""
+    """The best-handle/best-fio target at a size, or None below 64 MiB."""
     return next((t for s, t in TARGETS if size >= s), None)
 
 
@@ -495,7 +430,7 @@ class SizeRun:
     side: Any = None
 
 
-def size_run(aio: Any, args: argparse.Namespace, size: int, work: str, engines: list[str],
+def size_run(aio: AioModule, args: argparse.Namespace, size: int, work: str, engines: list[str],
              log: Callable[[str], None]) -> SizeRun:
     """Lay out the size's file, allocate its tensors, and build a heat per grid point and op."""
     import torch
@@ -555,7 +490,7 @@ def e_fio(engine: str) -> str:
     return by_name(engine).fio
 
 
-def small_heats(aio: Any, args: argparse.Namespace, work: str, engines: list[str],
+def small_heats(aio: AioModule, args: argparse.Namespace, work: str, engines: list[str],
                 log: Callable[[str], None]) -> tuple[list[list[Case]], Any, Any, Any]:
     """1000 reads of 64 KiB: views of one locked buffer (no per-request allocation is measured), from one
     file at offsets and from as many files; fio's randread over the one file; DeepSpeed's when asked."""
@@ -675,7 +610,6 @@ def bench(args: argparse.Namespace, work: str) -> int:
 
     from deepnvme import AsyncIOBuilder
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # deepspeed_side
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - progress goes to stderr
     t_start = time.time()
     aio = AsyncIOBuilder().load()
@@ -746,8 +680,9 @@ def bench(args: argparse.Namespace, work: str) -> int:
                      f"{max(s / o for o, s in own):.2f}x; fio_own_seconds in the JSON).")
     notes += [
         "Every deepnvme and DeepSpeed tensor has its pages touched before its clock starts "
-        "(deepnvme.tools.resident): on this VM the host reclaims idle guest memory while fio allocates, and "
-        "the next touch then costs about 0.2 s per 128 MiB, booked as CPU time of the staging copies.",
+        "(deepnvme.tools.resident): on a VM the host may reclaim idle guest memory while fio allocates, and "
+        "the next touch then waits for the host, booked as CPU time of the staging copies "
+        "(bench/results/fio_methodology.md).",
         "Same file layout for every contender: each size's file is written in full (buffered, fsynced, "
         "evicted) before any case, and both sides overwrite it in place (the handle opens without O_TRUNC; "
         "fio finds the file at full size and does not lay it out, --fallocate=none). A fallocated, "
@@ -800,7 +735,7 @@ def bench(args: argparse.Namespace, work: str) -> int:
     return 0
 
 
-def round_trip_ok(aio: Any, run: SizeRun, engine: str) -> bool:
+def round_trip_ok(aio: AioModule, run: SizeRun, engine: str) -> bool:
     """Correctness once, before timing: the locked tensor written, read back into the plain one (a copy of
     it, so no third buffer of the size is needed) and compared."""
     import torch

@@ -6,7 +6,7 @@ on a small machine a parallel build can look fast in wall time while burning man
 
     python bench/build_bench.py [--repeat 3] [--json out.json]
 
-Targets (issue 2): cold build <= 1.5x the yardstick; warm load <= 0.3 s beyond `import torch`.
+Targets: cold build <= 1.5x the yardstick; warm load <= 0.3 s beyond `import torch`.
 DeepSpeed's async_io is measured too when `deepspeed` is importable.
 """
 
@@ -16,16 +16,15 @@ import argparse
 import importlib.util
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _harness import ROOT as REPO
+from _harness import children_cpu, wall
 
 YARDSTICK_CPP = r"""
 #include <torch/extension.h>
@@ -56,18 +55,18 @@ def run_child(load: str, ext_dir: Path, arg: str = "") -> dict[str, float]:
     """Run one load in a fresh interpreter; return its timings plus wall and CPU-seconds seen from here."""
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext_dir),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", CHILD.format(load=load), arg], env=env, capture_output=True,
-                          text=True)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before = children_cpu()
+    done: list[subprocess.CompletedProcess] = []
+    took = wall(lambda: done.append(subprocess.run([sys.executable, "-c", CHILD.format(load=load), arg],
+                                                   env=env, capture_output=True, text=True)))
+    cpu = children_cpu() - before
+    proc = done[0]
     if proc.returncode != 0:
         raise RuntimeError(f"child failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH "))
     data = json.loads(line[len("BENCH "):])
-    data["wall"] = wall
-    data["cpu"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    data["wall"] = took
+    data["cpu"] = cpu
     return data
 
 

@@ -23,7 +23,8 @@ Contenders, each saving and then loading the same state dict, in an order rotate
 Loads start from a cold cache: every file of the checkpoint is evicted (fdatasync + fadvise) after the save.
 Every load includes making its tensors (DCP loads into empty ones made inside the timing), and the first
 repeat checks every loaded tensor against the saved one. The peak extra resident memory of this process
-during each in-process save is sampled every 2 ms. GB = 10^9 bytes; cells are median (min-max).
+during each in-process save is the kernel's high-water mark, reset before it (bench/_harness.py).
+GB = 10^9 bytes; cells are median (min-max).
 Writes markdown to stdout and <out>.md, every sample to <out>.json.
 """
 
@@ -37,7 +38,6 @@ import platform
 import shutil
 import statistics
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -45,13 +45,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # this checkout's deepnvme, not an installed one
+import torch
+from _harness import ROOT, PeakMemory, wall  # puts this checkout on sys.path before deepnvme is imported
 
-import torch  # noqa: E402
-
-from deepnvme.pagecache import drop_file_cache, o_direct_works  # noqa: E402
+from deepnvme._core.aio_types import AioHandle  # noqa: E402
+from deepnvme.tools.pagecache import drop_file_cache, o_direct_works  # noqa: E402
 from deepnvme.tools.resident import touch_pages  # noqa: E402
 
 GIB = 1 << 30
@@ -131,40 +129,6 @@ def halves(shapes: Shapes) -> list[Shapes]:
 
 
 # ------------------------------------------------------------------------------------------ measuring
-class PeakRss:
-    """Samples this process's resident memory every 2 ms; `extra` is the peak above the start."""
-
-    def __init__(self) -> None:
-        self.page = os.sysconf("SC_PAGE_SIZE")
-        self.base = self.now()
-        self.peak = self.base
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def now(self) -> int:
-        """Resident bytes now."""
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self.page
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, self.now())
-
-    def __enter__(self) -> PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.now())
-
-    @property
-    def extra(self) -> int:
-        """Peak resident bytes above the level at the start."""
-        return self.peak - self.base
-
-
 def files_under(path: Path) -> list[Path]:
     """The checkpoint's files (one file, or a DCP directory's)."""
     return [p for p in path.iterdir() if p.is_file()] if path.is_dir() else [path]
@@ -228,7 +192,7 @@ def torch_save(sd: dict[str, torch.Tensor], path: Path) -> None:
     fsync_file(path)
 
 
-def raw_write(handle: Any) -> Callable[[dict[str, torch.Tensor], Path], None]:
+def raw_write(handle: AioHandle) -> Callable[[dict[str, torch.Tensor], Path], None]:
     """The handle alone: every tensor at the next 4 KiB-aligned offset of one file, then wait and fsync."""
     def save(sd: dict[str, torch.Tensor], path: Path) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
@@ -253,7 +217,7 @@ def empty_aligned_like_shapes(shapes: Shapes) -> dict[str, torch.Tensor]:
             for name, shape in shapes}
 
 
-def raw_read(handle: Any) -> Callable[[Path, Shapes], dict[str, Any]]:
+def raw_read(handle: AioHandle) -> Callable[[Path, Shapes], dict[str, Any]]:
     """Read the raw file back into fresh page-aligned tensors with async_pread, one wait."""
     def load(path: Path, shapes: Shapes) -> dict[str, Any]:
         out = empty_aligned_like_shapes(shapes)
@@ -270,7 +234,7 @@ def raw_read(handle: Any) -> Callable[[Path, Shapes], dict[str, Any]]:
     return load
 
 
-def contenders(handle: Any, pool: RankPool | None, quick: bool = False) -> list[Contender]:
+def contenders(handle: AioHandle, pool: RankPool | None, quick: bool = False) -> list[Contender]:
     """Everything measured, in its base order (quick: only what deepnvme.save/load's targets compare)."""
     import torch.distributed.checkpoint as dcp
 
@@ -440,11 +404,9 @@ def measure(c: Contender, sd: dict[str, torch.Tensor], shapes: list, workdir: Pa
             c.samples["save"].append(c.save(sd, path))
         else:
             touch_pages(*(t for t in sd.values() if isinstance(t, torch.Tensor)))  # deepnvme.tools.resident
-            with PeakRss() as rss:
-                t0 = time.perf_counter()
-                c.save(sd, path)
-                c.samples["save"].append(time.perf_counter() - t0)
-            c.samples["rss"].append(rss.extra)
+            with PeakMemory() as peak:
+                c.samples["save"].append(wall(lambda: c.save(sd, path)))
+            c.samples["rss"].append(peak.extra)
         saved[c.kind] = path
     if c.load is not None:
         path = saved[c.kind]
@@ -453,9 +415,9 @@ def measure(c: Contender, sd: dict[str, torch.Tensor], shapes: list, workdir: Pa
         if not c.in_process:
             c.samples["load"].append(c.load(path, shapes))
         else:
-            t0 = time.perf_counter()
-            got = c.load(path, shapes)
-            c.samples["load"].append(time.perf_counter() - t0)
+            loaded: list[Any] = []
+            c.samples["load"].append(wall(lambda: loaded.append(c.load(path, shapes))))
+            got = loaded.pop()
             if first:
                 check_state(got, shapes, c.name)
             del got
@@ -529,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.dir)
     workdir.mkdir(parents=True, exist_ok=True)
 
-    from deepnvme.io import DEFAULT_HANDLE_SETTINGS, default_handle
+    from deepnvme._core.handles import RECOMMENDED, default_handle
 
     handle = default_handle()
     if args.small:
@@ -570,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
             f"Machine: {platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}, torch "
             f"{torch.__version__}; checkpoints in {workdir} "
             f"(O_DIRECT {'works' if o_direct_works(str(workdir)) else 'refused'})"
-            f"; handle {DEFAULT_HANDLE_SETTINGS} ({handle.get_engine()}); safetensors {st}; "
+            f"; handle {RECOMMENDED} ({handle.get_engine()}); safetensors {st}; "
             f"run took {time.time() - started:.0f} s.", ""]
     text = "\n".join(head + lines)
     print(text)

@@ -8,7 +8,7 @@ allowance). Loads start from a cold cache (the file's pages are flushed and evic
 "Raw handle" writes / reads the same payload bytes, one async request per tensor at page-aligned offsets
 of one new file and one wait(): the ceiling for a checkpoint format on this handle. "Peak extra RSS" is the
 process's peak resident memory during the save beyond its size before it (the kernel's high-water mark,
-reset first), so the state dict itself is not counted.
+reset first: bench/_harness.py), so the state dict itself is not counted.
 """
 
 from __future__ import annotations
@@ -19,45 +19,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # this checkout's deepnvme, not an installed one
+import torch
+from _harness import PeakMemory, wall  # puts this checkout on sys.path before deepnvme is imported
 
-import torch  # noqa: E402
-
-import deepnvme  # noqa: E402
-from deepnvme.io import default_handle  # noqa: E402
-from deepnvme.pagecache import drop_file_cache, fsync_path  # noqa: E402
-from deepnvme.sizes import parse_size  # noqa: E402
-
-PAGE = 4096
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-class PeakRss:
-    """The process's peak resident memory during a block beyond its size at the start (.extra).
-
-    The kernel's high-water mark (VmHWM) is reset at the start through /proc/self/clear_refs, so short
-    peaks between samples are not missed.
-    """
-
-    def __enter__(self) -> PeakRss:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        self.start = _status("VmRSS")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.extra = _status("VmHWM") - self.start
+import deepnvme
+from deepnvme._core.handles import default_handle
+from deepnvme._core.memory import PAGE
+from deepnvme.tools.pagecache import drop_file_cache, fsync_path
+from deepnvme.tools.sizes import parse_size
 
 
 def state_dict(total: int, count: int) -> dict[str, torch.Tensor]:
@@ -146,22 +116,18 @@ def main(argv: list[str] | None = None) -> int:
         ("raw handle read into new tensors (cold)", lambda: raw_read(True), "raw")]
     times: dict[str, list[float]] = {}
     extra: dict[str, list[int]] = {}
-    with PeakRss() as first:
+    with PeakMemory() as first:
         dn_save()  # warm up: the op is loaded, the handle made, its process-wide staging pool allocated
     for r in range(args.repeats):
         for name, fn in saves:
             time.sleep(args.rest)
-            with PeakRss() as rss:
-                start = time.perf_counter()
-                fn()
-                times.setdefault(name, []).append(time.perf_counter() - start)
-            extra.setdefault(name, []).append(rss.extra)
+            with PeakMemory() as peak:
+                times.setdefault(name, []).append(wall(fn))
+            extra.setdefault(name, []).append(peak.extra)
         for name, fn, key in loads:
             drop_file_cache(paths[key])
             time.sleep(args.rest)
-            start = time.perf_counter()
-            fn()
-            times.setdefault(name, []).append(time.perf_counter() - start)
+            times.setdefault(name, []).append(wall(fn))
         print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr)
     for path in paths.values():
         os.unlink(path)

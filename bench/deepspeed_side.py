@@ -95,8 +95,9 @@ def serve(args: argparse.Namespace) -> int:
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    sys.path.insert(0, str(HERE))
-    from aio_bench import SMALL_COUNT, SMALL_SIZE, Setting, aio_seq, aio_small, fio_shares, handle_settings
+    from aio_cases import SMALL_COUNT, SMALL_SIZE, Setting, aio_seq, aio_small, handle_settings
+
+    from deepnvme.tools.tune.fio import fio_shares
 
     try:
         import torch

@@ -39,18 +39,16 @@ import json
 import math
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # this checkout's deepnvme, not an installed one
+from _harness import ROOT, PeakMemory, timed, wall  # first: puts this checkout on sys.path
 
 HIDDEN = 1024
 CAPACITY_FACTOR = 1.25
@@ -252,12 +250,6 @@ def step(layer: Any, x: Any, g: Any, fn: Any = None) -> None:
 
 
 # --------------------------------------------------------------------------------------------- worker side
-def _status_kib(*keys: str) -> dict[str, int]:
-    text = Path("/proc/self/status").read_text()
-    found = {k: re.search(rf"^{k}:\s+(\d+)", text, re.M) for k in keys}
-    return {k: int(m.group(1)) for k, m in found.items() if m}
-
-
 def serve(family: str, threads: int) -> int:
     """Worker: build layers on request and answer ``time`` / ``memory`` requests, one JSON line each."""
     proto = os.fdopen(os.dup(1), "w", buffering=1)
@@ -303,21 +295,15 @@ def serve(family: str, threads: int) -> int:
                 if (*key, req.get("impl")) not in warm:
                     step(layer, x, g)  # first touch of this layer and path: not timed
                     warm.add((*key, req.get("impl")))
-                samples = []
-                for _ in range(req["steps"]):
-                    w0, c0 = time.perf_counter(), time.process_time()
-                    step(layer, x, g)
-                    samples.append([time.perf_counter() - w0, time.process_time() - c0])
+                samples = [list(timed(partial(step, layer, x, g))) for _ in range(req["steps"])]
                 print(json.dumps({"samples": samples}), file=proto)
             else:
                 fn = routing_only(req["layer"], layer) if req["scope"] == "routing" else None
                 step(layer, x, g, fn)  # warm: parameters' grads and lazily built state exist
                 layer.zero_grad(set_to_none=True)
-                base = _status_kib("VmRSS")["VmRSS"]
-                Path("/proc/self/clear_refs").write_text("5")
-                step(layer, x, g, fn)
-                peak = _status_kib("VmHWM")["VmHWM"]
-                print(json.dumps({"extra_bytes": (peak - base) * 1024}), file=proto)
+                with PeakMemory() as peak:
+                    step(layer, x, g, fn)
+                print(json.dumps({"extra_bytes": peak.extra}), file=proto)
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which skips the case
             print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), file=proto)
     return 0
@@ -457,6 +443,12 @@ def measure(args: argparse.Namespace, configs: list[Config]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------- all-to-all
+def _forward_backward_then_barrier(dist: Any, fn: Any, x: Any, g: Any) -> None:
+    """One all-to-all forward and backward, timed up to the barrier so the figure covers both ranks."""
+    fn(x).backward(g)
+    dist.barrier()
+
+
 def a2a_rank(rank: int, world: int, port: int, shapes: list[list[int]], repeats: int, out: str) -> None:
     """One rank of the 2-process all-to-all measurement (forward + backward of one [E, C, M] buffer)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -485,11 +477,9 @@ def a2a_rank(rank: int, world: int, port: int, shapes: list[list[int]], repeats:
         for rep in range(repeats + 1):
             for name, fn in (list(contenders.items()) if rep % 2 else list(contenders.items())[::-1]):
                 dist.barrier()
-                t0 = time.perf_counter()
-                fn(x).backward(g)
-                dist.barrier()
+                took = wall(partial(_forward_backward_then_barrier, dist, fn, x, g))
                 if rep:  # the first round warms the connections up
-                    results.setdefault(label, {}).setdefault(name, []).append(time.perf_counter() - t0)
+                    results.setdefault(label, {}).setdefault(name, []).append(took)
                 x.grad = None
     if rank == 0:
         Path(out).write_text(json.dumps(results))

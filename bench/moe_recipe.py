@@ -3,7 +3,7 @@
     python3 bench/moe_recipe.py [--iters 600] [--nproc 2] [--out bench/results]
 
 One run after another, the same task, seeds, batch and schedule for every model, each through
-`python3 -m deepnvme.moe.train` with --nproc processes (gloo):
+`python3 -m deepnvme.moe.recipe` with --nproc processes (gloo):
   dense        every block a dense MLP (the baseline of the same active size as MoE top-1)
   moe-8        MoE blocks every other layer, 8 experts, top-1, expert parallel over the processes
   pr-moe-4-8   PR-MoE: residual MLP type, pyramid 4 then 8 experts (its checkpoint is the MoS teacher)
@@ -22,13 +22,10 @@ import os
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from _harness import ROOT as REPO  # first: puts this checkout on sys.path
 
-from deepnvme.moe.curves import plot_curves, results_table  # noqa: E402
+from deepnvme.moe.recipe.curves import plot_curves, results_table
 
 # The task and model every run shares: small enough for a few minutes per run on 2 busy cores, with more
 # topic facts than the dense baseline's MLPs learn in that time.
@@ -53,7 +50,7 @@ def runs(iters: int, nproc: int, teacher: str) -> list[tuple[str, list[str]]]:
 
 
 def _train(label: str, flags: list[str], log: str, args: argparse.Namespace, env: dict[str, str]) -> None:
-    cmd = [sys.executable, "-m", "deepnvme.moe.train", "--nproc", str(args.nproc), "--train-iters",
+    cmd = [sys.executable, "-m", "deepnvme.moe.recipe", "--nproc", str(args.nproc), "--train-iters",
            str(args.iters), "--eval-interval", str(max(1, args.iters // 12)), "--log-json", log,
            *COMMON, *flags]
     print(f"== {label}: {' '.join(cmd[1:])}", flush=True)

@@ -21,28 +21,18 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from _harness import timed  # first: puts this checkout on sys.path
 
-from deepnvme.tools.pagecache import drop_file_cache  # noqa: E402
-from deepnvme.tools.resident import touch_pages  # noqa: E402
-from deepnvme.tools.sizes import parse_size  # noqa: E402
+from deepnvme.tools.pagecache import drop_file_cache
+from deepnvme.tools.resident import touch_pages
+from deepnvme.tools.sizes import parse_size
 
 FULL_BLOCKS = "128K,256K,1M,4M,8M,16M"
 FULL_DEPTHS = "8,32,128"
 QUICK_BLOCKS = "128K,1M,8M,16M"
 QUICK_DEPTHS = "8,128"
-
-
-def timed(fn) -> tuple[float, float]:
-    """Wall seconds and process CPU seconds (all threads) of one call."""
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    fn()
-    return time.perf_counter() - t0, time.process_time() - cpu0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,12 +19,9 @@ import random
 import statistics
 import sys
 import tempfile
-import time
-from pathlib import Path
+from functools import partial
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from _harness import wall  # first: puts this checkout on sys.path
 
 
 def median_us(samples: list[float]) -> float:
@@ -95,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                     # Alternate which side goes first, so neither always follows the other's cache effects.
                     order = ((raw, t_raw), (mine, t_mine)) if i % 2 == 0 else ((mine, t_mine), (raw, t_raw))
                     for fn, out in order:
-                        start = time.perf_counter()
-                        fn(off)
-                        out.append(time.perf_counter() - start)
+                        out.append(wall(partial(fn, off)))
                 r, m = median_us(t_raw), median_us(t_mine)
                 print(f"{name:8s} raw {r:7.1f} us  handle {m:7.1f} us  handle/raw {m / r:.2f}x")
         finally:

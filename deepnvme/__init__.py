@@ -1,15 +1,13 @@
 """deepnvme: tensor<->file I/O for PyTorch; re-exports the op builders and save/load without importing torch.
 
 Where things are:
-- the library: this package's top level — the op builders (re-exported from ``op_builder``),
-  :mod:`.defaults` (performance tunables), :mod:`.fastio` (torch.save/load through a handle),
-  :mod:`.files` (fsync by name, mount of a path), :mod:`.serialization` (``save``/``load`` in torch's format),
-  :mod:`.io` (DeepSpeed's FastFileWriter), :mod:`.checkpoint` (the torch.distributed.checkpoint backend) and
-  :mod:`.moe` (Mixture of Experts).
-- the tools: :mod:`deepnvme.tools` — ds_report, ds_io, ds_nvme_tune, the demo and their helpers. The
-  library never imports from there.
-- ``deepnvme.report``, ``ds_io``, ``tune``, ``demo``, ``pagecache``, ``sizes`` and ``pattern`` at the top are
-  aliases of their ``deepnvme.tools`` modules, kept so that old imports and ``python -m`` commands work.
+- the library's public modules: the op builders (re-exported from ``op_builder``), :mod:`.serialization`
+  (``save``/``load`` in torch's format), :mod:`.io` (DeepSpeed's FastFileWriter), :mod:`.checkpoint` (the
+  torch.distributed.checkpoint backend), :mod:`.defaults` (performance tunables) and :mod:`.moe` (Mixture of
+  Experts), over :mod:`.files` (fsync by name, mount of a path) and the CRC of :mod:`.crc`.
+- the tools: :mod:`deepnvme.tools` — ds_report, ds_io, ds_nvme_tune, the demo and their helpers, run as
+  ``python -m deepnvme.tools.<tool>`` or by their commands. The library never imports from there.
+- prebuilt ops (``DS_BUILD_*=1``) are installed as ``deepnvme.ops.<name>_op``; the build makes that folder.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ otherwise (resharding). Payload CRC32s are not computed, as with
 from __future__ import annotations
 
 import dataclasses
-import errno
 import io
 import os
 import pickle
@@ -54,10 +53,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from deepnvme._core import zipformat
+from deepnvme._core.aio_types import AioHandle
+from deepnvme._core.checks import check_int, check_type
+from deepnvme._core.direct import open_direct
 from deepnvme._core.errors import CheckpointFormatError, with_path
 from deepnvme._core.files import atomic_target, commit, discard, fsync_directory, open_regular, temporary_name
+from deepnvme._core.handles import check_settings, default_handle, new_handle
 from deepnvme.files import SeekableReader
-from deepnvme.io import DEFAULT_HANDLE_SETTINGS, default_handle
 
 __all__ = ["AioStorageReader", "AioStorageWriter"]
 
@@ -73,42 +75,19 @@ GAP_SPILL = 8 << 20
 EDGE = 4096
 
 
-def _handle_settings(handle: Any, given: dict[str, Any]) -> dict[str, Any]:
+def _handle_settings(handle: AioHandle | None, given: dict[str, Any]) -> dict[str, Any]:
     """The settings of a handle of our own, checked up front so a bad value fails at construction, not
-    mid-save; empty when `handle` is passed or nothing is set (then deepnvme.io.default_handle() serves)."""
-    given = {k: v for k, v in given.items() if v is not None}
-    if handle is not None or not given:
+    mid-save; empty when `handle` is passed or nothing is set (then each thread's default handle serves)."""
+    if handle is not None or all(v is None for v in given.values()):
         return {}
-    for name, value in given.items():
-        if name == "engine":
-            if not isinstance(value, str):
-                raise TypeError(f"engine must be a str, got {type(value).__name__}")
-        elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return {**DEFAULT_HANDLE_SETTINGS, **given}
+    return check_settings(given)
 
 
-def _resolve_handle(handle: Any, settings: dict[str, Any]) -> Any:
+def _resolve_handle(handle: AioHandle | None, settings: dict[str, Any]) -> AioHandle:
     """The handle given, else one made from `settings` (kept by the caller), else this thread's default."""
     if handle is not None:
         return handle
-    if settings:
-        from op_builder import AsyncIOBuilder
-
-        return AsyncIOBuilder().load().aio_handle(**settings)
-    return default_handle()
-
-
-def _open_direct(path: str, flags: int) -> int:
-    """Open with O_DIRECT where the file system allows it; else plainly (the handle then buffers)."""
-    direct = getattr(os, "O_DIRECT", 0)
-    if direct:
-        try:
-            return os.open(path, flags | direct)
-        except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):  # this file system refuses O_DIRECT
-                raise
-    return os.open(path, flags)
+    return new_handle(**settings) if settings else default_handle()
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -217,7 +196,7 @@ class _FileLayout:
     """Places the items of one .distcp file and queues its writes: gaps as whole aligned blocks, payloads
     straight from tensor memory at aligned offsets."""
 
-    def __init__(self, handle: Any, fd: int, relative_path: str) -> None:
+    def __init__(self, handle: AioHandle, fd: int, relative_path: str) -> None:
         self.handle = handle
         self.fd = fd
         self.relative_path = relative_path
@@ -300,7 +279,7 @@ class AioStorageWriter(FileSystemWriter):
     Constructed like FileSystemWriter: the checkpoint directory first, then its options, plus either a
     `handle` (an aio_handle you made) or settings (aio_handle keywords) for one of its own. `thread_count`
     is the number of files per rank, as for FileSystemWriter; the handle's `intra_op_parallelism` threads
-    do the I/O. Without a handle or settings, each writing thread uses its `deepnvme.io.default_handle()`.
+    do the I/O. Without a handle or settings, each writing thread uses a default handle of its own.
 
     Atomicity, beyond FileSystemWriter: each .distcp file is written under a temporary name, fsynced and then
     renamed, so a crash never leaves a half-written file under a checkpoint's name; `.metadata` is written
@@ -320,17 +299,15 @@ class AioStorageWriter(FileSystemWriter):
         cache_staged_state_dict: bool = False,
         overwrite: bool = True,
         *,
-        handle: Any = None,
+        handle: AioHandle | None = None,
         block_size: int | None = None,
         queue_depth: int | None = None,
         intra_op_parallelism: int | None = None,
         engine: str | None = None,
     ) -> None:
         """Point the writer at directory `path`; the options mean what they mean for FileSystemWriter."""
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-        if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
-            raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
+        check_type("path", path, (str, os.PathLike))
+        check_int("thread_count", thread_count)
         super().__init__(path, single_file_per_rank=single_file_per_rank, sync_files=sync_files,
                          thread_count=thread_count, per_thread_copy_ahead=per_thread_copy_ahead,
                          cache_staged_state_dict=cache_staged_state_dict, overwrite=overwrite)
@@ -346,9 +323,9 @@ class AioStorageWriter(FileSystemWriter):
         return state
 
     @property
-    def handle(self) -> Any:
+    def handle(self) -> AioHandle:
         """The handle given; else one made once from the settings given; else the calling thread's
-        deepnvme.io.default_handle() (async_save writes from a thread of its own)."""
+        default handle (async_save writes from a thread of its own)."""
         if self._handle is None and self._handle_settings:
             self._handle = _resolve_handle(None, self._handle_settings)
         return _resolve_handle(self._handle, {})
@@ -374,7 +351,7 @@ class AioStorageWriter(FileSystemWriter):
                 # Created plainly, then opened O_DIRECT: some file systems (ramfs) create the file and then
                 # refuse O_DIRECT, which would leave an O_EXCL retry facing its own file.
                 os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-                fd = _open_direct(tmp, os.O_WRONLY)
+                fd = open_direct(tmp, os.O_WRONLY)
                 layouts.append(_FileLayout(handle, fd, name))
             copies = 0
             for layout, group in zip(layouts, groups):
@@ -444,7 +421,7 @@ class AioStorageWriter(FileSystemWriter):
                 os.fsync(f.fileno())
 
 
-def _wait_for_writes(handle: Any, directory: str) -> None:
+def _wait_for_writes(handle: AioHandle, directory: str) -> None:
     """Wait for the queued writes; an I/O error names the checkpoint (the handle only knows descriptors)."""
     try:
         handle.wait()
@@ -475,7 +452,7 @@ def _plain_cpu(data: Any) -> tuple[torch.Tensor, int]:
     return t, copied
 
 
-def _drain_quietly(handle: Any) -> None:
+def _drain_quietly(handle: AioHandle) -> None:
     """Let every queued request finish before buffers are freed; the first error is already being raised."""
     try:
         handle.wait()
@@ -523,7 +500,7 @@ class _Edges:
     tail_at: int  # offset of `tail` within the archive
 
 
-def _queue_edges(handle: Any, fd: int, offset: int, length: int) -> _Edges:
+def _queue_edges(handle: AioHandle, fd: int, offset: int, length: int) -> _Edges:
     """Queue the reads of an archive's two ends."""
     head = torch.empty(min(length, EDGE), dtype=torch.uint8)
     tail_at = max(head.numel(), length - EDGE)
@@ -547,7 +524,7 @@ class AioStorageReader(FileSystemReader):
     """DCP StorageReader for FileSystemWriter's format (ours or stock) reading tensors through an aio_handle.
 
     Constructed like FileSystemReader, the checkpoint directory first, plus either a `handle` or the settings
-    for one of its own (default: the reading thread's `deepnvme.io.default_handle()`).
+    for one of its own (default: the reading thread's own default handle).
     Items written with stream extensions (FileSystemWriter's `_extensions`) are read the stock way.
     """
 
@@ -555,15 +532,14 @@ class AioStorageReader(FileSystemReader):
         self,
         path: str | os.PathLike,
         *,
-        handle: Any = None,
+        handle: AioHandle | None = None,
         block_size: int | None = None,
         queue_depth: int | None = None,
         intra_op_parallelism: int | None = None,
         engine: str | None = None,
     ) -> None:
         """Point the reader at checkpoint directory `path`."""
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        check_type("path", path, (str, os.PathLike))
         super().__init__(path)
         self._handle_settings = _handle_settings(handle, {
             "block_size": block_size, "queue_depth": queue_depth,
@@ -571,9 +547,9 @@ class AioStorageReader(FileSystemReader):
         self._handle = handle
 
     @property
-    def handle(self) -> Any:
+    def handle(self) -> AioHandle:
         """The handle given; else one made once from the settings given; else the calling thread's
-        deepnvme.io.default_handle() (async_save writes from a thread of its own)."""
+        default handle (async_save writes from a thread of its own)."""
         if self._handle is None and self._handle_settings:
             self._handle = _resolve_handle(None, self._handle_settings)
         return _resolve_handle(self._handle, {})
@@ -644,7 +620,7 @@ class AioStorageReader(FileSystemReader):
         fut.set_result(None)
         return fut
 
-    def _read_file(self, handle: Any, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+    def _read_file(self, handle: AioHandle, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
         """Read one .distcp file's items: queue every payload, then commit the tensors after one wait."""
         meta_fd = open_regular(path)  # a FIFO or device in the checkpoint is refused without blocking
         # The buffered descriptor reads only archives' small records: readahead would fetch payload bytes
@@ -653,7 +629,7 @@ class AioStorageReader(FileSystemReader):
         data_fd = -1
         edges: dict[int, _Edges] = {}
         try:
-            data_fd = _open_direct(path, os.O_RDONLY)
+            data_fd = open_direct(path, os.O_RDONLY)
             size = os.fstat(meta_fd).st_size
             reqs = sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset)
             for i, req in enumerate(reqs):
@@ -701,7 +677,7 @@ class AioStorageReader(FileSystemReader):
             if data_fd >= 0:
                 os.close(data_fd)
 
-    def _queue_tensor(self, handle: Any, path: str, meta_fd: int, data_fd: int, info: _StorageInfo,
+    def _queue_tensor(self, handle: AioHandle, path: str, meta_fd: int, data_fd: int, info: _StorageInfo,
                       req: ReadItem, planner: LoadPlanner, edges: _Edges) -> tuple[_PendingRead, int]:
         """Queue the read of one tensor item's payload; returns the job and its temporary's bytes."""
         try:
@@ -812,7 +788,7 @@ def _leading_rows(saved: torch.Tensor, offsets: Sequence[int], lengths: Sequence
     return offsets[0] * row, lengths[0] * row
 
 
-def _finish(handle: Any, pending: list[_PendingRead], planner: LoadPlanner, path: str) -> None:
+def _finish(handle: AioHandle, pending: list[_PendingRead], planner: LoadPlanner, path: str) -> None:
     """Wait for everything queued, then copy the resharded tensors into place and commit every tensor."""
     try:
         handle.wait()

@@ -1,11 +1,13 @@
 """deepnvme's performance tunables, read from Python: one getter per setting, KvikIO's habit.
 
-Each setting is a documented default with an environment variable of its own (the table is
-:data:`op_builder.tunables.TUNABLES`). The C++ core reads the variables once per process, when the first
-handle is made, so set them before that (e.g. in the shell, or ``os.environ`` at the top of a script).
+Each setting is a documented default with an environment variable of its own. The table
+:data:`op_builder.tunables.TUNABLES` is the one place they are written: each getter's docstring is made from
+its row, and tests hold the README's table to it. The C++ core reads the variables once per process, when
+the first handle is made, so set them before that (e.g. in the shell, or ``os.environ`` at the top of a
+script).
 
     >>> import deepnvme.defaults as d
-    >>> d.staging_buffer_bytes()          # 1048576 unless DEEPNVME_STAGING_BUFFER_BYTES says otherwise
+    >>> d.staging_buffer_bytes()          # the default unless DEEPNVME_STAGING_BUFFER_BYTES says otherwise
     >>> d.describe()["min_slice_bytes"]   # env name, default, current value and why
 
 Importing this module does not import torch.
@@ -13,6 +15,7 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from op_builder import tunables as _tunables
@@ -26,34 +29,33 @@ def get(name: str) -> int:
     return _tunables.value(name)
 
 
-def staging_buffer_bytes() -> int:
-    """Bytes per staging (bounce) buffer: ``$DEEPNVME_STAGING_BUFFER_BYTES``, default 1 MiB."""
-    return get("staging_buffer_bytes")
+def _size(n: int) -> str:
+    """A default as the README's table writes it: 1G, 64M, 256K, or a plain count."""
+    for unit, suffix in ((1 << 30, "G"), (1 << 20, "M"), (1 << 10, "K")):
+        if n >= unit and n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
 
 
-def staging_buffers() -> int:
-    """Buffers in the process-wide staging pool: ``$DEEPNVME_STAGING_BUFFERS``, default 64."""
-    return get("staging_buffers")
+def _getter(name: str) -> Callable[[], int]:
+    """The getter of one tunable; its docstring is made from the table, so it cannot state another figure."""
+    row = _tunables.by_name(name)
+
+    def getter() -> int:
+        return get(name)
+
+    getter.__name__ = getter.__qualname__ = name
+    first = row.doc.split(". ")[0].rstrip(".")
+    getter.__doc__ = f"{first}: ``${row.env}``, default {_size(row.default)}."
+    return getter
 
 
-def worker_staging_bytes() -> int:
-    """Staged bytes one worker keeps in flight: ``$DEEPNVME_WORKER_STAGING_BYTES``, default 8 MiB."""
-    return get("worker_staging_bytes")
-
-
-def min_slice_bytes() -> int:
-    """Smallest part of a request given to another worker: ``$DEEPNVME_MIN_SLICE_BYTES``, default 256 KiB."""
-    return get("min_slice_bytes")
-
-
-def gds_min_chunk_bytes() -> int:
-    """Smallest gds request part per thread: ``$DEEPNVME_GDS_MIN_CHUNK_BYTES``, default 64 KiB."""
-    return get("gds_min_chunk_bytes")
-
-
-def gds_max_call_bytes() -> int:
-    """Most bytes per cuFile call: ``$DEEPNVME_GDS_MAX_CALL_BYTES``, default 1 GiB."""
-    return get("gds_max_call_bytes")
+staging_buffer_bytes = _getter("staging_buffer_bytes")
+staging_buffers = _getter("staging_buffers")
+worker_staging_bytes = _getter("worker_staging_bytes")
+min_slice_bytes = _getter("min_slice_bytes")
+gds_min_chunk_bytes = _getter("gds_min_chunk_bytes")
+gds_max_call_bytes = _getter("gds_max_call_bytes")
 
 
 def describe() -> dict[str, dict[str, Any]]:

@@ -2,10 +2,11 @@
 
 `FastFileWriter` / `FastFileWriterConfig` have DeepSpeed's `deepspeed.io` interface, so code written for
 DeepSpeed works with only its import changed (`PyFileWriter` and `MockFileWriter` come along, since
-DeepSpeed's writer factory imports all four). Beneath them is `_AlignedWriter`, which `deepnvme.save`
-shares: it places bytes at file offsets, sends every whole 4 KiB page through the handle (O_DIRECT,
-asynchronously) and writes only the partial pages at the ends of a run through the page cache. No page
-is ever written both ways, because the kernel cannot keep such a page coherent.
+DeepSpeed's writer factory imports all four). Beneath them is the O_DIRECT writer of the private core
+(:class:`deepnvme._core.direct.AlignedWriter`), which `deepnvme.save` shares: it places bytes at file
+offsets, sends every whole page through the handle (O_DIRECT, asynchronously) and writes only the partial
+pages at the ends of a run through the page cache. No page is ever written both ways, because the kernel
+cannot keep such a page coherent.
 
 Parallel writers: with `num_parallel_writers` n > 1, the writers of one file (same path, on any ranks)
 each write a share of it. Every rank serialises the same object, so each sees the same byte stream; the
@@ -20,239 +21,23 @@ into it, as DeepSpeed's does.
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import mmap
 import os
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from deepnvme._core.errors import with_path as _with_path
+from deepnvme._core.aio_types import AioHandle
+from deepnvme._core.checks import check_int, check_type
+from deepnvme._core.direct import AlignedWriter, close_pair, open_for_write
+from deepnvme._core.errors import with_path
+from deepnvme._core.memory import PAGE, byte_view, memory_of
 
-PAGE = mmap.PAGESIZE
+__all__ = ["BaseFileWriter", "FastFileWriter", "FastFileWriterConfig", "MockFileWriter", "PyFileWriter",
+           "STRIPE_BYTES"]
+
 # Bytes per stripe in the parallel-writers mode; every writer of a file must use the same value.
 STRIPE_BYTES = 8 << 20
-# Below this a caller's block is copied into the staging buffer rather than written on its own.
-DIRECT_MIN_BYTES = 256 << 10
-# Settings of the handle made when none is passed: the fastest plain-tensor settings measured here.
-DEFAULT_HANDLE_SETTINGS = {"block_size": 1 << 20, "queue_depth": 32, "single_submit": False,
-                           "overlap_events": True, "intra_op_parallelism": 2}
-
-_local = threading.local()
-
-
-def default_handle(slot: int = 0) -> Any:
-    """This thread's aio_handle number `slot` with DEFAULT_HANDLE_SETTINGS, made on first use (the op is
-    built once). load keeps a second one (slot 1) so that one batch of reads is queued while the other's
-    complete.
-
-    One per thread because a handle's wait() completes every request queued on it: two threads sharing one
-    would wait for, and receive the errors of, each other's requests. A forked child makes its own.
-    """
-    handles = getattr(_local, "handles", None)
-    if handles is None or _local.pid != os.getpid():
-        handles = _local.handles = {}
-        _local.pid = os.getpid()
-    handle = handles.get(slot)
-    if handle is None:
-        from deepnvme import AsyncIOBuilder
-
-        handle = handles[slot] = AsyncIOBuilder().load().aio_handle(**DEFAULT_HANDLE_SETTINGS)
-    return handle
-
-
-def aligned_buffer(nbytes: int) -> Any:
-    """A page-aligned uint8 tensor of `nbytes` in anonymous memory: usable for O_DIRECT, not locked.
-
-    Locked memory is capped by RLIMIT_MEMLOCK (often 8 MiB), so staging buffers are plain pages.
-    """
-    import torch
-
-    if nbytes <= 0:
-        raise ValueError(f"buffer size must be positive, got {nbytes}")
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
-
-
-def _memory_of(t: Any) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (the caller keeps the tensor alive)."""
-    n = t.numel() * t.element_size()
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
-
-
-class _PyBuffer(ctypes.Structure):
-    """CPython's Py_buffer, to read the address behind a read-only memoryview."""
-
-    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.py_object), ("len", ctypes.c_ssize_t),
-                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
-                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
-                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
-
-
-def address_of(view: memoryview) -> int:
-    """The address of a buffer's first byte; torch hands its storages to write() as such views."""
-    buf = _PyBuffer()
-    ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(view), ctypes.byref(buf), 0)
-    try:
-        return buf.buf or 0
-    finally:
-        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(buf))
-
-
-def open_for_write(path: str, flags: int = 0, mode: int = 0o666) -> tuple[int, int]:
-    """Open `path` for writing twice: (O_DIRECT descriptor, buffered descriptor).
-
-    Where the file system refuses O_DIRECT (EINVAL: tmpfs before Linux 6.6, some FUSE mounts), both are
-    the same buffered descriptor and the handle does plain writes: slower, still correct.
-    """
-    base = os.O_WRONLY | os.O_CLOEXEC | flags
-    buffered = os.open(path, base, mode)
-    try:
-        direct = os.open(path, (base & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC)) | os.O_DIRECT)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            os.close(buffered)
-            raise
-        direct = buffered
-    return direct, buffered
-
-
-def close_pair(direct: int, buffered: int) -> None:
-    """Close what open_for_write returned (once each)."""
-    if direct != buffered and direct >= 0:
-        os.close(direct)
-    if buffered >= 0:
-        os.close(buffered)
-
-
-class _AlignedWriter:
-    """Places bytes at file offsets: whole pages through the handle (async), partial pages buffered.
-
-    Small pieces are copied into page-aligned staging buffers, kept at the same offset modulo PAGE as
-    their file position so that every staged page can go O_DIRECT. A piece with a `source` tensor whose
-    memory outlives the writer's next wait() is written from that memory without a copy. Two staging
-    buffers let one fill while the other is on its way; since the handle's wait() completes every queued
-    request, reusing a buffer waits for all of them.
-    """
-
-    def __init__(self, handle: Any, direct_fd: int, buffered_fd: int, buffers: list[Any]) -> None:
-        self._handle = handle
-        self._direct_fd = direct_fd
-        self._buffered_fd = buffered_fd
-        self._bufs = buffers
-        self._mems = [_memory_of(b) for b in buffers]
-        self._busy = [False] * len(buffers)
-        self._cur = 0
-        self._fill = 0  # next free byte of the current buffer
-        self._seg_mem = 0  # where the open run starts in the current buffer
-        self._seg_file = 0  # the file offset of that byte
-        self._keep: list[Any] = []  # tensors whose memory queued writes read
-        self._queued = 0
-        self.end = 0  # one past the last byte placed
-        self.bytes_direct = 0
-        self.bytes_staged = 0
-        self.bytes_buffered = 0
-
-    def put(self, view: memoryview, offset: int, source: Any = None) -> None:
-        """Write `view`'s bytes at `offset`; `source`, if given, is a uint8 tensor over the same memory."""
-        n = len(view)
-        if n == 0:
-            return
-        if offset != self._seg_file + (self._fill - self._seg_mem):
-            self._issue()
-            self._start_run(offset)
-        if source is not None and n >= DIRECT_MIN_BYTES and offset % PAGE == 0:
-            body = n - n % PAGE
-            self._issue()  # the run so far ends on a page boundary here
-            self._queue(source[:body], offset)
-            self._keep.append(source)
-            self.bytes_direct += body
-            self._start_run(offset + body)
-            view, offset = view[body:], offset + body
-        self._stage(view)
-        self.end = max(self.end, offset + len(view))
-
-    def finish(self) -> int:
-        """Write what is staged, wait for everything; returns one past the last byte placed."""
-        self._issue()
-        self.wait()
-        return self.end
-
-    def wait(self) -> None:
-        """Complete every queued write (raises the handle's OSError if one failed)."""
-        if self._queued:
-            self._queued = 0
-            try:
-                self._handle.wait()
-            finally:
-                self._busy = [False] * len(self._bufs)
-                self._keep.clear()
-
-    def abandon(self) -> None:
-        """After an error: let queued writes finish (their memory must outlive them), ignore their errors."""
-        try:
-            self.wait()
-        except OSError:
-            pass
-
-    def _queue(self, tensor: Any, offset: int) -> None:
-        self._handle.async_pwrite(tensor, self._direct_fd, offset)
-        self._queued += 1
-
-    def _stage(self, view: memoryview) -> None:
-        size = len(self._mems[self._cur])
-        while len(view):
-            if self._fill == size:
-                self._issue()
-                self._next_buffer(self._seg_file)
-            k = min(size - self._fill, len(view))
-            self._mems[self._cur][self._fill:self._fill + k] = view[:k]
-            self._fill += k
-            self.bytes_staged += k
-            view = view[k:]
-
-    def _start_run(self, offset: int) -> None:
-        """Open a new run for file `offset` at the next position congruent to it modulo PAGE."""
-        mem = -(-self._fill // PAGE) * PAGE + offset % PAGE
-        if mem >= len(self._mems[self._cur]):
-            self._next_buffer(offset)
-            return
-        self._fill = self._seg_mem = mem
-        self._seg_file = offset
-
-    def _next_buffer(self, offset: int) -> None:
-        self._cur = (self._cur + 1) % len(self._bufs)
-        if self._busy[self._cur]:
-            self.wait()
-        self._fill = self._seg_mem = offset % PAGE
-        self._seg_file = offset
-
-    def _issue(self) -> None:
-        """Send the open run: its partial first and last pages buffered, the pages between O_DIRECT."""
-        n = self._fill - self._seg_mem
-        if n <= 0:
-            return
-        mem, start, end = self._seg_mem, self._seg_file, self._seg_file + n
-        head_end = min(end, -(-start // PAGE) * PAGE)
-        body_end = max(head_end, end - end % PAGE)
-        if head_end > start:
-            self._pwrite(mem, start, head_end)
-        if body_end > head_end:
-            at = mem + head_end - start
-            self._queue(self._bufs[self._cur][at:at + body_end - head_end], head_end)
-            self._busy[self._cur] = True
-        if end > body_end:
-            self._pwrite(mem + body_end - start, body_end, end)
-        self._seg_mem, self._seg_file = self._fill, end
-
-    def _pwrite(self, mem: int, start: int, end: int) -> None:
-        self.bytes_buffered += end - start
-        view = self._mems[self._cur][mem:mem + end - start]
-        while len(view):
-            done = os.pwrite(self._buffered_fd, view, start)
-            view, start = view[done:], start + done
 
 
 class _Shares:
@@ -278,7 +63,7 @@ class _Shares:
 class FastFileWriterConfig:
     """DeepSpeed's FastFileWriterConfig: the handle, the staging tensor and the parallel-writer place."""
 
-    dnvme_handle: object
+    dnvme_handle: AioHandle
     pinned_tensor: Any
     double_buffer: bool = True
     num_parallel_writers: int = 1
@@ -383,13 +168,6 @@ def _untyped(storage: Any) -> Any:
     raise TypeError(f"expected a torch storage, got {type(storage).__name__}")
 
 
-def byte_view(storage: Any) -> Any:
-    """A uint8 tensor over all of an UntypedStorage's bytes (shares its memory, keeps it alive)."""
-    import torch
-
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
 class FastFileWriter(BaseFileWriter):
     """DeepSpeed's FastFileWriter: `torch.save(obj, FastFileWriter(path, config))`, then `close()`.
 
@@ -403,11 +181,8 @@ class FastFileWriter(BaseFileWriter):
     def __init__(self, file_path: str, config: FastFileWriterConfig) -> None:
         super().__init__(file_path)
         self._stats.update(dict.fromkeys(_FAST_STAT_KEYS, 0))
-        n, rank = config.num_parallel_writers, config.writer_rank
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"num_parallel_writers must be a positive int, got {n!r}")
-        if not isinstance(rank, int) or not 0 <= rank < n:
-            raise ValueError(f"writer_rank must be in [0, {n}), got {rank!r}")
+        n = check_int("num_parallel_writers", config.num_parallel_writers)
+        rank = check_int("writer_rank", config.writer_rank, 0, n - 1)
         buffers = _staging_halves(config.pinned_tensor, 2 if config.double_buffer else 1)
         self._num_parallel_writers, self._writer_rank = n, rank
         self._global_rank = config.global_rank
@@ -417,7 +192,7 @@ class FastFileWriter(BaseFileWriter):
         self._shares = _Shares() if own_file else _Shares(n, rank)
         self._partition_own_file = own_file
         self._direct_fd, self._buffered_fd = open_for_write(self._file_path, os.O_CREAT)
-        self._writer = _AlignedWriter(config.dnvme_handle, self._direct_fd, self._buffered_fd, buffers)
+        self._writer = AlignedWriter(config.dnvme_handle, self._direct_fd, self._buffered_fd, buffers)
         self._pos = 0
         self._closed = False
 
@@ -432,7 +207,7 @@ class FastFileWriter(BaseFileWriter):
             for a, b in self._shares.owned(self._pos, self._pos + n):
                 self._writer.put(view[a - self._pos:b - self._pos], a)
         except OSError as exc:
-            raise _with_path(exc, self._file_path) from exc
+            raise with_path(exc, self._file_path) from exc
         self._pos += n
         self._stats["write"] += 1
         self._stats["bytes"] += n
@@ -469,10 +244,10 @@ class FastFileWriter(BaseFileWriter):
                 a, b = max(at, first), min(at + piece.numel(), last)
                 if a < b:
                     part = piece[a - at:b - at]
-                    self._writer.put(_memory_of(part), base + a, part)
+                    self._writer.put(memory_of(part), base + a, part)
                 at += piece.numel()
         except OSError as exc:
-            raise _with_path(exc, self._file_path) from exc
+            raise with_path(exc, self._file_path) from exc
         self._pos += (last - first) if self._partition_own_file else total
         self._stats["save_storage"] += len(storage_obj_list)
         self._stats["save_storage_bytes"] += last - first
@@ -492,7 +267,7 @@ class FastFileWriter(BaseFileWriter):
                 os.fsync(self._buffered_fd)
             except OSError as exc:
                 self._writer.abandon()
-                raise _with_path(exc, self._file_path) from exc
+                raise with_path(exc, self._file_path) from exc
         finally:
             close_pair(self._direct_fd, self._buffered_fd)
             self._direct_fd = self._buffered_fd = -1
@@ -521,8 +296,7 @@ def _staging_halves(pinned: Any, parts: int) -> list[Any]:
     """Split the caller's staging tensor into `parts` page-aligned byte buffers of whole pages."""
     import torch
 
-    if not isinstance(pinned, torch.Tensor):
-        raise TypeError(f"pinned_tensor must be a torch.Tensor, got {type(pinned).__name__}")
+    check_type("pinned_tensor", pinned, torch.Tensor)
     if pinned.device.type != "cpu" or not pinned.is_contiguous():
         raise ValueError("pinned_tensor must be a contiguous CPU tensor")
     raw = pinned.reshape(-1).view(torch.uint8)

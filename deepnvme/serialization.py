@@ -48,23 +48,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepnvme._core import zipformat
+from deepnvme._core.aio_types import AioHandle
+from deepnvme._core.crc import crc32
+from deepnvme._core.direct import DIRECT_MIN_BYTES, AlignedWriter, close_pair, open_for_write
 from deepnvme._core.errors import CheckpointFormatError, RefusedPickle, with_path
 from deepnvme._core.files import TEMP_SUFFIX, commit, discard, open_regular, temporary_name
+from deepnvme._core.handles import default_handle
+from deepnvme._core.memory import PAGE, address_of, aligned_buffer, byte_view, memory_of, round_up
+from deepnvme._core.op import aio_module
 from deepnvme._core.zipformat import Record
-from deepnvme.crc import crc32
 from deepnvme.files import SeekableReader
-from deepnvme.io import (
-    DIRECT_MIN_BYTES,
-    PAGE,
-    _AlignedWriter,
-    _memory_of,
-    address_of,
-    aligned_buffer,
-    byte_view,
-    close_pair,
-    default_handle,
-    open_for_write,
-)
 
 # Page alignment of storage payloads in the archives save writes (torch's default is 64).
 STORAGE_ALIGNMENT = 4096
@@ -91,15 +84,15 @@ class _Mispredicted(Exception):
 
 
 def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
-         handle: Any = None, checksum: bool = True, payloads: Any = None) -> None:
+         handle: AioHandle | None = None, checksum: bool = True, payloads: Any = None) -> None:
     """torch.save(obj) to `path` atomically, storage payloads written O_DIRECT from the tensors' memory.
 
-    `handle` is an aio_handle (default: deepnvme.io.default_handle()). Raises FileNotFoundError when the
-    directory is missing, IsADirectoryError when `path` is a directory, OSError (errno, path) when a write
-    fails — ENOSPC included — and pickling errors as torch.save does; in every case a file that was at
-    `path` before is left as it was. `checksum=False` leaves every record's CRC-32 zero, as torch does
-    with compute_crc32 off: stock torch.load still reads the file, but neither zip tools nor
-    deepnvme.load can then check it. A symbolic link at `path` is written through, as torch.save does:
+    `handle` is an aio_handle (default: this thread's own, with the recommended settings). Raises
+    FileNotFoundError when the directory is missing, IsADirectoryError when `path` is a directory, OSError
+    (errno, path) when a write fails — ENOSPC included — and pickling errors as torch.save does; in every
+    case a file that was at `path` before is left as it was. `checksum=False` leaves every record's CRC-32
+    zero, as torch does with compute_crc32 off: stock torch.load still reads the file, but neither zip tools
+    nor deepnvme.load can then check it. A symbolic link at `path` is written through, as torch.save does:
     its target is atomically replaced and the link stays.
 
     `payloads` lets a caller supply storage bytes that are not in memory (deepnvme.offload streams an
@@ -128,7 +121,7 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
         writer = None
         try:
             direct_fd, buffered_fd = open_for_write(tmp, os.O_CREAT | os.O_EXCL, 0o666)
-            writer = _AlignedWriter(handle, direct_fd, buffered_fd, buffers)
+            writer = AlignedWriter(handle, direct_fd, buffered_fd, buffers)
             # torch's own CRC-32 (one core, slower than the disk) is off; the stream computes them faster.
             with _page_aligned_storages(crc=False) as settable:
                 stream = _SaveStream(writer, storages, checksums=checksum and settable, payloads=payloads)
@@ -167,7 +160,7 @@ class _SaveStream:
     (held back until torch has written all of it).
     """
 
-    def __init__(self, writer: _AlignedWriter, storages: dict[tuple[int, int], Any],
+    def __init__(self, writer: AlignedWriter, storages: dict[tuple[int, int], Any],
                  checksums: bool = False, payloads: Any = None) -> None:
         self._writer = writer
         self._storages = storages
@@ -189,7 +182,7 @@ class _SaveStream:
             if supplied is not None:
                 if supplied.numel() != n:
                     raise ValueError(f"payloads gave {supplied.numel()} bytes for a storage of {n}")
-                source, view = supplied, _memory_of(supplied)
+                source, view = supplied, memory_of(supplied)
             elif storage is not None and n >= DIRECT_MIN_BYTES:
                 source = byte_view(storage)
         if self._zip is None:
@@ -325,7 +318,8 @@ def _checked_path(path: Any) -> str:
 # ---------------------------------------------------------------------------------------------------- load
 
 
-def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool = True, *, handle: Any = None,
+def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool = True, *,
+         handle: AioHandle | None = None,
          verify: bool = True, mmap: bool = False, pickle_module: Any = None, **pickle_load_args: Any) -> Any:
     """torch.load(path, map_location, weights_only=...) with each payload read by the handle into its tensor.
 
@@ -434,7 +428,8 @@ class _ArchiveReader(SeekableReader):
     never copied.
     """
 
-    def __init__(self, fd: int, path: str, records: dict[int, Record], handle: Any, verify: bool) -> None:
+    def __init__(self, fd: int, path: str, records: dict[int, Record], handle: AioHandle,
+                 verify: bool) -> None:
         super().__init__(os.fstat(fd).st_size)
         if records and max(r.end for r in records.values()) > self._size:
             raise CheckpointFormatError(path, "truncated: the file shrank while it was being read")
@@ -450,7 +445,7 @@ class _ArchiveReader(SeekableReader):
         self.error: Exception | None = None  # the first failure; torch only sees a short read
         self.restore_error: Exception | None = None  # an error of the caller's map_location
 
-    def prefetch(self, handles: list[Any]) -> None:
+    def prefetch(self, handles: list[AioHandle]) -> None:
         """Read the whole archive now (see the class); raises OSError or CheckpointFormatError."""
         self._prefetched = _Prefetched(self._direct(), self._path, self._size, self._records, handles,
                                        self._verify)
@@ -508,7 +503,7 @@ class _ArchiveReader(SeekableReader):
             if self._substitute:
                 self._skipped[address_of(view)] = record
             else:
-                view[:] = _memory_of(prefetched.tensor_of(record))
+                view[:] = memory_of(prefetched.tensor_of(record))
             return len(view)
         if prefetched.copy_out(view, self._pos):
             return len(view)
@@ -618,23 +613,21 @@ class _Prefetched:
     CRCs checked) on a worker thread.
     """
 
-    def __init__(self, fd: int, path: str, size: int, records: dict[int, Record], handles: list[Any],
+    def __init__(self, fd: int, path: str, size: int, records: dict[int, Record], handles: list[AioHandle],
                  verify: bool) -> None:
         import torch
-
-        from deepnvme import AsyncIOBuilder
 
         self._path = path
         self._by_name = {r.name.partition("/")[2]: r for r in records.values()}
         ordered = sorted(records.values(), key=lambda r: r.offset)
         large = [r for r in ordered if r.is_storage and r.size >= PREFETCH_OWN_BYTES]
-        empty_at_residue = AsyncIOBuilder().load().empty_at_residue
+        empty_at_residue = aio_module().empty_at_residue
         self._tensors: dict[int, Any] = {}  # offset -> uint8 tensor over the payload's own storage
         pieces: list[_Piece] = []
         gaps: list[tuple[int, int]] = []  # file ranges read into scratch
         at = 0
         for r in large:
-            body_start, body_end = _round_up(r.offset), r.end // PAGE * PAGE
+            body_start, body_end = round_up(r.offset), r.end // PAGE * PAGE
             if body_start > at:
                 gaps.append((at, body_start))
             tensor = empty_at_residue(r.size, r.offset % PAGE)
@@ -649,9 +642,9 @@ class _Prefetched:
         total = 0
         for a, b in gaps:
             self._gap_at.append((a, b, total))
-            total += _round_up(b - a)
+            total += round_up(b - a)
         self._scratch = aligned_buffer(total) if total else torch.empty(0, dtype=torch.uint8)
-        self._scratch_mem = _memory_of(self._scratch)
+        self._scratch_mem = memory_of(self._scratch)
         pieces += [_Piece(a, self._scratch[s:s + b - a]) for a, b, s in self._gap_at]
         pieces.sort(key=lambda p: p.offset)
         batch, filled = 0, 0
@@ -668,7 +661,7 @@ class _Prefetched:
                 finish[pieces[bisect.bisect_left(ends, r.end)].batch].append(r)
         self._read(fd, pieces, finish, handles, verify)
 
-    def _read(self, fd: int, pieces: list[_Piece], finish: list[list[Record]], handles: list[Any],
+    def _read(self, fd: int, pieces: list[_Piece], finish: list[list[Record]], handles: list[AioHandle],
               verify: bool) -> None:
         inflight: collections.deque[tuple[Any, int]] = collections.deque()
         worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deepnvme-load-check")
@@ -723,8 +716,8 @@ class _Prefetched:
                     raise _Mispredicted(r.name)
             tensor = self._tensors.get(r.offset)
             if tensor is not None:
-                mem = _memory_of(tensor)
-                head, tail = _round_up(r.offset) - r.offset, r.end // PAGE * PAGE - r.offset
+                mem = memory_of(tensor)
+                head, tail = round_up(r.offset) - r.offset, r.end // PAGE * PAGE - r.offset
                 if not (self.copy_out(mem[:head], r.offset) and self.copy_out(mem[tail:], r.offset + tail)):
                     raise RuntimeError(f"{self._path}: the edges of {r.name} were not read (a deepnvme bug)")
             else:
@@ -766,10 +759,6 @@ class _Prefetched:
         if offset + n > b:
             return None
         return self._scratch_mem[s + offset - a:s + offset - a + n]
-
-
-def _round_up(n: int) -> int:
-    return -(-n // PAGE) * PAGE
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:

@@ -11,7 +11,7 @@ for a sanitizer from getting an unsanitized install without noticing.
 
 Python itself is not built with a sanitizer, so the sanitizer's runtime must be loaded before anything else:
 run Python through ``tests/sanitize/run.sh`` (which sets ``LD_PRELOAD`` and the ``*SAN_OPTIONS``), e.g.
-``tests/sanitize/run.sh address,undefined python3 -m pytest -q tests/test_aio_threads.py``.
+``tests/sanitize/run.sh address,undefined python3 -m pytest -q tests/aio/test_aio_threads.py``.
 Nothing here imports torch or runs a compiler.
 """
 
@@ -77,8 +77,8 @@ def link_flags() -> list[str]:
 @contextlib.contextmanager
 def compiler_environment() -> Iterator[None]:
     """Around a build: LD_PRELOAD without what tests/sanitize/run.sh put there for Python, so the compilers
-    that ninja starts do not run under the sanitizer's runtime (it costs them about a third more CPU time:
-    handle.cpp took 8.5 CPU-seconds plain and 11.0 with libasan preloaded, measured here)."""
+    that ninja starts do not run under the sanitizer's runtime, which only slows them down (README,
+    "Sanitizer builds")."""
     preload = os.environ.get("LD_PRELOAD")
     ours = set(os.environ.get(PRELOADED_ENV, "").split())
     if preload is None or not ours:

@@ -12,6 +12,12 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+# Helpers and child scripts the tests of every folder import by name (builder_helpers, thread_helpers, ...).
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
+
+from mounts import full_fs, ramfs  # noqa: E402, F401 - mounted file systems, fixtures of several folders
 
 from op_builder.engines import names as _engine_names  # noqa: E402 - after the sys.path line above
 

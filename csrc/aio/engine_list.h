@@ -1,5 +1,5 @@
 // The engines this library knows, in the order engine="auto" prefers them: one X-macro row per engine.
-// The rows mirror op_builder/engines.py (the catalogue); tests/test_engine_catalogue.py checks they agree.
+// The rows mirror op_builder/engines.py (the catalogue); tests/aio/test_engine_catalogue.py checks they agree.
 //
 // DNV_ENGINE(cpp_id, name, automatic, shared_factory)
 //   cpp_id          engine_<cpp_id>.cpp defines make_<cpp_id>_engine and probe_<cpp_id> (a stub that

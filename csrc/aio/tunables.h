@@ -8,7 +8,7 @@
 namespace dnv {
 
 // DNV_TUNABLE(field, environment variable, default define, must be a multiple of, minimum, maximum)
-// The rows mirror op_builder/tunables.py; tests/test_tunables.py checks they agree.
+// The rows mirror op_builder/tunables.py; tests/aio/test_tunables.py checks they agree.
 #define DNV_TUNABLE_LIST(DNV_TUNABLE)                                                                        \
     DNV_TUNABLE(staging_buffer_bytes, "DEEPNVME_STAGING_BUFFER_BYTES", DEEPNVME_DEFAULT_STAGING_BUFFER_BYTES, \
                 4096, 1, 1073741824)                                                                         \

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from deepnvme._core.crc import crc32
 from deepnvme._core.errors import CheckpointFormatError
-from deepnvme.crc import crc32
 
 __all__ = ["CENTRAL", "DESCRIPTOR", "LEGACY_MAGIC", "LOCAL", "LOCAL_HEADER_BYTES", "CrcFollower", "Record",
            "data_offset", "read_records", "storage_record"]

@@ -23,7 +23,7 @@ from typing import Any
 # public name -> submodule that defines it; each MoE part adds its own lines here.
 _WHERE = {
     "MoE": "layer",
-    "MOELayer": "moe_layer",
+    "MOELayer": "sharded_moe",
     "TopKGate": "gating",
     "Routes": "gating",
     "top1gating": "gating",

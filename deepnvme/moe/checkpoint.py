@@ -24,7 +24,7 @@ from torch import nn
 
 from deepnvme._core.errors import CheckpointFormatError
 from deepnvme._core.files import write_atomically
-from deepnvme.moe.gpt import EXPERT_KEY, expert_ranks
+from deepnvme.moe.experts import EXPERT_KEY, expert_ranks
 
 MAIN_FILE = "mp_rank_00_model_states.pt"
 LATEST_FILE = "latest"
@@ -37,18 +37,18 @@ def expert_file(layer: int, expert: int) -> str:
 
 def _write(obj: Any, path: str) -> None:
     """Write one checkpoint file with deepnvme's checkpoint writer (atomic, payloads straight from memory)."""
-    import deepnvme
+    from deepnvme.serialization import save
 
-    deepnvme.save(obj, path)
+    save(obj, path)
 
 
 def _read(path: str) -> Any:
     """Read one checkpoint file onto the CPU, tensors and plain containers only."""
-    import deepnvme
+    from deepnvme.serialization import load
 
     if not os.path.isfile(path):
         raise FileNotFoundError(errno.ENOENT, "checkpoint file missing", path)
-    return deepnvme.load(path, map_location="cpu", weights_only=True)
+    return load(path, map_location="cpu", weights_only=True)
 
 
 def _checked_tag(tag: Any, where: str) -> str:

@@ -1,11 +1,20 @@
-"""Experts: the local expert modules of one MoE layer, tagged so optimisers and reducers tell them apart."""
+"""Experts: the local expert modules of one MoE layer, tagged so optimisers and reducers tell them apart;
+how their parameters are named in a state dict, and which of a layer's experts this rank holds."""
 
 from __future__ import annotations
 
 import copy
+import re
 
 import torch
 from torch import Tensor, nn
+
+from deepnvme._core.checks import check_int, check_type
+
+# DeepSpeed's state_dict naming of a rank-local expert inside an MoE layer.
+EXPERT_KEY = re.compile(
+    r"^(?P<layer>.*)\.deepspeed_moe\.experts\.deepspeed_experts\.(?P<local>\d+)\.(?P<rest>.*)$"
+)
 
 
 def reinitialise(module: nn.Module, seed: int) -> bool:
@@ -48,14 +57,8 @@ class Experts(nn.Module):
         expert_group_name: str | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(expert, nn.Module):
-            raise ValueError(f"expert must be a torch.nn.Module, got {type(expert).__name__}")
-        if (
-            isinstance(num_local_experts, bool)
-            or not isinstance(num_local_experts, int)
-            or num_local_experts < 1
-        ):
-            raise ValueError(f"num_local_experts must be an int >= 1, got {num_local_experts!r}")
+        check_type("expert", expert, nn.Module)
+        check_int("num_local_experts", num_local_experts)
         self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
         self.num_local_experts = num_local_experts
         for e in self.deepspeed_experts:
@@ -99,3 +102,21 @@ class Experts(nn.Module):
             out = expert(chunk)
             outputs.append(out[0] if isinstance(out, tuple) else out)
         return torch.cat(outputs, dim=1)
+
+
+def expert_ranks(layer: nn.Module) -> tuple[int, int]:
+    """(expert-parallel rank, expert-data-parallel rank) of this process for the MoE `layer`.
+
+    The EP rank says which experts it holds (local expert i is global expert ep_rank * E_local + i); EDP rank
+    0 marks the first of the ranks holding the same experts. Without torch.distributed both are 0.
+    """
+    import torch.distributed as dist
+
+    from deepnvme.moe.groups import groups_named
+
+    groups = groups_named(layer.expert_group_name)
+    if groups is None:
+        if layer.ep_size > 1:
+            raise ValueError(f"MoE layer with ep_size={layer.ep_size} has no expert-parallel groups")
+        return 0, 0
+    return groups.ep_rank, (dist.get_rank(groups.edp_group) if groups.edp_group is not None else 0)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from deepnvme._core.checks import check_int, check_positive_number
 from deepnvme.moe.routing import assign_slots, top_k
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
@@ -223,26 +224,6 @@ def topkgating(
     return Routes(expert_idx, slot, weight, cap, e, l_aux, exp_counts)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    """Return ``value`` if it is an int (not bool) >= minimum; otherwise raise ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _check_factor(name: str, value: Any) -> float:
-    """Return ``value`` as float if it is a finite positive number; otherwise raise ValueError naming
-    ``name``.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not (value > 0 and value != float("inf")):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
 def check_gate_args(
     num_experts: Any,
     k: Any,
@@ -251,14 +232,14 @@ def check_gate_args(
     min_capacity: Any,
     noisy_gate_policy: Any,
 ) -> None:
-    """Validate gate arguments, raising ValueError that names the offending argument."""
-    _check_int("num_experts", num_experts, 1)
-    _check_int("k", k, 1)
+    """Validate gate arguments: TypeError or ValueError naming the offending argument."""
+    check_int("num_experts", num_experts, 1)
+    check_int("k", k, 1)
     if k > num_experts:
         raise ValueError(f"k ({k}) must not exceed num_experts ({num_experts})")
-    _check_factor("capacity_factor", capacity_factor)
-    _check_factor("eval_capacity_factor", eval_capacity_factor)
-    _check_int("min_capacity", min_capacity, 0)
+    check_positive_number("capacity_factor", capacity_factor)
+    check_positive_number("eval_capacity_factor", eval_capacity_factor)
+    check_int("min_capacity", min_capacity, 0)
     if noisy_gate_policy not in NOISY_GATE_POLICIES:
         raise ValueError(f"noisy_gate_policy must be one of {NOISY_GATE_POLICIES}, got {noisy_gate_policy!r}")
 
@@ -287,7 +268,7 @@ class TopKGate(nn.Module):
         top2_2nd_expert_sampling: bool = True,
     ) -> None:
         super().__init__()
-        _check_int("model_dim", model_dim, 1)
+        check_int("model_dim", model_dim, 1)
         check_gate_args(
             num_experts, k, capacity_factor, eval_capacity_factor, min_capacity, noisy_gate_policy
         )

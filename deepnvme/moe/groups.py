@@ -21,6 +21,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from deepnvme._core.checks import check_int
+
 
 def expert_group_name(ep_size: int) -> str:
     """DeepSpeed's name for the groups (and optimiser groups) of expert-parallel size ``ep_size``."""
@@ -54,8 +56,7 @@ def ranks_layout(
     world_size: int, ep_size: int, data_before_expert: bool = False
 ) -> tuple[list[list[int]], list[list[int]]]:
     """The EP groups and EDP groups (lists of ranks) for a world, without creating anything."""
-    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
-        raise ValueError(f"ep_size must be an int >= 1, got {ep_size!r}")
+    check_int("ep_size", ep_size)
     if world_size % ep_size:
         raise ValueError(f"ep_size ({ep_size}) must divide the world size ({world_size})")
     edp = world_size // ep_size

@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from deepnvme._core.checks import check_int, check_type
 from deepnvme.moe.experts import Experts, reinitialise
-from deepnvme.moe.gating import TopKGate, _check_int, check_gate_args
+from deepnvme.moe.gating import TopKGate, check_gate_args
 from deepnvme.moe.groups import create_expert_and_data_parallel_groups, expert_group_name
-from deepnvme.moe.moe_layer import MOELayer
+from deepnvme.moe.sharded_moe import MOELayer
 
 
 def _one_layer_count(num_experts: Any) -> Any:
@@ -96,14 +97,13 @@ class MoE(nn.Module):
         use_data_before_expert_parallel: bool = False,
     ) -> None:
         super().__init__()
-        _check_int("hidden_size", hidden_size, 1)
-        if not isinstance(expert, nn.Module):
-            raise ValueError(f"expert must be a torch.nn.Module, got {type(expert).__name__}")
+        check_int("hidden_size", hidden_size, 1)
+        check_type("expert", expert, nn.Module)
         num_experts = _one_layer_count(num_experts)
         check_gate_args(
             num_experts, k, capacity_factor, eval_capacity_factor, min_capacity, noisy_gate_policy
         )
-        _check_int("ep_size", ep_size, 1)
+        check_int("ep_size", ep_size, 1)
         if num_experts % ep_size:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by ep_size ({ep_size})")
         if use_tutel:

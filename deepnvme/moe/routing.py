@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from deepnvme._core.checks import check_int
+
 __all__ = ["IMPL_ENV", "assign_slots", "combine", "combine_per_expert", "dispatch", "dispatch_per_expert",
            "op_available", "top_k"]
 
@@ -104,14 +106,6 @@ def uses_op(*tensors: torch.Tensor) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- validation
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def _check_index(name: str, t: Any, ndim: int = 2) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -157,7 +151,7 @@ def top_k(scores: torch.Tensor, k: int, *, impl: str | None = None) -> tuple[tor
     gathered from ``scores``, so they carry its gradient on either path.
     """
     _check_float("scores", scores, ndim=2)
-    _check_int("k", k, 1)
+    check_int("k", k, 1)
     if k > scores.shape[1]:
         raise ValueError(f"k must be <= the number of experts ({scores.shape[1]}), got {k}")
     if bool(torch.isnan(scores).any()):
@@ -197,9 +191,9 @@ def assign_slots(expert_idx: torch.Tensor, num_experts: int, capacity: int | Non
         expert before dropping.
     """
     _check_index("expert_idx", expert_idx)
-    _check_int("num_experts", num_experts, 1)
+    check_int("num_experts", num_experts, 1)
     if capacity is not None:
-        _check_int("capacity", capacity, 0)
+        check_int("capacity", capacity, 0)
     num_tokens, k = expert_idx.shape
     if k < 1:
         raise ValueError(f"expert_idx must have k >= 1 columns, got shape {tuple(expert_idx.shape)}")
@@ -314,8 +308,8 @@ def dispatch(x: torch.Tensor, expert_idx: torch.Tensor, slot: torch.Tensor, num_
     ``slot`` must come from :func:`assign_slots` (two routes never share a row). Differentiable in ``x``.
     """
     _check_float("x", x, ndim=2)
-    _check_int("num_experts", num_experts, 1)
-    _check_int("capacity", capacity, 0)
+    check_int("num_experts", num_experts, 1)
+    check_int("capacity", capacity, 0)
     _check_routes(expert_idx, slot, num_experts, capacity, x.shape[0])
     _check_same_device(x=x, expert_idx=expert_idx, slot=slot)
     module = _resolve_impl(impl, x, expert_idx)
@@ -373,8 +367,8 @@ def dispatch_per_expert(x: torch.Tensor, expert_idx: torch.Tensor, slot: torch.T
     copies and two fresh ``[E, C, M]`` allocations fewer per step). Differentiable in ``x``.
     """
     _check_float("x", x, ndim=2)
-    _check_int("num_experts", num_experts, 1)
-    _check_int("capacity", capacity, 0)
+    check_int("num_experts", num_experts, 1)
+    check_int("capacity", capacity, 0)
     if math.prod(block_shape) != capacity * x.shape[1] or not block_shape or block_shape[-1] != x.shape[1]:
         raise ValueError(f"block_shape must hold capacity x width ({capacity} x {x.shape[1]}), "
                          f"got {block_shape}")

@@ -1,34 +1,19 @@
-"""Every import deepnvme.offload takes from the rest of deepnvme, in one place.
-
-The package is being reorganised (deepnvme/io.py's internals are moving to deepnvme/_core); when a door
-moves, only this file changes.
-"""
+"""Every import deepnvme.offload takes from the rest of deepnvme, in one place: the private core's page
+size, its handles (the recommended settings, checked once) and the compiled ops, and deepnvme.save."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from deepnvme.io import DEFAULT_HANDLE_SETTINGS, PAGE, aligned_buffer  # noqa: F401 - re-exported
-
-
-def aio_op() -> Any:
-    """The compiled async_io op (built once, cached)."""
-    from op_builder import AsyncIOBuilder
-
-    return AsyncIOBuilder().load()
-
-
-def new_handle(**settings: Any) -> Any:
-    """A fresh aio_handle with the project's default settings, overridden by `settings`."""
-    return aio_op().aio_handle(**{**DEFAULT_HANDLE_SETTINGS, **settings})
+from deepnvme._core.handles import new_handle  # noqa: F401 - re-exported
+from deepnvme._core.memory import PAGE  # noqa: F401 - re-exported
+from deepnvme._core.op import aio_module, pin_memory_module
 
 
 def locked_bytes() -> int:
     """Bytes of locked memory registered in this process (every handle's and pin_handle's)."""
-    from op_builder import PinMemoryBuilder
-
-    aio_op()  # the registry is shared once async_io is loaded
-    return int(PinMemoryBuilder().load().pin_handle().locked_bytes())
+    aio_module()  # the registry is shared once async_io is loaded
+    return int(pin_memory_module().pin_handle().locked_bytes())
 
 
 def save_streamed(obj: Any, path: Any, payloads: Any) -> None:

@@ -9,4 +9,6 @@
 - :mod:`.ownership` every run's first line and JSON field: the tool is deepnvme's; how to run DeepSpeed's
 - :mod:`.cli`     what the tools share: sizes, the handle settings for writing input files, usage errors
 - :mod:`.pagecache`, :mod:`.sizes`, :mod:`.pattern`   honest reads, K/M/G sizes, test-buffer fill
+
+Each tool also runs as ``python -m deepnvme.tools.<name>``.
 """

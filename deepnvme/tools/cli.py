@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, TextIO
+from typing import TextIO
 
+from deepnvme._core.aio_types import AioHandle, AioModule
+from deepnvme._core.handles import RECOMMENDED
 from deepnvme.files import fsync_path
 from deepnvme.tools.sizes import parse_size
 from op_builder.engines import AUTO
 from op_builder.engines import names as engine_names
 
-__all__ = ["EXIT_USAGE", "GB", "WRITER_SETTINGS", "UsageError", "engine_choices", "fsync_path", "human_out",
+__all__ = ["EXIT_USAGE", "GB", "UsageError", "engine_choices", "fsync_path", "human_out",
            "size_arg", "writer"]
 
 GB = 1024**3  # DeepSpeed's unit for "GB/sec"
 EXIT_USAGE = 2  # argparse's status for a bad command line
-# The handle that writes a tool's input files (reads need a full file first): fast everywhere, not tuned.
-WRITER_SETTINGS = {"queue_depth": 32, "overlap_events": True, "intra_op_parallelism": 2}
 
 
 class UsageError(Exception):
@@ -42,9 +42,10 @@ def engine_choices() -> tuple[str, ...]:
     return (AUTO, *engine_names())
 
 
-def writer(aio: Any) -> Any:
-    """An aio_handle with :data:`WRITER_SETTINGS`, for making input files."""
-    return aio.aio_handle(**WRITER_SETTINGS)
+def writer(aio: AioModule) -> AioHandle:
+    """An aio_handle with the recommended settings, for making input files (reads need a full file first):
+    fast everywhere, not tuned."""
+    return aio.aio_handle(**RECOMMENDED)
 
 
 def human_out(json_mode: bool) -> TextIO:

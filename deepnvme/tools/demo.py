@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from deepnvme._core.handles import RECOMMENDED
 from deepnvme.files import fsync_path
 from deepnvme.tools.ownership import banner
 from deepnvme.tools.pagecache import (
@@ -33,9 +34,6 @@ from deepnvme.tools.pattern import fill_pattern
 from deepnvme.tools.sizes import parse_size
 from deepnvme.tools.trust import CpuClock, virtual_disk
 
-# The simple settings that reach the drive here: 1 MiB blocks, 32 in flight, overlapped events, 2 threads.
-SETTINGS = {"block_size": 1 << 20, "queue_depth": 32, "single_submit": False, "overlap_events": True,
-            "intra_op_parallelism": 2}
 AIO, TORCH = "deepnvme aio_handle", "torch.save / torch.load"
 
 # When to doubt the figures. A read within this fraction of a plain memory copy came from memory, whatever
@@ -146,7 +144,7 @@ def run(size: int, directory: str, repeats: int = 3, rest: float = 0.5) -> int:
     from deepnvme import AsyncIOBuilder
 
     aio = AsyncIOBuilder().load()
-    handle = aio.aio_handle(**SETTINGS)
+    handle = aio.aio_handle(**RECOMMENDED)  # the library's own, untuned for this drive
     mode = read_mode(directory)
     gb = size / 1e9
     print(f"engine: {handle.get_engine()} (available: {', '.join(aio.available_engines())})")

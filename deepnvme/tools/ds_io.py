@@ -5,8 +5,9 @@ Engines (--engine):
   aio_basic     the module functions aio_read/aio_write (one blocking call per loop); with --io_engine
                 other than auto, the same call through a fresh handle on that engine
   torch_io      torch.save + fsync / torch.load on a plain file (what a user gets without deepnvme)
-  torch_fastio  torch.save streamed through an aio_handle in --fast_io_size locked buffers (two, so the
-                serialisation overlaps the I/O) + fsync / torch.load of the file read whole through the handle
+  torch_fastio  deepnvme.save / deepnvme.load through the aio_handle; with --torch_legacy_save, torch.save's
+                non-zip stream through DeepSpeed's FastFileWriter in a --fast_io_size locked buffer (two
+                halves, so the serialisation overlaps the I/O), fsynced on close
 
 Result lines are DeepSpeed's (GB = 1024^3 bytes; latency = slowest process' mean over loops, bytes summed
 over processes), followed by per-request latency percentiles (one request = one loop's I/O call through its
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import multiprocessing as mp
 import os
 import resource
@@ -64,7 +66,7 @@ def build_parser(prog: str = SHARED_NAME) -> argparse.ArgumentParser:
     p.add_argument("--io_size", type=size_arg, required=True,
                    help="bytes per process per loop (K/M/G suffix)")
     p.add_argument("--fast_io_size", type=size_arg, default=64 << 20,
-                   help="locked buffer size of the torch_fastio writer (default 64M)")
+                   help="locked buffer of the torch_fastio legacy writer, two halves (default 64M)")
     p.add_argument("--read", action="store_true", help="read test (default: write)")
     p.add_argument("--multi_process", type=int, default=1, help="processes when --folder is used")
     p.add_argument("--block_size", type=size_arg, default=1 << 20, help="handle block size (default 1M)")
@@ -127,6 +129,9 @@ def validate(args: argparse.Namespace) -> list[tuple[str, int]]:
             problems.append(f"argument --{name}: must be at least {low}, got {getattr(args, name)}")
     if args.io_parallel is not None and args.io_parallel < 1:
         problems.append(f"argument --io_parallel: must be at least 1, got {args.io_parallel}")
+    if args.engine == "torch_fastio" and args.torch_legacy_save and args.fast_io_size < 2 * mmap.PAGESIZE:
+        problems.append(f"argument --fast_io_size: the legacy writer needs two pages ({2 * mmap.PAGESIZE}), "
+                        f"got {args.fast_io_size}")
     if args.folder is None and args.multi_process != 1:
         problems.append("argument --multi_process: only with --folder (a mapping gives one process per item)")
     if args.use_gds and not args.gpu:
@@ -218,12 +223,11 @@ class _Job:
         self.device = torch.device(f"cuda:{device}") if args.gpu else torch.device("cpu")
         self.buffer = self._buffer(args.io_size)
         fill_pattern(self.buffer)
-        self.stream_buffers: list = []
-        if args.engine == "torch_fastio" and not args.read:
-            from deepnvme import fastio
-
+        self.stream_buffer = None
+        if args.engine == "torch_fastio" and not args.read and args.torch_legacy_save:
             # Locked once per process, as DeepSpeed's writer keeps its pinned buffer, not once per save.
-            self.stream_buffers = fastio.new_buffers(self.handle, args.fast_io_size)
+            self.stream_buffer = self.handle.new_cpu_locked_tensor(args.fast_io_size,
+                                                                   torch.empty(0, dtype=torch.uint8))
         self.expected = self.buffer.clone() if args.validate else None
 
     def _buffer(self, n: int) -> Any:
@@ -289,14 +293,19 @@ class _Job:
             else:
                 torch.save(self.buffer, path, _use_new_zipfile_serialization=not a.torch_legacy_save)
                 fsync_path(path)
-        else:  # torch_fastio
-            from deepnvme import fastio
+        elif a.read:  # torch_fastio
+            from deepnvme.serialization import load
 
-            if a.read:
-                self.loaded = fastio.load(path, self.handle, map_location=self.device)
-            else:
-                fastio.save(self.buffer, path, self.handle, legacy=a.torch_legacy_save,
-                            buffers=self.stream_buffers)
+            self.loaded = load(path, handle=self.handle, map_location=self.device)
+        elif a.torch_legacy_save:
+            from deepnvme.io import FastFileWriter, FastFileWriterConfig
+
+            with FastFileWriter(path, FastFileWriterConfig(self.handle, self.stream_buffer)) as out:
+                torch.save(self.buffer, out, _use_new_zipfile_serialization=False)
+        else:
+            from deepnvme.serialization import save
+
+            save(self.buffer, path, handle=self.handle)
 
     def check(self, path: str) -> None:
         """--validate for the torch engines (the aio engines validate inside the library)."""
@@ -309,9 +318,9 @@ class _Job:
 
     def close(self) -> None:
         """Release locked memory."""
-        for b in self.stream_buffers:
-            self.handle.free_cpu_locked_tensor(b)
-        self.stream_buffers = []
+        if self.stream_buffer is not None:
+            self.handle.free_cpu_locked_tensor(self.stream_buffer)
+            self.stream_buffer = None
         if self.locked:
             self.handle.free_cpu_locked_tensor(self.buffer)
             self.locked = False

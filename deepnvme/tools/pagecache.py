@@ -4,11 +4,12 @@ the pages of a file the page cache still holds (mincore), to check that an evict
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
 import os
 import tempfile
 
+from deepnvme._core.direct import o_direct_refused
+from deepnvme._core.memory import PAGE, round_up
 from deepnvme.files import fsync_path, mount_of
 
 __all__ = ["CACHED", "DESCRIPTIONS", "FADVISE", "O_DIRECT", "cached_pages", "drop_all_caches",
@@ -36,7 +37,7 @@ def o_direct_works(directory: str) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | flag)
     except OSError as exc:
-        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+        if o_direct_refused(exc):
             return False
         raise
     else:
@@ -113,7 +114,7 @@ def cached_pages(path: str | os.PathLike[str]) -> int:
             err = ctypes.get_errno()
             raise OSError(err, f"mmap failed: {os.strerror(err)}", os.fspath(path))
         try:
-            vec = ctypes.create_string_buffer((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE)
+            vec = ctypes.create_string_buffer(round_up(size) // PAGE)
             if _libc.mincore(addr, size, vec) != 0:
                 err = ctypes.get_errno()
                 raise OSError(err, f"mincore failed: {os.strerror(err)}", os.fspath(path))

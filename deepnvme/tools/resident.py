@@ -1,27 +1,26 @@
 """Make a tensor's pages resident before a timed transfer, so that the clock measures I/O, not the host.
 
 On a virtual machine the host may take back guest memory that has sat untouched while something else
-allocated much (fio's buffers, another benchmark). The next touch of such a page waits for the host, several
-microseconds a page (about 200 ms per 128 MiB measured on the development VM), and the guest books that wait
-as CPU time of whatever touched the page: a staging copy inside the handle, or the disk's DMA. fio never pays
-it inside its clock, because it allocates and zeroes its buffers before the clock starts; a benchmark that
-reuses one tensor across cases must touch it first to compare like with like.
+allocated much (fio's buffers, another benchmark). The next touch of such a page waits for the host
+(bench/results/fio_methodology.md has a figure), and the guest books that wait as CPU time of whatever
+touched the page: a staging copy inside the handle, or the disk's DMA. fio never pays it inside its clock,
+because it allocates and zeroes its buffers before the clock starts; a benchmark that reuses one tensor
+across cases must touch it first to compare like with like.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PAGE", "touch_pages"]
+from deepnvme._core.memory import PAGE
 
-#: The smallest page size of the machines we run on: one read per PAGE bytes reaches every page.
-PAGE = 4096
+__all__ = ["PAGE", "touch_pages"]
 
 
 def touch_pages(*tensors: Any) -> None:
     """Read one byte of every page behind each CPU tensor (its whole storage). Device tensors, empty ones and
-    None are skipped; anything else that is not a tensor is a TypeError. Costs about 5 ms per GiB of resident
-    memory."""
+    None are skipped; anything else that is not a tensor is a TypeError. One read per page: cheap next to
+    the I/O it prepares."""
     import torch
 
     for i, t in enumerate(tensors):

@@ -1,5 +1,5 @@
-"""Fixtures of the checkpoint tests: a handle, and a small read-only file system where the test may mount
-one (root with mount rights; skipped elsewhere)."""
+"""Fixtures of the checkpoint tests (deepnvme.save/load, the DCP backend, FastFileWriter): a handle, and a
+small read-only file system where the test may mount one (root with mount rights; skipped elsewhere)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 @pytest.fixture
 def handle(aio_module: ModuleType) -> Any:
+    """The handle the checkpoint tests pass in: 1 MiB blocks, queue depth 32, two threads."""
     return aio_module.aio_handle(block_size=1 << 20, queue_depth=32, intra_op_parallelism=2)
 
 

@@ -1,6 +1,6 @@
 """A fuzzer of our own for the checkpoint readers: hypothesis mutates valid deepnvme.save, torch.save and
 DCP files (bit flips, truncations, splices, edits of zip header fields) and a child process loads each with
-stock torch / DCP and with deepnvme (see fuzz_worker.py).
+stock torch / DCP and with deepnvme (see tests/support/fuzz_worker.py).
 
 Allowed outcomes for deepnvme: the very objects stock loads (same tensors, bytes, dtypes, shapes, strides,
 and the same storage sharing), or a CheckpointFormatError naming the file, or an OSError with errno and
@@ -41,6 +41,7 @@ from deepnvme.checkpoint import AioStorageWriter
 EXAMPLES = int(os.environ.get("DEEPNVME_FUZZ_EXAMPLES", "10"))
 REPLY_SECONDS = 120  # far beyond any one load of these small files, even on a loaded machine: a hang
 REPO = Path(__file__).resolve().parents[2]
+SUPPORT = REPO / "tests" / "support"
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 100,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 FUZZ_DCP = settings(FUZZ, max_examples=max(1, EXAMPLES // 2))
@@ -62,7 +63,7 @@ class Worker:
         # DCP logs every refused load with its traceback: kept in a file, shown when the child dies.
         self.log = template.with_name("fuzz-worker.log")
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("fuzz_worker.py")),
+            self.proc = subprocess.Popen([sys.executable, str(SUPPORT / "fuzz_worker.py"),
                                           str(template)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=log, text=True, env=env)
         self._select = selectors.DefaultSelector()

@@ -12,7 +12,7 @@ import torch
 
 import deepnvme
 from deepnvme.moe import checkpoint as ckpt
-from deepnvme.moe.gpt import GPT, GPTConfig
+from deepnvme.moe.recipe.gpt import GPT, GPTConfig
 
 
 def _model() -> GPT:

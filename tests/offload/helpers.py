@@ -6,7 +6,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from tests.mounts import mounted
+from mounts import mounted
 
 
 def tmpfs(path: Path, options: str) -> contextlib.AbstractContextManager[Path]:

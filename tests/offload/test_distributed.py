@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dist_helpers import launch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from deepnvme.offload import OffloadedOptimizer
-from tests.dist_helpers import launch
 from tests.offload.optim_cases import batch, model
 
 STEPS = 8

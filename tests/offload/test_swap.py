@@ -255,7 +255,7 @@ def test_closed_space_refuses(workdir: Path) -> None:
 
 
 def test_directory_refusing_o_direct_goes_buffered_with_a_warning(tmp_path: Path) -> None:
-    from tests.mounts import mounted
+    from mounts import mounted
 
     with mounted(tmp_path / "ramfs", "ramfs") as mnt:
         with pytest.warns(RuntimeWarning, match="O_DIRECT is not supported"):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run a command with deepnvme's ops built and loaded under sanitizers:
 #
-#   tests/sanitize/run.sh address,undefined python3 -m pytest -q tests/test_aio_errors.py
-#   tests/sanitize/run.sh thread python3 -m pytest -q tests/test_aio_threads.py
+#   tests/sanitize/run.sh address,undefined python3 -m pytest -q tests/aio/test_aio_errors.py
+#   tests/sanitize/run.sh thread python3 -m pytest -q tests/aio/test_aio_threads.py
 #
 # DEEPNVME_SANITIZE makes the op builder compile with -fsanitize=... into a module and build folder of their
 # own (deepnvme_async_io_asan_ubsan, deepnvme_async_io_tsan), beside the normal build. Python is not built

@@ -11,6 +11,8 @@ import sys
 import uuid
 from pathlib import Path
 
+from deepnvme._core.direct import o_direct_refused
+from deepnvme._core.memory import PAGE
 from deepnvme.files import mount_of
 
 from .model import Finding
@@ -18,8 +20,8 @@ from .model import Finding
 __all__ = ["MEMLOCK_WANTED", "O_DIRECT_BLOCK", "SHM_WANTED", "check_memlock", "check_o_direct",
            "check_plain_tensors", "human_bytes", "iec", "shm_size"]
 
-# One aligned block: 4 KiB suits both 512-byte and 4 KiB logical sectors, and an mmap buffer is page aligned.
-O_DIRECT_BLOCK = 4096
+# One aligned block: a page suits both 512-byte and 4 KiB logical sectors, and an mmap buffer is page aligned.
+O_DIRECT_BLOCK = PAGE
 # Below this, one large pinned tensor or the staging pool cannot be locked; 1 GiB is a modest shard.
 MEMLOCK_WANTED = 1 << 30
 # DeepSpeed warns below this /dev/shm size because Docker's 64 MB default starves dataloaders and NCCL.
@@ -61,7 +63,7 @@ def check_o_direct(directory: str) -> Finding:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
     except OSError as exc:
-        if exc.errno == errno.EINVAL:
+        if o_direct_refused(exc):
             # Some filesystems (ramfs) create the file before refusing the flag; the name is ours (O_EXCL).
             _unlink_quietly(path)
             return Finding(
@@ -69,7 +71,7 @@ def check_o_direct(directory: str) -> Finding:
                 label,
                 False,
                 f"refused on {where}",
-                f"the filesystem rejects O_DIRECT (open gave EINVAL); {fallback}",
+                f"the filesystem rejects O_DIRECT (open gave {errno.errorcode[exc.errno]}); {fallback}",
                 fix,
             )
         return Finding(
@@ -180,7 +182,7 @@ def check_plain_tensors() -> Finding:
     key, label = "plain_tensors", "plain tensors (torch.empty)"
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "empty"):
-        residue = torch.empty(4 << 20, dtype=torch.uint8).data_ptr() % 4096
+        residue = torch.empty(4 << 20, dtype=torch.uint8).data_ptr() % PAGE
         aligned, how = residue == 0, f"{residue} bytes past a page"
     else:
         aligned, how = os.environ.get("THP_MEM_ALLOC_ENABLE", "") == "1", "THP_MEM_ALLOC_ENABLE is not 1"

@@ -63,7 +63,7 @@ def _run_probe(key: str, label: str, func: Callable[[], Any]) -> Finding:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Environment (no `import torch`: reading torch's metadata is ~100x faster and enough for the report)
+# Environment (no `import torch`: reading torch's metadata is much faster and enough for the report)
 
 
 def _torch_info() -> dict[str, Any]:

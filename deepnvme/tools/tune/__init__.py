@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from deepnvme._core.aio_types import AioModule
 from deepnvme.tools.cli import EXIT_USAGE, UsageError, human_out
 from deepnvme.tools.ownership import banner, identity
 from deepnvme.tools.pagecache import DESCRIPTIONS, read_mode
@@ -154,7 +155,7 @@ class _Log:
         self.file.close()
 
 
-def _search(args: argparse.Namespace, aio: Any, checked: _Checked, todo: Plan, log: _Log,
+def _search(args: argparse.Namespace, aio: AioModule, checked: _Checked, todo: Plan, log: _Log,
             ) -> tuple[dict, dict, Search, float]:
     """Measure within the budget; (best config with a concrete engine, its medians, the search, seconds)."""
     modes = {read_mode(d) for d in args.nvme_dir}
@@ -183,7 +184,7 @@ def _print_best(config: dict, med: dict, measurements: int, elapsed: float, gds:
     print(json.dumps(deepspeed_section(config, gds), indent=3), file=out)
 
 
-def _compare_with_fio(args: argparse.Namespace, aio: Any, config: dict, io_size: int, record: dict,
+def _compare_with_fio(args: argparse.Namespace, aio: AioModule, config: dict, io_size: int, record: dict,
                       out: TextIO) -> None:
     """The winning settings and fio at the same settings, on one file in the first directory, interleaved
     (see tune/fio.py for what makes the two runs the same); ratios, and a warning for a suspect one."""

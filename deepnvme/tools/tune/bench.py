@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from deepnvme._core.aio_types import AioModule
 from deepnvme.tools.cli import GB, writer
 from deepnvme.tools.pagecache import O_DIRECT, drop_file_cache, read_mode
 from deepnvme.tools.resident import touch_pages
@@ -18,8 +19,8 @@ __all__ = ["Bench"]
 class Bench:
     """Measures one configuration on every directory at once (one thread and buffer per directory)."""
 
-    def __init__(self, aio: Any, dirs: list[str], io_size: int, loops: int, do_read: bool, do_write: bool,
-                 device: Callable[[int], Any] | None = None) -> None:
+    def __init__(self, aio: AioModule, dirs: list[str], io_size: int, loops: int, do_read: bool,
+                 do_write: bool, device: Callable[[int], Any] | None = None) -> None:
         import torch
 
         self.aio, self.dirs, self.io_size, self.loops = aio, dirs, io_size, loops

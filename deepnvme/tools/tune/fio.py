@@ -1,46 +1,34 @@
 """fio beside the handle at the same settings: one command, one file layout, one rule for a suspect ratio.
 
 bench/aio_bench.py and ds_nvme_tune both compare with fio through this module, so that the two comparisons
-cannot drift apart. "The same settings" means:
+cannot drift apart. "The same settings" means (bench/results/fio_methodology.md has the measurements that
+led to each rule):
 
 - one file for every job: fio gets ``--filename`` with ``--numjobs=N``, ``--size=share`` and
   ``--offset_increment=share``, so job k covers ``[k*share, (k+1)*share)``, the contiguous slices the
   handle's N threads (``intra_op_parallelism=N``) cut from one tensor;
-- the same block size (fio ``--bs``, the handle's ``block_size``) and queue depth per job / per thread, and
-  the same submission: the handle (``single_submit=False``) hands every ready request to the kernel in one
-  call, which on a virtual disk also means one notification of the host per batch; fio gets
-  ``--iodepth_batch_submit=<depth>`` for the same (its default submits requests one call each);
-- the same work per write: the handle writes the tensor as it is; fio by default rewrites part of each
-  buffer before each write (``scramble_buffers``, against deduplicating storage), inside its clock (8 MiB
-  writes at QD 32 measured 3.40 GB/s with it, 3.72 without), so fio gets ``--scramble_buffers=0``;
+- the same block size (fio ``--bs``, the handle's ``block_size``), queue depth per job / per thread and
+  submission: the handle (``single_submit=False``) hands every ready request to the kernel in one call, so
+  fio gets ``--iodepth_batch_submit=<depth>`` (its default submits requests one call each);
+- the same work per write: the handle writes the tensor as it is, so fio gets ``--scramble_buffers=0`` (by
+  default it rewrites part of each buffer inside its clock, against deduplicating storage);
 - the same layout: the file is written in full and fsynced before either contender touches it, and both
-  overwrite it in place. The handle opens without O_TRUNC; fio lays a file out only when it is smaller than
-  its jobs need, and ``--fallocate=none`` keeps it from preallocating should that ever happen. A
-  fallocated, never-written file would be the other consistent choice, but its unwritten extents read back
-  as zeros without touching the disk and make every first write convert extents: neither is what a
-  checkpoint that is overwritten sees;
+  overwrite it in place (no O_TRUNC; ``--fallocate=none``). A fallocated, never-written file reads back
+  zeros without touching the disk and makes every first write convert extents: not what an overwritten
+  checkpoint sees;
 - O_DIRECT on both sides, the file's page cache dropped before every read, runs interleaved;
-- I/O memory ready before the clock starts: the handle's tensor is allocated, and its pages touched
-  (deepnvme.tools.resident) before it is timed, but fio allocates bs x iodepth bytes per job and, for reads,
-  touches them first inside its timed run, paying a page fault per 4 KiB page (here 0.1 CPU-s per 256 MiB,
-  half the read speed of a 256 MiB file). With io_uring, ``--fixedbufs`` registers (faults in and pins)
-  fio's buffers during its set-up; libaio has no such option, so fio's libaio reads keep that cost whenever
-  a job's share is not much larger than bs x iodepth.
-
-- the same memory: the handle's locked tensors ask for 2 MiB transparent huge pages. fio's own options for
-  huge pages need reserved hugetlbfs pages, but it allocates its buffers with malloc, and glibc's
-  ``glibc.malloc.hugetlb=1`` tunable makes malloc ask for transparent huge pages too, so fio runs with it.
-  With 4 KiB pages a 1 MiB request spans 256 segments, more than a virtio disk takes in one request (254):
-  without the tunable fio was measured at half the handle's speed for that reason alone.
-- the same start for several jobs: the handle's threads exist before its clock starts and begin together.
-  fio sets each job up on its own (8 MiB x QD 32 means zeroing and registering 256 MiB per job) and then
-  starts it at once, clocking each job from the end of its own set-up; its group bandwidth divides all bytes
-  by the longest job's time. Set-ups that end far apart left the jobs running one after the other while the
-  figure assumed them side by side (traced here: two 128 MiB jobs at 603-678 ms and 714-767 ms, reported as
-  3.6 GB/s for what took 164 ms). run_fio_command therefore holds every job at a barrier after its set-up
-  (``--exec_prerun``, which fio runs between set-up and the job's clock), and times the run from the first
-  request any job issued to the last one completed, from fio's per-request latency log, as the handle is
-  timed; fio's own figure is kept beside it.
+- I/O memory ready before the clock: the handle's tensor is allocated and its pages touched
+  (deepnvme.tools.resident); fio's buffers are registered during its set-up with io_uring's
+  ``--fixedbufs``. libaio has no such option, so fio's libaio reads pay their page faults inside the clock
+  whenever a job's share is not much larger than bs x iodepth;
+- the same memory: locked tensors are 2 MiB transparent huge pages, and fio runs with
+  ``glibc.malloc.hugetlb=1`` so that its malloc'd buffers are too (fio's own huge-page options need reserved
+  hugetlbfs pages). On 4 KiB pages a 1 MiB request can span more segments than a virtual disk takes at once;
+- the same start for several jobs: the handle's threads exist before its clock starts and begin together,
+  while fio sets each job up on its own and clocks each from the end of its own set-up, so its group figure
+  can assume side by side jobs that ran one after the other. run_fio_command holds every job at a barrier
+  after its set-up (``--exec_prerun``) and times the run from the first request any job issued to the last
+  one completed, from fio's per-request latency log, as the handle is timed; fio's own figure is kept.
 
 fio's time leaves out its file open and process start; the handle's timing includes its open.
 """
@@ -57,8 +45,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from deepnvme._core.aio_types import AioModule
+from deepnvme._core.memory import PAGE
 from deepnvme.tools.cli import GB
 from deepnvme.tools.pagecache import drop_file_cache
 from deepnvme.tools.resident import touch_pages
@@ -71,7 +60,7 @@ __all__ = ["MISMATCH", "MISMATCH_CAUSES", "FioRun", "compare_with_fio", "fio_com
 #: handle/fio ratios beyond this factor either way mean the two runs did not measure the same thing
 MISMATCH = 1.2
 #: fio shares are cut at this granularity (O_DIRECT needs aligned offsets and sizes)
-ALIGN = 4096
+ALIGN = PAGE
 
 
 def fio_shares(total: int, jobs: int, block: int) -> tuple[int, int]:
@@ -274,7 +263,7 @@ def run_fio(directory: str, config: dict, io_size: int, do_write: bool, do_read:
     return out
 
 
-def compare_with_fio(aio: Any, directory: str, config: dict, io_size: int, ops: list[str],
+def compare_with_fio(aio: AioModule, directory: str, config: dict, io_size: int, ops: list[str],
                      repeats: int = 3) -> dict[str, dict]:
     """The handle with `config` and fio at the same settings on one laid-out file, `repeats` interleaved
     rounds whose order alternates; per op the medians in GB/s (GB = 1024^3), their ratio, every sample,

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepnvme._core.handles import RECOMMENDED
 from deepnvme.tools.cli import UsageError
 from deepnvme.tools.sizes import parse_size
 
@@ -14,8 +15,9 @@ __all__ = ["ALIASES", "COARSE", "FINE", "KEYS", "START", "Plan", "deepspeed_sect
            "product"]
 
 KEYS = ("block_size", "queue_depth", "single_submit", "overlap_events", "intra_op_parallelism", "engine")
-START = {"block_size": 1 << 20, "queue_depth": 32, "single_submit": False, "overlap_events": True,
-         "intra_op_parallelism": 1, "engine": "auto"}
+# The search starts from the library's recommended settings with one thread, so that the first steps tell
+# what more threads are worth on this drive.
+START = {**RECOMMENDED, "intra_op_parallelism": 1, "engine": "auto"}
 COARSE = {"block_size": [256 << 10, 1 << 20, 4 << 20], "queue_depth": [8, 32, 128],
           "intra_op_parallelism": [1, 2, 4, 8], "overlap_events": [True, False],
           "single_submit": [False, True]}

@@ -1,1 +1,0 @@
-"""Prebuilt op modules (``<name>_op``) land here when installed with DS_BUILD_*=1."""

@@ -1,7 +1,0 @@
-"""Moved to :mod:`deepnvme.tools.pattern` (a tools helper); this name keeps old imports working."""
-
-import sys
-
-from deepnvme.tools import pattern as _moved
-
-sys.modules[__name__] = _moved  # one module object under both names (attributes, monkeypatching)

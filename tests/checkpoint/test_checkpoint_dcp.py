@@ -1,0 +1,287 @@
+"""deepnvme.checkpoint: the DCP backend on the aio_handle, against stock DCP, in 1, 2 and 4 real processes."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import dcp_workers
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from deepnvme.checkpoint import ALIGNMENT, INLINE_BELOW, AioStorageReader, AioStorageWriter, checkpoint_files
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _state() -> dict[str, Any]:
+    """Every dtype, views, an empty tensor, small and large tensors, and non-tensor values."""
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(300_001, generator=g)
+    sd: dict[str, Any] = {
+        "big": big,  # larger than INLINE_BELOW: payload through O_DIRECT, odd length
+        "slice": big[7:70_007],  # a view into a larger storage
+        "transposed": torch.randn(513, 129, generator=g).t(),  # dense, non-contiguous
+        "bf16": torch.randn(1024, 40, generator=g).to(torch.bfloat16),
+        "half": torch.randn(33, generator=g).half(),
+        "f64": torch.randn(3, 5, generator=g, dtype=torch.float64),
+        "c64": torch.randn(40_000, generator=g, dtype=torch.complex64),
+        "i64": torch.arange(-50, 50),
+        "i8": torch.arange(-100, 100, dtype=torch.int8),
+        "u8": torch.arange(0, 255, dtype=torch.uint8),
+        "bool": torch.rand(70_000, generator=g) > 0.5,
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "step": 7,
+        "name": "run-1",
+        "nested": {"lr": 0.1, "t": torch.ones(2, 2)},
+    }
+    return sd
+
+
+def _blank(sd: dict[str, Any]) -> dict[str, Any]:
+    """Same structure, tensors zeroed (or emptied of a Python value), for dcp.load to fill."""
+    out: dict[str, Any] = {}
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = torch.zeros(v.shape, dtype=v.dtype)
+        elif isinstance(v, dict):
+            out[k] = _blank(v)
+        else:
+            out[k] = None
+    return out
+
+
+def _check(got: dict[str, Any], want: dict[str, Any]) -> None:
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+        elif isinstance(v, dict):
+            _check(got[k], v)
+        else:
+            assert got[k] == v, k
+
+
+def _load(directory: Path, reader_cls: type, sd: dict[str, Any]) -> dict[str, Any]:
+    out = _blank(sd)
+    dcp.load(out, storage_reader=reader_cls(directory))
+    return out
+
+
+@pytest.mark.parametrize("thread_count", [1, 3])
+def test_ours_read_by_stock_and_ours(tmp_path: Path, thread_count: int) -> None:
+    sd = _state()
+    dcp.save(sd, storage_writer=AioStorageWriter(tmp_path / "c", thread_count=thread_count))
+    assert len(checkpoint_files(tmp_path / "c")) == thread_count
+    _check(_load(tmp_path / "c", FileSystemReader, sd), sd)
+    _check(_load(tmp_path / "c", AioStorageReader, sd), sd)
+
+
+def test_many_small_tensors(tmp_path: Path) -> None:
+    """Small tensors travel in the gap buffers; past 8 MiB of them the gap is written out in between."""
+    g = torch.Generator().manual_seed(1)
+    sd = {f"p{i}": torch.randn(15_000 + i, generator=g) for i in range(300)}  # ~18 MB, each below 64 KiB
+    dcp.save(sd, storage_writer=AioStorageWriter(tmp_path / "c"))
+    _check(_load(tmp_path / "c", FileSystemReader, sd), sd)
+    _check(_load(tmp_path / "c", AioStorageReader, sd), sd)
+
+
+def test_stock_read_by_ours(tmp_path: Path) -> None:
+    sd = _state()
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path / "c", thread_count=2))
+    _check(_load(tmp_path / "c", AioStorageReader, sd), sd)
+
+
+def test_one_file_per_item_and_dcp_to_torch_save(tmp_path: Path) -> None:
+    sd = _state()
+    dcp.save(sd, storage_writer=AioStorageWriter(tmp_path / "c", single_file_per_rank=False))
+    dcp_to_torch_save(tmp_path / "c", tmp_path / "all.pt")
+    _check(torch.load(tmp_path / "all.pt", weights_only=True), sd)
+
+
+def test_payloads_aligned_and_no_temporaries(tmp_path: Path) -> None:
+    """Large payloads sit on 4 KiB file offsets (so they go O_DIRECT from the tensor), files are whole
+    blocks, nothing temporary survives, and saving again replaces the checkpoint."""
+    directory = tmp_path / "c"
+    dcp.save({"x": torch.ones(5)}, storage_writer=AioStorageWriter(directory))
+    sd = _state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FileSystemWriter's "overwriting" notice
+        dcp.save(sd, storage_writer=AioStorageWriter(directory))
+    assert sorted(p.name for p in directory.iterdir()) == [".metadata", "__0_0.distcp"]
+    with open(directory / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    data = directory / "__0_0.distcp"
+    assert data.stat().st_size % ALIGNMENT == 0
+    aligned = 0
+    with open(data, "rb") as f:
+        for index, info in md.storage_data.items():
+            f.seek(info.offset)
+            item = f.read(info.length)
+            if index.fqn in ("step", "name", "nested.lr"):
+                continue
+            meta = torch.load(_io_bytes(item), map_location="meta", weights_only=True)
+            storage = meta.untyped_storage()
+            if storage.nbytes() >= INLINE_BELOW:
+                assert (info.offset + storage._checkpoint_offset) % ALIGNMENT == 0, index.fqn
+                aligned += 1
+    assert aligned >= 5
+    _check(_load(directory, FileSystemReader, sd), sd)
+
+
+def _io_bytes(b: bytes) -> Any:
+    import io
+
+    return io.BytesIO(b)
+
+
+def test_temporaries_of_a_killed_save_are_removed(tmp_path: Path) -> None:
+    """deepnvme's one atomic-replace recipe: a save removes the temporaries of its files that processes of
+    this host left and that are gone; one of a live process (another rank saving) stays."""
+    from deepnvme._core.files import _HOST, TEMP_SUFFIX
+
+    directory = tmp_path / "c"
+    directory.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    stale = [directory / f".{name}.{_HOST}.{dead.stdout.strip()}.0badf00d{TEMP_SUFFIX}"
+             for name in ("__0_0.distcp", ".metadata")]
+    for p in stale:
+        p.write_bytes(b"half a file")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        other_rank = directory / f".__0_0.distcp.{_HOST}.{live.pid}.0badf00d{TEMP_SUFFIX}"
+        other_rank.write_bytes(b"not ours to remove")
+        dcp.save({"x": torch.ones(5)}, storage_writer=AioStorageWriter(directory))
+        assert not any(p.exists() for p in stale) and other_rank.exists()
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_failed_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    directory = tmp_path / "c"
+    sd = _state()
+    dcp.save(sd, storage_writer=AioStorageWriter(directory))
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    broken = {"big": torch.zeros(300_001), "m": torch.empty(100_000, device="meta")}  # meta: no data to copy
+    with warnings.catch_warnings(), pytest.raises(CheckpointException, match="meta"):
+        warnings.simplefilter("ignore")
+        dcp.save(broken, storage_writer=AioStorageWriter(directory))
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+    _check(_load(directory, AioStorageReader, sd), sd)
+
+
+def test_full_disk_raises_enospc_and_keeps_previous(full_fs: Path) -> None:  # noqa: F811
+    """On a 16 MiB file system: a save that does not fit raises ENOSPC naming the checkpoint, removes its
+    temporary files, and the checkpoint saved there before still loads."""
+    directory = full_fs / "c"
+    small = {"w": torch.randn(1 << 18)}
+    dcp.save(small, storage_writer=AioStorageWriter(directory))
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    with warnings.catch_warnings(), pytest.raises(CheckpointException) as exc:
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.randn(6 << 20)}, storage_writer=AioStorageWriter(directory))
+    assert "No space left on device" in str(exc.value) and str(directory) in str(exc.value)
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+    _check(_load(directory, AioStorageReader, small), small)
+
+
+def test_file_system_without_o_direct(ramfs: Path) -> None:  # noqa: F811
+    """ramfs refuses O_DIRECT: the backend falls back to buffered I/O and stays readable by stock DCP."""
+    sd = _state()
+    dcp.save(sd, storage_writer=AioStorageWriter(ramfs / "c"))
+    _check(_load(ramfs / "c", FileSystemReader, sd), sd)
+    _check(_load(ramfs / "c", AioStorageReader, sd), sd)
+
+
+def test_missing_directory_names_it(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    with pytest.raises(CheckpointException, match=str(missing)):
+        dcp.load({"x": torch.zeros(3)}, storage_reader=AioStorageReader(missing))
+
+
+def test_truncated_file_names_it(tmp_path: Path) -> None:
+    sd = _state()
+    dcp.save(sd, storage_writer=AioStorageWriter(tmp_path / "c"))
+    data = checkpoint_files(tmp_path / "c")[0]
+    os.truncate(data, data.stat().st_size // 2)
+    with pytest.raises(CheckpointException, match=f"{data}: truncated"):
+        _load(tmp_path / "c", AioStorageReader, sd)
+
+
+def test_corrupted_archive_names_it(tmp_path: Path) -> None:
+    sd = _state()
+    dcp.save(sd, storage_writer=AioStorageWriter(tmp_path / "c"))
+    with open(tmp_path / "c" / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "big")
+    data = tmp_path / "c" / info.relative_path
+    with open(data, "r+b") as f:  # wipe the archive's first records, as a torn or overwritten file would
+        f.seek(info.offset)
+        f.write(b"\xff" * 512)
+        f.seek(info.offset + info.length - 200)
+        f.write(b"\xff" * 200)
+    with pytest.raises(CheckpointException, match=f"{data}: item 'big' .* not a readable torch.save archive"):
+        _load(tmp_path / "c", AioStorageReader, sd)
+
+
+def test_garbage_metadata_names_it(tmp_path: Path) -> None:
+    dcp.save({"x": torch.ones(3)}, storage_writer=AioStorageWriter(tmp_path / "c"))
+    (tmp_path / "c" / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointException, match="not a readable DCP metadata file"):
+        dcp.load({"x": torch.zeros(3)}, storage_reader=AioStorageReader(tmp_path / "c"))
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="thread_count"):
+        AioStorageWriter(tmp_path, thread_count=0)
+    with pytest.raises(ValueError, match="queue_depth"):
+        AioStorageWriter(tmp_path, queue_depth=-1)
+    with pytest.raises(ValueError, match="intra_op_parallelism"):
+        AioStorageReader(tmp_path, intra_op_parallelism=0)
+    with pytest.raises(TypeError, match="path"):
+        AioStorageWriter(123)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="path"):
+        AioStorageReader(None)  # type: ignore[arg-type]
+    # The handle settings are checked once, in deepnvme._core.handles, when the writer is made: beyond a
+    # handle's limits, of the wrong type, or unknown, before any save starts.
+    with pytest.raises(ValueError, match="queue_depth"):
+        AioStorageWriter(tmp_path, queue_depth=100000)
+    with pytest.raises(TypeError, match="thread_count"):
+        AioStorageWriter(tmp_path, thread_count=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="block_size"):
+        AioStorageReader(tmp_path, block_size="1M")  # type: ignore[arg-type]
+
+
+def test_given_handle_is_used(tmp_path: Path, aio_module: Any) -> None:
+    h = aio_module.aio_handle(block_size=1 << 16, queue_depth=8, intra_op_parallelism=1)
+    sd = {"w": torch.randn(100_000)}
+    writer = AioStorageWriter(tmp_path / "c", handle=h)
+    dcp.save(sd, storage_writer=writer)
+    assert writer.handle is h
+    back = {"w": torch.zeros(100_000)}
+    dcp.load(back, storage_reader=AioStorageReader(tmp_path / "c", handle=h))
+    assert torch.equal(back["w"], sd["w"])
+
+
+def test_save_at_4_load_at_2_resharded(tmp_path: Path) -> None:
+    """DTensors saved by 4 gloo ranks (ours and stock FileSystemWriter) load at 2 ranks with other shardings,
+    through both readers."""
+    ours, stock = str(tmp_path / "ours"), str(tmp_path / "stock")
+    dcp_workers.run(4, dcp_workers.save_world, ours, stock)
+    assert len(checkpoint_files(ours)) == 8  # 2 files (thread_count) per rank
+    dcp_workers.run(2, dcp_workers.load_world, [ours, stock])
+
+
+def test_async_save_during_training(tmp_path: Path) -> None:
+    dcp_workers.run(2, dcp_workers.async_world, str(tmp_path / "c"))
