@@ -363,7 +363,11 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
         self._load_packed(sd, drop_pages=True)
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole state, in memory, in the wrapped optimizer's format (holds all of it: see save())."""
+        """The whole state, in memory, in the wrapped optimizer's format (holds all of it: see save()).
+
+        Also what torch.distributed.checkpoint saves, and (once there is state) the tensors it loads into
+        in place before load_state_dict() takes them; torch's get_optimizer_state_dict works on this too.
+        """
         self._check_usable()
         self.swap.check_files()
         order = self._records_in_order()
