@@ -15,8 +15,10 @@ layers with that much state), one Adam step of:
            (bench/offload_deepspeed_side.py); its engine's optimizer.step alone is timed.
 The contenders run back to back in an order that rotates every repeat; cells are medians. Reported per
 contender: seconds per step, CPU seconds per step (this process's user+system; DeepSpeed's its own), GB
-moved per step, locked memory; and the ratios the issue sets targets for: offload / max(memory, raw) and
-DeepSpeed / offload. Writes Markdown to stdout and <out>.md, every sample to <out>.json.
+moved per step (DeepSpeed's: its step reads all its swap files, fp32 master, both moments and the
+gradients its backward swapped out, and writes back all but the gradients), locked memory; and the
+ratios the issue sets targets for: offload / max(memory, raw) and DeepSpeed / offload. Writes Markdown
+to stdout and <out>.md, every sample to <out>.json.
 """
 
 from __future__ import annotations
@@ -78,6 +80,17 @@ def timed(fn: Callable[[], object]) -> tuple[float, float]:
     t, c = time.perf_counter(), time.process_time()
     fn()
     return time.perf_counter() - t, time.process_time() - c
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages: the machine may be shared, and the report says how busy it was."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def deepspeed_moved(path: Path) -> int:
+    """Bytes DeepSpeed's optimizer step moves: reads of every swap file, writes of all but gradients'."""
+    files = [f for f in path.rglob("*.swp") if f.is_file()]
+    return sum(f.stat().st_size * (1 if "_gradient_" in f.name else 2) for f in files)
 
 
 class RawIO:
@@ -178,12 +191,15 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
     off_opt.step()
     state = off_opt.swap.reserved_bytes
     raw = RawIO(str(work / "raw.bin"), state, max(MIB, budget // 4))
-    ds = None
+    ds, ds_swapped = None, None
     if args.deepspeed_python:
         (work / "ds").mkdir(exist_ok=True)
         ds = DeepSpeedSide(args.deepspeed_python, width, layers, str(work / "ds"))
         if ds.error:
             log(f"  DeepSpeed unavailable: {ds.error}")
+        else:
+            ds_swapped = deepspeed_moved(work / "ds")
+    load_before = load_average()
     contenders: dict[str, Callable[[], tuple[float, float, int] | None]] = {
         "memory": lambda: (*timed(mem_opt.step), 0),
         "raw": lambda: (*timed(raw.step), raw.chunk),
@@ -208,7 +224,7 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
         raise RuntimeError("the offloaded optimizer's parameters differ from the in-memory one's")
     off_opt.close()
     raw.close()
-    moved = {"memory": 0, "raw": 2 * state, "offload": 2 * state, "deepspeed": None}
+    moved = {"memory": 0, "raw": 2 * state, "offload": 2 * state, "deepspeed": ds_swapped}
     cells = {}
     for name, got in samples.items():
         if not got:
@@ -218,6 +234,7 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
                        "locked": max(g[2] for g in got), "bytes_moved": moved[name], "samples": got}
     bound = max(cells["memory"]["s"], cells["raw"]["s"])
     out = {"size": size, "width": width, "layers": layers, "state_bytes": state, "budget": budget,
+           "load_before": load_before, "load_after": load_average(),
            "cells": cells, "offload_vs_bound": cells["offload"]["s"] / bound}
     if "deepspeed" in cells:
         out["deepspeed_vs_offload"] = cells["deepspeed"]["s"] / cells["offload"]["s"]
@@ -230,7 +247,10 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
 def render(results: list[dict], meta: dict) -> str:
     quick = ", --quick" if meta["quick"] else ""
     lines = [f"# Offloaded optimizer step ({meta['when']}, {meta['host']}{quick})",
-             "", f"Adam, fp32; {meta['repeats']} interleaved repeats, medians. {meta['note']}", "",
+             "", f"Adam, fp32; {meta['repeats']} interleaved repeats, medians. {meta['note']}",
+             "", "Load average (1/5/15 min) " + "; ".join(
+                 f"{r['state_bytes'] / GB:.2f} GB: {r['load_before']} before, {r['load_after']} after"
+                 for r in results) + ".", "",
              "| state | budget | contender | s/step | CPU-s/step | GB moved/step | locked MiB |",
              "|---|---|---|---|---|---|---|"]
     for r in results:
