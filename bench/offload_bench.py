@@ -50,7 +50,7 @@ GB = 1e9
 
 
 def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": MIB, "G": 1 << 30}
+    units = {"K": 1 << 10, "M": MIB, "G": 1 << 30, "T": 1 << 40}
     text = text.strip().upper()
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
@@ -182,7 +182,8 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
         f"budget {budget / MIB:.0f} MiB")
     mem_model, off_model = build(width, layers), build(width, layers)
     fake_grads(mem_model)
-    fake_grads(off_model)
+    for p, q in zip(off_model.parameters(), mem_model.parameters()):
+        p.grad = q.grad  # the same gradients, held once (Adam only reads them)
     mem_opt = torch.optim.Adam(mem_model.parameters(), lr=1e-4)
     locked_before = locked_bytes()
     off_opt = OffloadedOptimizer(torch.optim.Adam(off_model.parameters(), lr=1e-4), work / "offload", budget)
@@ -191,8 +192,11 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
     off_opt.step()
     state = off_opt.swap.reserved_bytes
     raw = RawIO(str(work / "raw.bin"), state, max(MIB, budget // 4))
-    ds, ds_swapped = None, None
-    if args.deepspeed_python:
+    ds, ds_swapped, ds_skipped = None, None, None
+    if args.deepspeed_python and size > args.deepspeed_up_to:
+        log("  DeepSpeed not run: above --deepspeed_up_to")
+        ds_skipped = f"not run above {args.deepspeed_up_to / GB:.2f} GB (host memory)"
+    elif args.deepspeed_python:
         (work / "ds").mkdir(exist_ok=True)
         ds = DeepSpeedSide(args.deepspeed_python, width, layers, str(work / "ds"))
         if ds.error:
@@ -241,6 +245,8 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
         out["locked_vs_deepspeed"] = off_locked / max(1, cells["deepspeed"]["locked"])
     elif ds is not None:
         out["deepspeed_error"] = ds.error
+    elif ds_skipped:
+        out["deepspeed_error"] = ds_skipped
     return out
 
 
@@ -276,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", default="256M", help="locked memory of the offloaded optimizer")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--deepspeed_python", default="", help="an interpreter that imports deepspeed 0.19.8")
+    ap.add_argument("--deepspeed_up_to", default="1T",
+                    help="largest size DeepSpeed runs at (its process needs ~5x the state in memory)")
     ap.add_argument("--quick", action="store_true", help="one small size, 2 repeats: shows the bench works")
     ap.add_argument("--note", default="", help="a line for the report (e.g. 'machine busy')")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "offload"))
@@ -283,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.sizes, args.budget, args.repeats = "64M", "16M", 2
     args.budget = parse_size(args.budget)
+    args.deepspeed_up_to = parse_size(args.deepspeed_up_to)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="offload-bench-", dir=args.dir))
     (work / "offload").mkdir()
@@ -290,16 +299,18 @@ def main(argv: list[str] | None = None) -> int:
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
-    try:
-        results = [run_size(args, size, work, log) for size in sizes]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
             "quick": args.quick, "repeats": args.repeats, "note": args.note, "torch": torch.__version__}
-    text = render(results, meta)
+    results: list[dict] = []
+    try:
+        for size in sizes:  # the report is rewritten after each size: a later size that fails keeps it
+            results.append(run_size(args, size, work, log))
+            text = render(results, meta)
+            Path(args.out + ".md").write_text(text)
+            Path(args.out + ".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     print(text)
-    Path(args.out + ".md").write_text(text)
-    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0
 
 
