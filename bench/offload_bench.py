@@ -15,8 +15,10 @@ layers with that much state), one Adam step of:
            (bench/offload_deepspeed_side.py); its engine's optimizer.step alone is timed.
 The contenders run back to back in an order that rotates every repeat; cells are medians. Reported per
 contender: seconds per step, CPU seconds per step (this process's user+system; DeepSpeed's its own), GB
-moved per step, locked memory; and the ratios the issue sets targets for: offload / max(memory, raw) and
-DeepSpeed / offload. Writes Markdown to stdout and <out>.md, every sample to <out>.json.
+moved per step (DeepSpeed's: its step reads all its swap files, fp32 master, both moments and the
+gradients its backward swapped out, and writes back all but the gradients), locked memory; and the
+ratios the issue sets targets for: offload / max(memory, raw) and DeepSpeed / offload. Writes Markdown
+to stdout and <out>.md, every sample to <out>.json.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ GB = 1e9
 
 
 def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": MIB, "G": 1 << 30}
+    units = {"K": 1 << 10, "M": MIB, "G": 1 << 30, "T": 1 << 40}
     text = text.strip().upper()
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
@@ -78,6 +80,17 @@ def timed(fn: Callable[[], object]) -> tuple[float, float]:
     t, c = time.perf_counter(), time.process_time()
     fn()
     return time.perf_counter() - t, time.process_time() - c
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages: the machine may be shared, and the report says how busy it was."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def deepspeed_moved(path: Path) -> int:
+    """Bytes DeepSpeed's optimizer step moves: reads of every swap file, writes of all but gradients'."""
+    files = [f for f in path.rglob("*.swp") if f.is_file()]
+    return sum(f.stat().st_size * (1 if "_gradient_" in f.name else 2) for f in files)
 
 
 class RawIO:
@@ -169,7 +182,8 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
         f"budget {budget / MIB:.0f} MiB")
     mem_model, off_model = build(width, layers), build(width, layers)
     fake_grads(mem_model)
-    fake_grads(off_model)
+    for p, q in zip(off_model.parameters(), mem_model.parameters()):
+        p.grad = q.grad  # the same gradients, held once (Adam only reads them)
     mem_opt = torch.optim.Adam(mem_model.parameters(), lr=1e-4)
     locked_before = locked_bytes()
     off_opt = OffloadedOptimizer(torch.optim.Adam(off_model.parameters(), lr=1e-4), work / "offload", budget)
@@ -178,12 +192,18 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
     off_opt.step()
     state = off_opt.swap.reserved_bytes
     raw = RawIO(str(work / "raw.bin"), state, max(MIB, budget // 4))
-    ds = None
-    if args.deepspeed_python:
+    ds, ds_swapped, ds_skipped = None, None, None
+    if args.deepspeed_python and size > args.deepspeed_up_to:
+        log("  DeepSpeed not run: above --deepspeed_up_to")
+        ds_skipped = f"not run above {args.deepspeed_up_to / GB:.2f} GB (host memory)"
+    elif args.deepspeed_python:
         (work / "ds").mkdir(exist_ok=True)
         ds = DeepSpeedSide(args.deepspeed_python, width, layers, str(work / "ds"))
         if ds.error:
             log(f"  DeepSpeed unavailable: {ds.error}")
+        else:
+            ds_swapped = deepspeed_moved(work / "ds")
+    load_before = load_average()
     contenders: dict[str, Callable[[], tuple[float, float, int] | None]] = {
         "memory": lambda: (*timed(mem_opt.step), 0),
         "raw": lambda: (*timed(raw.step), raw.chunk),
@@ -208,7 +228,7 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
         raise RuntimeError("the offloaded optimizer's parameters differ from the in-memory one's")
     off_opt.close()
     raw.close()
-    moved = {"memory": 0, "raw": 2 * state, "offload": 2 * state, "deepspeed": None}
+    moved = {"memory": 0, "raw": 2 * state, "offload": 2 * state, "deepspeed": ds_swapped}
     cells = {}
     for name, got in samples.items():
         if not got:
@@ -218,19 +238,25 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
                        "locked": max(g[2] for g in got), "bytes_moved": moved[name], "samples": got}
     bound = max(cells["memory"]["s"], cells["raw"]["s"])
     out = {"size": size, "width": width, "layers": layers, "state_bytes": state, "budget": budget,
+           "load_before": load_before, "load_after": load_average(),
            "cells": cells, "offload_vs_bound": cells["offload"]["s"] / bound}
     if "deepspeed" in cells:
         out["deepspeed_vs_offload"] = cells["deepspeed"]["s"] / cells["offload"]["s"]
         out["locked_vs_deepspeed"] = off_locked / max(1, cells["deepspeed"]["locked"])
     elif ds is not None:
         out["deepspeed_error"] = ds.error
+    elif ds_skipped:
+        out["deepspeed_error"] = ds_skipped
     return out
 
 
 def render(results: list[dict], meta: dict) -> str:
     quick = ", --quick" if meta["quick"] else ""
     lines = [f"# Offloaded optimizer step ({meta['when']}, {meta['host']}{quick})",
-             "", f"Adam, fp32; {meta['repeats']} interleaved repeats, medians. {meta['note']}", "",
+             "", f"Adam, fp32; {meta['repeats']} interleaved repeats, medians. {meta['note']}",
+             "", "Load average (1/5/15 min) " + "; ".join(
+                 f"{r['state_bytes'] / GB:.2f} GB: {r['load_before']} before, {r['load_after']} after"
+                 for r in results) + ".", "",
              "| state | budget | contender | s/step | CPU-s/step | GB moved/step | locked MiB |",
              "|---|---|---|---|---|---|---|"]
     for r in results:
@@ -256,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", default="256M", help="locked memory of the offloaded optimizer")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--deepspeed_python", default="", help="an interpreter that imports deepspeed 0.19.8")
+    ap.add_argument("--deepspeed_up_to", default="1T",
+                    help="largest size DeepSpeed runs at (its process needs ~5x the state in memory)")
     ap.add_argument("--quick", action="store_true", help="one small size, 2 repeats: shows the bench works")
     ap.add_argument("--note", default="", help="a line for the report (e.g. 'machine busy')")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "offload"))
@@ -263,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.sizes, args.budget, args.repeats = "64M", "16M", 2
     args.budget = parse_size(args.budget)
+    args.deepspeed_up_to = parse_size(args.deepspeed_up_to)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="offload-bench-", dir=args.dir))
     (work / "offload").mkdir()
@@ -270,16 +299,18 @@ def main(argv: list[str] | None = None) -> int:
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
-    try:
-        results = [run_size(args, size, work, log) for size in sizes]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
             "quick": args.quick, "repeats": args.repeats, "note": args.note, "torch": torch.__version__}
-    text = render(results, meta)
+    results: list[dict] = []
+    try:
+        for size in sizes:  # the report is rewritten after each size: a later size that fails keeps it
+            results.append(run_size(args, size, work, log))
+            text = render(results, meta)
+            Path(args.out + ".md").write_text(text)
+            Path(args.out + ".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     print(text)
-    Path(args.out + ".md").write_text(text)
-    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0
 
 

@@ -83,8 +83,12 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
     aio handle for reads (default: a new one with the project's settings).
 
     Use it as the optimizer: `param_groups` are the wrapped optimizer's live groups (LR schedulers attach
-    here), `zero_grad`, `add_param_group` work as usual; `state` stays empty (the state is on the drive:
-    see state_dict()). A context manager; close() removes its files.
+    here), `zero_grad`, `add_param_group` work as usual. `state` is a read-only outline: for each parameter
+    with state, its small values (Adam's `step`) and, for each tensor kept on the drive, an empty tensor on
+    the "meta" device with its shape and dtype (see state_dict() for the values). It is there so that code
+    asking which state exists sees the truth: torch.distributed.checkpoint's get/set_optimizer_state_dict
+    take an empty `state` to mean "never stepped" and then run a zero-gradient step to create it, which on
+    existing Adam state would decay it. A context manager; close() removes its files.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, directory: str | os.PathLike,
@@ -169,6 +173,7 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
                             else f"a step() ended by {type(exc).__name__}")
             raise
         self._broken = None
+        self._outline()
         return loss
 
     def _tiles(self, work: list[tuple[int, torch.Tensor]]) -> list[list[tuple[int, torch.Tensor]]]:
@@ -236,6 +241,14 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
             rec.scalars = {k: v for k, v in state.items() if k not in swapped}
         if fresh:
             self._store_fresh(fresh)
+
+    def _outline(self) -> None:
+        """Make `state` show, per parameter, its small state and a meta tensor for each swapped one."""
+        def outline(rec: _Record) -> dict[str, Any]:
+            return {**rec.scalars, **{e.key: torch.empty(e.shape, dtype=e.dtype, device="meta")
+                                      for e in rec.entries}}
+
+        self.state = defaultdict(dict, {p: outline(rec) for p, rec in self._records.items()})
 
     def _is_swapped(self, p: torch.Tensor, key: str, value: Any) -> bool:
         return (key != "step" and isinstance(value, torch.Tensor) and value.shape == p.shape
@@ -350,7 +363,11 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
         self._load_packed(sd, drop_pages=True)
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole state, in memory, in the wrapped optimizer's format (holds all of it: see save())."""
+        """The whole state, in memory, in the wrapped optimizer's format (holds all of it: see save()).
+
+        Also what torch.distributed.checkpoint saves, and (once there is state) the tensors it loads into
+        in place before load_state_dict() takes them; torch's get_optimizer_state_dict works on this too.
+        """
         self._check_usable()
         self.swap.check_files()
         order = self._records_in_order()
@@ -423,6 +440,7 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
             live.update({k: v for k, v in saved.items() if k != "params"})
         self.swap.wait_writes()
         self._broken = None
+        self._outline()
 
     def _same_layout(self, p: torch.Tensor, rec: _Record, st: dict[str, Any]) -> bool:
         swapped = [(k, v.shape) for k, v in st.items() if self._is_swapped(p, k, v)]
