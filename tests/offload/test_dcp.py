@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dist_helpers import launch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from deepnvme.checkpoint import AioStorageReader, AioStorageWriter
 from deepnvme.offload import OffloadedOptimizer
-from tests.dist_helpers import launch
 from tests.offload.optim_cases import OPTIMIZERS, batch, model, train
 
 STEPS = 12
