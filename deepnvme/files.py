@@ -1,6 +1,6 @@
 """Small file-system facts and acts the library and the tools share: fsync by name, the mount of a path, and
-the seekable read-only stream torch's zip reader is handed. fsync of a directory is part of the atomic
-replace recipe in deepnvme._core.files and is re-exported here for the callers that import it from here."""
+the seekable read-only stream torch's zip reader is handed.
+(fsync of a directory belongs to the atomic-replace recipe, op_builder.atomic_file.)"""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from deepnvme._core.files import fsync_directory
-
-__all__ = ["SeekableReader", "fsync_directory", "fsync_path", "mount_of"]
+__all__ = ["SeekableReader", "fsync_path", "mount_of"]
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:

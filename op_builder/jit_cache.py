@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import sysconfig
-import tempfile
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -35,6 +34,7 @@ from types import ModuleType
 from typing import Any
 
 from . import diagnose, sanitize
+from .atomic_file import replace_bytes
 from .build_spec import BuildSpec
 from .capability import Capability
 from .toolchain import compiler_identity
@@ -168,35 +168,11 @@ def restored_probes(saved: dict[str, Any]) -> dict[str, Any]:
     return memo
 
 
-def _replace_file(path: Path, data: bytes) -> None:
-    """Write ``path`` atomically and durably: a temporary file beside it, fsync, rename over it, fsync of the
-    folder. A reader sees the old file or the new one, never half of one, and after a crash the rename is
-    not lost while the data is. The temporary file is removed when anything fails.
-
-    Local to op_builder, which sits below the deepnvme package and cannot use its atomic-replace helper.
-    """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def _write_stamp(build_dir: Path, data: dict[str, Any]) -> None:
     # A stamp that cannot be written costs the next load a rebuild (ninja finds it up to date), never this
     # build: the module is built and imported already.
     try:
-        _replace_file(build_dir / STAMP_FILE, json.dumps(data, indent=1).encode())
+        replace_bytes(str(build_dir / STAMP_FILE), json.dumps(data, indent=1).encode())
     except OSError as exc:
         warnings.warn(f"deepnvme: cannot write {build_dir / STAMP_FILE} ({exc}); the next load will check "
                       "the build with ninja again", RuntimeWarning, stacklevel=3)

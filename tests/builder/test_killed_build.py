@@ -14,17 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
-from builder_helpers import _REPORT, _SPY, REPO_ROOT, run_python, tiny_build_dir, write_plugin
+from builder_helpers import _REPORT, _SPY, REPO_ROOT, load_script, run_python, tiny_build_dir, write_plugin
 
 pytest.importorskip("torch")
 
-LOAD = """
-import op_builder, tinyplug
-op_builder.register(tinyplug.TinyBuilder)
-b = op_builder.ALL_OPS["tiny_killed"]
-mod = b.load()
-result = {"value": mod.value(), "file": mod.__file__, "warm_miss": b.warm_miss}
-"""
+LOAD = load_script("tiny_killed")
 
 # A C++ compiler that stops (until killed, at most 5 minutes) on the plugin's source, after writing its pid
 # as the mark; any other call (torch's compiler checks, the probes) goes to the real compiler.

@@ -6,17 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from builder_helpers import run_python, tiny_build_dir, write_plugin
+from builder_helpers import load_script, run_python, tiny_build_dir, write_plugin
 
 pytest.importorskip("torch")
 
-LOAD = """
-import op_builder, tinyplug
-op_builder.register(tinyplug.TinyBuilder)
-b = op_builder.ALL_OPS["tiny_trees"]
-mod = b.load()
-result = {"value": mod.value(), "file": mod.__file__, "warm_miss": b.warm_miss}
-"""
+LOAD = load_script("tiny_trees")
 
 
 def test_two_trees_sharing_a_cache_stay_warm(tmp_path):

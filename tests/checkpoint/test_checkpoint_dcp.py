@@ -147,7 +147,7 @@ def _io_bytes(b: bytes) -> Any:
 def test_temporaries_of_a_killed_save_are_removed(tmp_path: Path) -> None:
     """deepnvme's one atomic-replace recipe: a save removes the temporaries of its files that processes of
     this host left and that are gone; one of a live process (another rank saving) stays."""
-    from deepnvme._core.files import _HOST, TEMP_SUFFIX
+    from op_builder.atomic_file import _HOST, TEMP_SUFFIX
 
     directory = tmp_path / "c"
     directory.mkdir()

@@ -3,7 +3,8 @@ data is synced before the rename puts it under the checkpoint's name, and the di
 the rename, so that the new name itself survives a power loss. Neither order can be seen in the files a
 save leaves, so the test interposes on the calls: a small LD_PRELOAD library, compiled here, logs every
 fsync/fdatasync (with the descriptor's path from /proc/self/fd) and rename in a child process that saves
-through the public entry points (deepnvme.save and DCP's save with AioStorageWriter)."""
+through the public entry points (deepnvme.save and DCP's save with AioStorageWriter), and that writes the
+project's two small replaced files: the JIT cache's stamp and the MoE checkpoint's `latest`."""
 
 from __future__ import annotations
 
@@ -114,6 +115,17 @@ where, target = sys.argv[1], sys.argv[2]
 if where == "save":
     for n in range(2):  # a new file, then one replacing it
         deepnvme.save({"w": torch.arange(300000, dtype=torch.float32), "n": n}, target)
+elif where == "stamp":  # the JIT cache's stamp, the file a warm load trusts
+    from pathlib import Path
+    from op_builder import jit_cache
+
+    for n in range(2):
+        jit_cache._write_stamp(Path(target), {"n": n})
+elif where == "latest":  # the MoE checkpoint's pointer to its newest tag
+    from deepnvme._core.files import write_atomically
+
+    for tag in ("global_step1", "global_step2"):
+        write_atomically(target, tag.encode())
 else:
     import torch.distributed.checkpoint as dcp
     from deepnvme.checkpoint import AioStorageWriter
@@ -175,3 +187,17 @@ def test_dcp_writer_syncs_files_and_directory_around_renames(shim: Path, tmp_pat
     calls = logged_calls(shim, tmp_path, "dcp", folder)
     checked = check_order(calls, folder)
     assert ".metadata" in checked and any(name.endswith(".distcp") for name in checked), calls
+
+
+def test_jit_stamp_and_moe_latest_take_the_same_recipe(shim: Path, tmp_path: Path) -> None:
+    """The JIT stamp (op_builder) and MoE's `latest` (through the library's error rule) are replaced by the
+    one recipe in op_builder.atomic_file: fsync, rename, directory fsync, each time."""
+    stamp_dir = tmp_path / "build"
+    stamp_dir.mkdir()
+    from op_builder.jit_cache import STAMP_FILE
+
+    assert check_order(logged_calls(shim, tmp_path, "stamp", stamp_dir), stamp_dir) == [STAMP_FILE] * 2
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (tmp_path / "calls.log").unlink()
+    assert check_order(logged_calls(shim, tmp_path, "latest", moe / "latest"), moe) == ["latest"] * 2

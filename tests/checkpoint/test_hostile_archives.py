@@ -21,7 +21,7 @@ import zipcraft
 import deepnvme
 from deepnvme import serialization
 from deepnvme._core import zipformat
-from deepnvme._core.files import TEMP_SUFFIX
+from op_builder.atomic_file import TEMP_SUFFIX
 
 BIG = 300_000  # float32 elements: a payload the prefetch reads O_DIRECT into a storage of its own
 

@@ -92,7 +92,7 @@ def test_kill_9_at_a_random_moment_leaves_the_previous_or_the_new_checkpoint(tmp
 
 def test_stale_temporary_of_a_live_process_is_left_alone(tmp_path: Path) -> None:
     """Another live process may be saving the same name: its temporary must survive our save."""
-    from deepnvme._core.files import _HOST
+    from op_builder.atomic_file import _HOST
 
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

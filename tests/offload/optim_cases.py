@@ -46,6 +46,19 @@ def loss_of(m: nn.Module, step: int) -> torch.Tensor:
     return (m(x) - y).float().pow(2).mean()
 
 
+def rank_steps(net: nn.Module, opt: Any, rank: int, steps: range) -> list[float]:
+    """One rank's training steps on its own batches (seeded by rank and step), returning the losses."""
+    losses = []
+    for s in steps:
+        x, y = batch(100 * rank + s)
+        opt.zero_grad()
+        loss = (net(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def train(m: nn.Module, opt: torch.optim.Optimizer, steps: range, frozen_until: int = 0,
           masters: list[torch.Tensor] | None = None) -> list[float]:
     """Plain training; the first layer gets no gradient before `frozen_until` (its state starts late).

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from deepnvme.checkpoint import AioStorageReader, AioStorageWriter
 from deepnvme.offload import OffloadedOptimizer
-from tests.offload.optim_cases import OPTIMIZERS, batch, model, train
+from tests.offload.optim_cases import OPTIMIZERS, model, rank_steps, train
 
 STEPS = 12
 HALF = 6
@@ -91,25 +91,13 @@ def test_rollback_with_plain_state_dict(workdir: Path, tmp_path: Path) -> None:
     assert _same(ref, net)
 
 
-def _steps(net: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, steps: range) -> list[float]:
-    losses = []
-    for s in steps:
-        x, y = batch(100 * rank + s)
-        opt.zero_grad()
-        loss = (net(x) - y).pow(2).mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _ddp_body(rank: int, world: int, swap: str, ckpt: str) -> dict[str, Any]:
     ref = DistributedDataParallel(model())
-    ref_losses = _steps(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), rank, range(STEPS))
+    ref_losses = rank_steps(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), rank, range(STEPS))
 
     first = DistributedDataParallel(model())
     with OffloadedOptimizer(torch.optim.Adam(first.parameters(), lr=1e-2), swap, BUDGET) as opt:
-        losses = _steps(first, opt, rank, range(HALF))
+        losses = rank_steps(first, opt, rank, range(HALF))
         opt.zero_grad(set_to_none=True)
         dcp.save({"model": first.state_dict(), "optim": get_optimizer_state_dict(first, opt)},
                  storage_writer=AioStorageWriter(ckpt))
@@ -119,7 +107,7 @@ def _ddp_body(rank: int, world: int, swap: str, ckpt: str) -> dict[str, Any]:
         dcp.load(target, storage_reader=AioStorageReader(ckpt))
         second.load_state_dict(target["model"])
         set_optimizer_state_dict(second, opt, target["optim"])
-        losses += _steps(second, opt, rank, range(HALF, STEPS))
+        losses += rank_steps(second, opt, rank, range(HALF, STEPS))
     same = all(torch.equal(p, q) for p, q in zip(ref.parameters(), second.parameters()))
     return {"ref": ref_losses, "resumed": losses, "same": same}
 

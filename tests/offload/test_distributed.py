@@ -18,7 +18,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from deepnvme.offload import OffloadedOptimizer
-from tests.offload.optim_cases import batch, model
+from tests.offload.optim_cases import model, rank_steps
 
 STEPS = 8
 DEADLINE_S = 240
@@ -37,14 +37,7 @@ def _run(rank: int, kind: str, offload: bool, directory: str) -> tuple[list[floa
         if offload:
             opt = OffloadedOptimizer(opt, directory, BUDGET)
         inner = opt
-    losses = []
-    for s in range(STEPS):
-        x, y = batch(100 * rank + s)
-        opt.zero_grad()
-        loss = (net(x) - y).pow(2).mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = rank_steps(net, opt, rank, range(STEPS))
     swapped = inner.swap.reserved_bytes if offload else 0
     if offload:
         inner.close()

@@ -137,7 +137,9 @@ def test_interrupted_step_refuses_until_load(real_signal: bool, workdir: Path, t
             tiles.append(1)
             if len(tiles) == 2:  # after the first tile was updated
                 if real_signal:
-                    os.kill(os.getpid(), signal.SIGINT)
+                    # raise() delivers to this thread, so Python runs its handler before the hook returns;
+                    # a process-wide kill may land on an I/O thread and be handled only after the step.
+                    signal.raise_signal(signal.SIGINT)
                 else:
                     raise KeyboardInterrupt
 

@@ -59,6 +59,18 @@ def write_plugin(root: Path, pkg: str = "tinyplug", name: str = "tiny_op_x", cls
     return pdir
 
 
+def load_script(op_name: str) -> str:
+    """Child code that registers tinyplug's builder, loads op `op_name` and reports its value, module file
+    and why the load was not warm (run_python's `result`)."""
+    return f"""
+import op_builder, tinyplug
+op_builder.register(tinyplug.TinyBuilder)
+b = op_builder.ALL_OPS[{op_name!r}]
+mod = b.load()
+result = {{"value": mod.value(), "file": mod.__file__, "warm_miss": b.warm_miss}}
+"""
+
+
 def set_value(root: Path, value: int, pkg: str = "tinyplug") -> None:
     """Change the constant in the plugin's header (a header-only edit must trigger a rebuild)."""
     (root / pkg / "csrc" / "tiny.h").write_text(f"#pragma once\n#define TINY_VALUE {value}\n")

@@ -1,0 +1,106 @@
+"""Replacing a file atomically and durably: the one recipe for every file the project writes.
+
+Write a temporary in the target's directory, fsync it, rename it over the target, fsync the directory: a
+crash leaves the old file or the new one, never half of one, and the rename is not lost. A temporary is
+named `.<name>.<host>.<pid>.<random>.deepnvme-tmp`, so that a later replace of the same name on the same host
+can tell the leftovers of killed processes (removed) from a replace still running in another process (kept).
+
+It lives here, in the lowest layer, because the op builders' JIT stamp is written through it as well as the
+library's checkpoints (deepnvme._core.files adds the library's error wording on top); standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import socket
+
+__all__ = ["TEMP_SUFFIX", "commit", "discard", "fsync_directory", "remove_stale_temps", "replace_bytes",
+           "temporary_name"]
+
+TEMP_SUFFIX = ".deepnvme-tmp"
+_HOST = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname()) or "host"
+
+
+def temporary_name(target: str) -> str:
+    """A fresh temporary path beside `target` (same directory, hence same file system, for the rename)."""
+    directory, name = os.path.split(target)
+    return os.path.join(directory, f".{name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+
+
+def discard(tmp: str) -> None:
+    """Remove a temporary; quietly, because the error that brought us here is the one to report (on a
+    read-only or vanished file system the unlink fails too)."""
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
+
+
+def commit(tmp: str, target: str, *, durable: bool = True) -> None:
+    """Rename the written (and, when `durable`, fsynced) temporary over `target`, fsync the directory,
+    and remove leftovers of killed processes. The temporary is gone afterwards, even when this raises."""
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        discard(tmp)
+        raise
+    directory, name = os.path.split(target)
+    if durable:
+        fsync_directory(directory or ".")
+    remove_stale_temps(directory or ".", name)
+
+
+def fsync_directory(directory: str) -> None:
+    """Make a rename in ``directory`` durable. Some file systems refuse fsync on a directory (EINVAL,
+    ENOTSUP): there is nothing more to do there. Other errors carry the directory as their filename."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise type(exc)(exc.errno, exc.strerror, directory) from exc
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temps(directory: str, name: str) -> None:
+    """Delete temporaries of `name` that this host's processes left and that are no longer running."""
+    prefix = f".{name}.{_HOST}."
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            if not (entry.name.startswith(prefix) and entry.name.endswith(TEMP_SUFFIX)):
+                continue
+            pid_text = entry.name[len(prefix):].split(".", 1)[0]
+            if pid_text.isdigit() and int(pid_text) != os.getpid() and not _process_exists(int(pid_text)):
+                discard(entry.path)
+
+
+def replace_bytes(path: str, data: bytes, *, durable: bool = True, mode: int = 0o644) -> None:
+    """Replace `path` with `data` by the recipe above. On failure the temporary is gone, `path` is
+    untouched and the OSError raised is the one that made it fail."""
+    tmp = temporary_name(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        discard(tmp)
+        raise
+    commit(tmp, path, durable=durable)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
