@@ -123,12 +123,14 @@ def test_swap_file_cut_mid_step_is_an_oserror_naming_it(workdir: Path) -> None:
             train(m, opt, range(3, 4))
 
 
-# The real-SIGINT case runs in a fresh interpreter: in one full-suite process the signal was once never
-# handled during the step (its handler or mask changed by something earlier in that process, not found
-# yet), while the same test alone passes; a child starts with Python's own handler and an empty mask.
+# The real-SIGINT case runs in a fresh interpreter with Python's own SIGINT handler installed: a process
+# started in the background by a non-interactive shell inherits SIGINT ignored, and Python then keeps it
+# ignored, so the signal would never interrupt the step (seen in a clean-clone `.ci/run` started with `&`).
 _SIGINT_CHILD = """
+import signal
 import sys
 from pathlib import Path
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests/support"]
 from tests.offload.test_optimizer_errors import interrupted_step_refuses_until_load
 interrupted_step_refuses_until_load(True, Path(sys.argv[2]), Path(sys.argv[3]))
