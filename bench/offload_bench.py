@@ -2,23 +2,36 @@
 """The offloaded optimizer's step against its bounds and against DeepSpeed's NVMe optimizer offload.
 
     python3 bench/offload_bench.py [--dir /work/benchtmp] [--sizes 1G,4G] [--budget 256M] [--repeats 3]
-                                   [--deepspeed_python /work/dsvenv/bin/python] [--quick] [--out PREFIX]
+                                   [--optimizer adam-fused] [--deepspeed_python /work/dsvenv/bin/python]
+                                   [--quick] [--out PREFIX]
 
 For each size (bytes of Adam state: exp_avg + exp_avg_sq, fp32; the model is a stack of square Linear
 layers with that much state), one Adam step of:
 - memory:  torch.optim.Adam with its state in memory (the compute bound);
-- raw:     the aio handle reading then writing the same bytes as the offloaded step moves (the state),
-           in budget-sized requests from one locked buffer (the I/O bound of one drive);
+- raw:     the aio handle reading all the bytes the offloaded step moves (the state) in one request, then
+           writing them in one request, from one locked buffer, at the best handle settings of a small
+           grid tried first (block size, threads; the I/O bound of one drive);
 - offload: deepnvme.offload.OffloadedOptimizer(Adam) with --budget of locked memory;
 - deepspeed: DeepSpeed 0.19.8 ZeRO-3, offload_optimizer nvme, pipeline_read/write, default aio and
            buffer_count, world size 1, DS_ACCELERATOR=cpu, in its own venv and process
            (bench/offload_deepspeed_side.py); its engine's optimizer.step alone is timed.
+Adam is torch's fused CPU kernel by default (--optimizer): DeepSpeed steps with its own vectorised CPU
+Adam, so this is like against like; memory and offload always wrap the same one.
 The contenders run back to back in an order that rotates every repeat; cells are medians. Reported per
 contender: seconds per step, CPU seconds per step (this process's user+system; DeepSpeed's its own), GB
 moved per step (DeepSpeed's: its step reads all its swap files, fp32 master, both moments and the
-gradients its backward swapped out, and writes back all but the gradients), locked memory; and the
-ratios the issue sets targets for: offload / max(memory, raw) and DeepSpeed / offload. Writes Markdown
-to stdout and <out>.md, every sample to <out>.json.
+gradients its backward swapped out, and writes back all but the gradients), requests per step, locked
+memory; the ratios the issue sets targets for: offload / max(memory, raw) and DeepSpeed / offload; and the
+offloaded step's pipeline (its last_step profile): how long it waited for reads, and how much of the step
+the drive was busy reading or writing. Writes Markdown to stdout and <out>.md, every sample (and the
+request and update spans of one offloaded step per size) to <out>.json.
+
+Fairness: every contender's file I/O is O_DIRECT (DeepSpeed's aio opens its swap files with O_DIRECT), so
+the page cache plays no part for any of them; a host-side cache under a virtual disk is out of reach, and
+the rotating order spreads its effect over the contenders. OMP_WAIT_POLICY is set to passive (unless
+given) before torch loads, for this process and DeepSpeed's: with libgomp's default, torch's OpenMP
+workers spin after each parallel region, and on a small or shared machine that spinning takes the cores
+from whichever thread is doing real work (the I/O threads, another contender's process).
 """
 
 from __future__ import annotations
@@ -36,17 +49,25 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-from torch import nn
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before torch loads libgomp (see the docstring)
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from deepnvme.offload import OffloadedOptimizer  # noqa: E402
 from deepnvme.offload._doors import locked_bytes, new_handle  # noqa: E402
+from deepnvme.offload.optimizer import StepProfile  # noqa: E402
 
 MIB = 1 << 20
 GB = 1e9
+# torch.optim.Adam keyword arguments of each --optimizer choice.
+OPTIMIZERS = {"adam-fused": {"fused": True}, "adam-foreach": {"foreach": True}, "adam": {"foreach": False}}
+# Handle settings the raw bound tries (over the project's recommended ones); the best one is timed.
+RAW_GRID = ({}, {"block_size": 4 * MIB}, {"intra_op_parallelism": 4}, {"block_size": 4 * MIB,
+                                                                       "intra_op_parallelism": 4})
 
 
 def parse_size(text: str) -> int:
@@ -94,30 +115,52 @@ def deepspeed_moved(path: Path) -> int:
 
 
 class RawIO:
-    """The handle reading, then writing, `nbytes` of a file in `chunk`-byte requests from a locked buffer."""
+    """The handle reading `nbytes` of a file in one request into a locked buffer, then writing them back in
+    one request: the same bytes as the offloaded step, in one transfer each way, at the best settings of
+    RAW_GRID (each tried once, before the timed repeats)."""
 
-    def __init__(self, path: str, nbytes: int, chunk: int) -> None:
+    def __init__(self, path: str, nbytes: int, log: Callable[[str], None]) -> None:
+        self.nbytes = nbytes
         self.handle = new_handle()
-        self.nbytes, self.chunk = nbytes, chunk
-        self.buf = self.handle.new_cpu_locked_tensor(chunk, torch.empty(0, dtype=torch.uint8))
+        self.buf = self.handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
         os.posix_fallocate(self.fd, 0, nbytes)
         self.buf.fill_(7)
-        self._each(write=True)
-
-    def _each(self, write: bool) -> None:
-        for off in range(0, self.nbytes, self.chunk):
-            n = min(self.chunk, self.nbytes - off)
-            view = self.buf[:n]
-            (self.handle.sync_pwrite if write else self.handle.sync_pread)(view, self.fd, off)
+        self.handle.sync_pwrite(self.buf, self.fd, 0)
+        tried = []
+        for settings in RAW_GRID:
+            self.handle = new_handle(**settings)
+            tried.append((timed(self.step)[0], settings))
+        best_s, self.settings = min(tried, key=lambda t: t[0])
+        self.handle = new_handle(**self.settings)
+        log("  raw settings tried: " + ", ".join(f"{s or 'recommended'} {t:.3f} s" for t, s in tried))
 
     def step(self) -> None:
-        self._each(write=False)
-        self._each(write=True)
+        self.handle.sync_pread(self.buf, self.fd, 0)
+        self.handle.sync_pwrite(self.buf, self.fd, 0)
 
     def close(self) -> None:
         os.close(self.fd)
         self.handle.free_cpu_locked_tensor(self.buf)
+
+
+def pipeline(profile: StepProfile) -> dict:
+    """What one offloaded step's profile says: requests, the time it waited for reads, and the share of
+    the step during which the drive was reading, writing, either, and the optimizer updating."""
+    wall = profile.ended - profile.began
+
+    def busy(spans: list[tuple[float, float, int]]) -> float:
+        total, end = 0.0, float("-inf")
+        for a, b, _ in sorted(spans):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total / wall
+
+    return {"s": wall, "read_requests": len(profile.reads), "write_requests": len(profile.writes),
+            "tiles": len(profile.updates), "read_wait_s": profile.read_wait_s,
+            "reading": busy(profile.reads), "writing": busy(profile.writes),
+            "io": busy(profile.reads + profile.writes), "updating": busy(profile.updates)}
 
 
 class DeepSpeedSide:
@@ -184,14 +227,16 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
     fake_grads(mem_model)
     for p, q in zip(off_model.parameters(), mem_model.parameters()):
         p.grad = q.grad  # the same gradients, held once (Adam only reads them)
-    mem_opt = torch.optim.Adam(mem_model.parameters(), lr=1e-4)
+    kind = OPTIMIZERS[args.optimizer]
+    mem_opt = torch.optim.Adam(mem_model.parameters(), lr=1e-4, **kind)
     locked_before = locked_bytes()
-    off_opt = OffloadedOptimizer(torch.optim.Adam(off_model.parameters(), lr=1e-4), work / "offload", budget)
+    off_opt = OffloadedOptimizer(torch.optim.Adam(off_model.parameters(), lr=1e-4, **kind), work / "offload",
+                                 budget)
     off_locked = locked_bytes() - locked_before
     mem_opt.step()  # state made outside the clock, as for every contender
     off_opt.step()
     state = off_opt.swap.reserved_bytes
-    raw = RawIO(str(work / "raw.bin"), state, max(MIB, budget // 4))
+    raw = RawIO(str(work / "raw.bin"), state, log)
     ds, ds_swapped, ds_skipped = None, None, None
     if args.deepspeed_python and size > args.deepspeed_up_to:
         log("  DeepSpeed not run: above --deepspeed_up_to")
@@ -204,10 +249,18 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
         else:
             ds_swapped = deepspeed_moved(work / "ds")
     load_before = load_average()
+    profiles: list[StepProfile] = []
+
+    def offload_step() -> tuple[float, float, int]:
+        got = (*timed(off_opt.step), off_locked)
+        if off_opt.last_step is not None:
+            profiles.append(off_opt.last_step)
+        return got
+
     contenders: dict[str, Callable[[], tuple[float, float, int] | None]] = {
         "memory": lambda: (*timed(mem_opt.step), 0),
-        "raw": lambda: (*timed(raw.step), raw.chunk),
-        "offload": lambda: (*timed(off_opt.step), off_locked),
+        "raw": lambda: (*timed(raw.step), state),
+        "offload": offload_step,
     }
     if ds is not None and not ds.error:
         contenders["deepspeed"] = ds.step
@@ -229,17 +282,28 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
     off_opt.close()
     raw.close()
     moved = {"memory": 0, "raw": 2 * state, "offload": 2 * state, "deepspeed": ds_swapped}
+    pipes = [pipeline(p) for p in profiles]
+    median_pipe = sorted(pipes, key=lambda p: p["s"])[len(pipes) // 2] if pipes else None
+    requests = {"memory": 0, "raw": 2, "deepspeed": None,
+                "offload": median_pipe and median_pipe["read_requests"] + median_pipe["write_requests"]}
     cells = {}
     for name, got in samples.items():
         if not got:
             continue
         cells[name] = {"s": statistics.median(g[0] for g in got),
                        "cpu_s": statistics.median(g[1] for g in got),
-                       "locked": max(g[2] for g in got), "bytes_moved": moved[name], "samples": got}
+                       "locked": max(g[2] for g in got), "bytes_moved": moved[name],
+                       "requests": requests[name], "samples": got}
     bound = max(cells["memory"]["s"], cells["raw"]["s"])
+    spans = None
+    if median_pipe is not None:  # the median step's spans, from its start, for a timeline
+        prof = profiles[pipes.index(median_pipe)]
+        spans = {k: [(a - prof.began, b - prof.began, n) for a, b, n in getattr(prof, k)]
+                 for k in ("reads", "updates", "writes")}
     out = {"size": size, "width": width, "layers": layers, "state_bytes": state, "budget": budget,
-           "load_before": load_before, "load_after": load_average(),
-           "cells": cells, "offload_vs_bound": cells["offload"]["s"] / bound}
+           "load_before": load_before, "load_after": load_average(), "raw_settings": raw.settings,
+           "cells": cells, "offload_vs_bound": cells["offload"]["s"] / bound,
+           "pipeline": median_pipe, "pipeline_samples": pipes, "spans": spans}
     if "deepspeed" in cells:
         out["deepspeed_vs_offload"] = cells["deepspeed"]["s"] / cells["offload"]["s"]
         out["locked_vs_deepspeed"] = off_locked / max(1, cells["deepspeed"]["locked"])
@@ -253,18 +317,21 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
 def render(results: list[dict], meta: dict) -> str:
     quick = ", --quick" if meta["quick"] else ""
     lines = [f"# Offloaded optimizer step ({meta['when']}, {meta['host']}{quick})",
-             "", f"Adam, fp32; {meta['repeats']} interleaved repeats, medians. {meta['note']}",
+             "", f"{meta['optimizer']}, fp32; {meta['repeats']} interleaved repeats, medians; "
+             f"OMP_WAIT_POLICY={meta['omp_wait_policy']}. {meta['note']}",
              "", "Load average (1/5/15 min) " + "; ".join(
                  f"{r['state_bytes'] / GB:.2f} GB: {r['load_before']} before, {r['load_after']} after"
                  for r in results) + ".", "",
-             "| state | budget | contender | s/step | CPU-s/step | GB moved/step | locked MiB |",
-             "|---|---|---|---|---|---|---|"]
+             "| state | budget | contender | s/step | CPU-s/step | GB moved/step | requests/step "
+             "| locked MiB |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         for name, c in r["cells"].items():
             moved = "" if c["bytes_moved"] is None else f"{c['bytes_moved'] / GB:.2f}"
+            reqs = "" if c.get("requests") is None else str(c["requests"])
             lines.append(f"| {r['state_bytes'] / GB:.2f} GB | {r['budget'] / MIB:.0f} MiB | {name} | "
                          f"{c['s']:.3f} | "
-                         f"{c['cpu_s']:.3f} | {moved} | {c['locked'] / MIB:.0f} |")
+                         f"{c['cpu_s']:.3f} | {moved} | {reqs} | {c['locked'] / MIB:.0f} |")
     lines += ["", "| state | offload / max(memory, raw) | DeepSpeed / offload | locked: offload / DS |",
               "|---|---|---|---|"]
     for r in results:
@@ -272,6 +339,17 @@ def render(results: list[dict], meta: dict) -> str:
               else r.get("deepspeed_error", "-"))
         lk = f"{r['locked_vs_deepspeed']:.2f}" if "locked_vs_deepspeed" in r else "-"
         lines.append(f"| {r['state_bytes'] / GB:.2f} GB | {r['offload_vs_bound']:.2f} | {ds} | {lk} |")
+    lines += ["", "Raw settings chosen: " + "; ".join(
+        f"{r['state_bytes'] / GB:.2f} GB: {r['raw_settings'] or 'recommended'}" for r in results) + ".",
+              "", "The offloaded step's pipeline (its median repeat; shares of the step's time):", "",
+              "| state | tiles | read / write requests | waited for reads | drive reading | writing | "
+              "either | updating |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        p = r.get("pipeline")
+        if p:
+            lines.append(f"| {r['state_bytes'] / GB:.2f} GB | {p['tiles']} | {p['read_requests']} / "
+                         f"{p['write_requests']} | {p['read_wait_s']:.3f} s | {p['reading']:.0%} | "
+                         f"{p['writing']:.0%} | {p['io']:.0%} | {p['updating']:.0%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -280,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="where the swap files go (default: a temporary directory)")
     ap.add_argument("--sizes", default="1G,4G", help="bytes of Adam state per model, comma-separated")
     ap.add_argument("--budget", default="256M", help="locked memory of the offloaded optimizer")
+    ap.add_argument("--optimizer", default="adam-fused", choices=sorted(OPTIMIZERS),
+                    help="torch's Adam kernel, the same for the in-memory and the offloaded step")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--deepspeed_python", default="", help="an interpreter that imports deepspeed 0.19.8")
     ap.add_argument("--deepspeed_up_to", default="1T",
@@ -300,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         print(text, file=sys.stderr, flush=True)
 
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
-            "quick": args.quick, "repeats": args.repeats, "note": args.note, "torch": torch.__version__}
+            "quick": args.quick, "repeats": args.repeats, "note": args.note, "torch": torch.__version__,
+            "optimizer": args.optimizer, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+            "torch_threads": torch.get_num_threads()}
     results: list[dict] = []
     try:
         for size in sizes:  # the report is rewritten after each size: a later size that fails keeps it

@@ -12,6 +12,8 @@ wrapped optimizer's own step with temporary param groups holding only the tile's
 copy of its live group, so hyperparameters, LR schedules and `param_groups` edits apply), and queues the
 tile's write-back, which gives the memory back to the pool once written. The arithmetic is therefore the
 wrapped optimizer's own, on the same values: results are bit-identical to the optimizer kept in memory.
+Each direction keeps two requests in flight (REQUESTS_IN_FLIGHT), so the drive is not left idle at the
+tail of every tile's request. `last_step` (a StepProfile) says what the last step moved and when.
 
 With `master_weights=True` the model's parameters may be bf16/fp16: the wrapped optimizer steps fp32
 masters (kept on the drive with the state), given the gradients cast to fp32, and the rounded result is
@@ -28,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,12 +41,16 @@ import torch
 from deepnvme.offload._doors import PAGE, save_streamed
 from deepnvme.offload.closing import Closing
 from deepnvme.offload.pool import round_up
+from deepnvme.offload.queues import Ticket
 from deepnvme.offload.swap import Lease, ReadAhead, SwapSpace, Unit
 
 # The state key under which checkpoints carry the fp32 master of a parameter (master_weights=True).
 MASTER = "master"
 # Budget when none is given (bytes of locked memory).
 DEFAULT_BUDGET = 256 << 20
+# Requests each direction serves at once: with one, the drive idles while each request's last blocks
+# complete and the queue thread picks the next; with two, the next is already in the drive.
+REQUESTS_IN_FLIGHT = 2
 _MADV_DONTNEED = 4
 
 
@@ -57,6 +64,26 @@ class _Entry:
     @property
     def nbytes(self) -> int:
         return self.shape.numel() * self.dtype.itemsize
+
+
+Span = tuple[float, float, int]  # (began, ended, bytes), time.perf_counter() seconds
+
+
+@dataclass
+class StepProfile:
+    """What one step() did and when: a span per read request, per tile update, per write request, and the
+    time the step waited for reads. Overlap of these spans is the pipeline at work."""
+
+    began: float
+    ended: float = 0.0
+    reads: list[Span] = field(default_factory=list)
+    updates: list[Span] = field(default_factory=list)  # bytes: the tile's parameters' bytes
+    writes: list[Span] = field(default_factory=list)
+    read_wait_s: float = 0.0
+
+    def add_requests(self, tickets: list[Ticket]) -> None:
+        for t in tickets:
+            (self.writes if t.write else self.reads).append((t.began, t.ended, t.tensor.numel()))
 
 
 @dataclass
@@ -110,12 +137,14 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
                                  f"parameter ({tuple(biggest.shape)}, {biggest.numel() * 4} bytes): raise "
                                  "budget_bytes to a few times that")
         state_estimate = sum(round_up(p.numel() * 4) for p in params) * (2 if master_weights else 1)
-        self.swap = SwapSpace(directory, budget, handle=handle, expected_bytes=state_estimate)
+        self.swap = SwapSpace(directory, budget, handle=handle, expected_bytes=state_estimate,
+                              requests_in_flight=REQUESTS_IN_FLIGHT)
         self._closed = False
         self.tile_bytes = max(self.swap.pool.capacity // 4, PAGE) if tile_bytes is None else int(tile_bytes)
         self._records: dict[torch.Tensor, _Record] = {}
         self._units = 0
         self._broken: str | None = None
+        self.last_step: StepProfile | None = None
         adopted = optimizer.state_dict() if optimizer.state else None
         super().__init__([{"params": []}], optimizer.defaults)
         self.defaults = optimizer.defaults
@@ -151,18 +180,30 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
         reader = ReadAhead(self.swap, [[self._records[p].unit for _, p in t if p in self._records]
                                        for t in tiles], ahead=ahead)
         self._broken = "a step() was interrupted"
+        profile = StepProfile(time.perf_counter())
+        writes: list[Ticket] = []
         try:
             for i, tile in enumerate(tiles):
+                waited = time.perf_counter()
                 lease = reader.take(i)
+                began = time.perf_counter()
+                profile.read_wait_s += began - waited
+                if lease is not None:
+                    profile.add_requests(lease.tickets)
                 try:
                     self._step_tile(tile, lease)
                 except BaseException:
                     if lease is not None:
                         lease.release()
                     raise
+                profile.updates.append((began, time.perf_counter(),
+                                        sum(p.numel() * p.element_size() for _, p in tile)))
                 if lease is not None:
-                    lease.write_back()
+                    writes += lease.write_back()
             self.swap.wait_writes()
+            profile.add_requests(writes)
+            profile.ended = time.perf_counter()
+            self.last_step = profile
         except BaseException as exc:
             reader.close()
             try:

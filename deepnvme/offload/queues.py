@@ -1,10 +1,12 @@
-"""One direction of the swap space's I/O: a queue served by a thread with an aio handle of its own.
+"""One direction of the swap space's I/O: a queue served by threads with an aio handle each.
 
-Why a thread per direction, each doing one synchronous request at a time: the handle's `wait()` completes
-every request queued on it, so waiting for one tensor through it would drain all the others. Here each
-request is one `sync_pread`/`sync_pwrite` (the handle still splits it over its own worker threads and
-queue depth), and completes its own ticket: waiting for one tensor never waits for another, and since reads
-and writes have separate threads and handles, a write-back never delays the next read. A request not yet
+Why threads doing one synchronous request at a time each: the handle's `wait()` completes every request
+queued on it, so waiting for one tensor through it would drain all the others. Here each request is one
+`sync_pread`/`sync_pwrite` (the handle still splits it over its own worker threads and queue depth), and
+completes its own ticket: waiting for one tensor never waits for another, and since reads and writes have
+separate threads and handles, a write-back never delays the next read. A queue given more than one handle
+serves as many requests at once, one per handle: the next request is already in the drive while the last
+blocks of the previous one complete, instead of the drive idling at each request's tail. A request not yet
 started can be promoted: demanded reads are served before queued prefetches (the heap orders by priority,
 then by submission).
 """
@@ -16,17 +18,22 @@ import heapq
 import itertools
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 DEMAND, PREFETCH = 0, 1
 
 
 class Ticket:
-    """One request: `tensor` (uint8, locked) to or from `fd` at `offset`; completion is per ticket."""
+    """One request: `tensor` (uint8, locked) to or from `fd` at `offset`; completion is per ticket.
 
-    __slots__ = ("_done", "error", "fd", "offset", "on_done", "path", "priority", "started", "tensor",
-                 "write")
+    `began` and `ended` are the time.perf_counter() at which a queue thread started and finished the
+    transfer (0.0 until then): what a profile of the pipeline reads.
+    """
+
+    __slots__ = ("_done", "began", "ended", "error", "fd", "offset", "on_done", "path", "priority", "started",
+                 "tensor", "write")
 
     def __init__(self, tensor: Any, fd: int, offset: int, path: str, write: bool,
                  on_done: Callable[[Ticket], None] | None = None) -> None:
@@ -35,6 +42,7 @@ class Ticket:
         self.error: BaseException | None = None
         self.priority = PREFETCH
         self.started = False
+        self.began = self.ended = 0.0
         self._done = threading.Event()
 
     def done(self) -> bool:
@@ -53,16 +61,21 @@ class Ticket:
 
 
 class IOQueue:
-    """Requests of one direction, served in order of (priority, submission) by one thread."""
+    """Requests of one direction, started in order of (priority, submission) by one thread per handle.
 
-    def __init__(self, handle: Any, name: str) -> None:
-        self._handle = handle
+    `handle` serves requests one at a time; each of `more_handles` adds a thread serving one more at once
+    (their `on_done` callbacks may then run on different threads concurrently).
+    """
+
+    def __init__(self, handle: Any, name: str, more_handles: Sequence[Any] = ()) -> None:
         self._heap: list[tuple[int, int, Ticket]] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._stop = False
-        self._thread = threading.Thread(target=self._serve, name=f"deepnvme-offload-{name}", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._serve, args=(h,), name=f"deepnvme-offload-{name}-{i}",
+                                          daemon=True) for i, h in enumerate([handle, *more_handles])]
+        for t in self._threads:
+            t.start()
 
     def submit(self, ticket: Ticket, priority: int = PREFETCH) -> Ticket:
         """Queue `ticket`; returns it."""
@@ -84,7 +97,7 @@ class IOQueue:
             heapq.heappush(self._heap, (DEMAND, next(self._seq), ticket))
             self._cond.notify()
 
-    def _serve(self) -> None:
+    def _serve(self, handle: Any) -> None:
         while True:
             with self._cond:
                 while not self._heap and not self._stop:
@@ -95,11 +108,12 @@ class IOQueue:
                 if ticket.started:
                     continue
                 ticket.started = True
+            ticket.began = time.perf_counter()
             try:
                 if ticket.write:
-                    self._handle.sync_pwrite(ticket.tensor, ticket.fd, ticket.offset)
+                    handle.sync_pwrite(ticket.tensor, ticket.fd, ticket.offset)
                 else:
-                    self._handle.sync_pread(ticket.tensor, ticket.fd, ticket.offset)
+                    handle.sync_pread(ticket.tensor, ticket.fd, ticket.offset)
             except OSError as exc:
                 code = exc.errno if exc.errno is not None else errno.EIO
                 what = "writing" if ticket.write else "reading"
@@ -110,6 +124,7 @@ class IOQueue:
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter, never lost in this thread
                 ticket.error = exc
             finally:
+                ticket.ended = time.perf_counter()
                 if ticket.on_done is not None:
                     try:
                         ticket.on_done(ticket)
@@ -118,8 +133,9 @@ class IOQueue:
                 ticket._done.set()
 
     def close(self) -> None:
-        """Finish what is queued, then stop the thread."""
+        """Finish what is queued, then stop the threads."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._thread.join()
+        for t in self._threads:
+            t.join()

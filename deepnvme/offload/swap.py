@@ -7,17 +7,18 @@ where they are, the pages around them read too so that the read stays O_DIRECT, 
 the true range. Space for owned units is reserved with fallocate when they are added, so a full disk shows
 up then, naming the directory, and never as a short write later.
 
-Reads and writes go through two queues (queues.IOQueue), one thread and one handle each; every request has
-its own ticket. Units that lie back to back in a file and in a lease move in one request. A `Lease` is the
-memory of a group of units (one pool buffer, the units laid out in it at page boundaries) and the tickets
-of their reads; `ReadAhead` issues the leases of a sequence of groups in
-order, as far ahead as the pool has room, and demands the one the caller needs next.
+Reads and writes go through two queues (queues.IOQueue), each with `requests_in_flight` threads and
+handles (one by default); every request has its own ticket. Units that lie back to back in a file and in a
+lease move in one request. A `Lease` is the memory of a group of units (one pool buffer, the units laid out
+in it at page boundaries) and the tickets of their reads; `ReadAhead` issues the leases of a sequence of
+groups in order, as far ahead as the pool has room, and demands the one the caller needs next.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,7 @@ class Lease:
             self._slot[u.name] = at
             at += round_up(u.io_nbytes)
         self._writes_left = 0
+        self._writes_lock = threading.Lock()  # a queue with several threads completes writes on any of them
 
     @staticmethod
     def size_of(units: Sequence[Unit]) -> int:
@@ -125,8 +127,10 @@ class Lease:
         return self.tickets
 
     def _written(self, _ticket: Ticket) -> None:
-        self._writes_left -= 1  # only the write thread runs this
-        if self._writes_left == 0:
+        with self._writes_lock:
+            self._writes_left -= 1
+            last = self._writes_left == 0
+        if last:
             self.buffer.release()
 
     def release(self) -> None:
@@ -142,12 +146,19 @@ class SwapSpace(Closing):
     Pre-flight, before anything is created: the budget against RLIMIT_MEMLOCK, the directory (exists,
     writable, O_DIRECT or a warning), `expected_bytes` against the free space. Stale subdirectories of
     dead processes in `directory` are removed. `close()` removes this space's files.
+
+    `requests_in_flight` is how many requests each queue serves at once (a thread and an aio handle each;
+    `handle`, if given, is the pool's and the first reader's). One keeps requests strictly one after
+    another; two keep the drive busy across each request's tail, which is what a stream of tiles needs.
     """
 
     def __init__(self, directory: str | os.PathLike, budget_bytes: int, *, handle: Any = None,
-                 expected_bytes: int = 0) -> None:
+                 expected_bytes: int = 0, requests_in_flight: int = 1) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
             raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}")
+        if (isinstance(requests_in_flight, bool) or not isinstance(requests_in_flight, int)
+                or not 1 <= requests_in_flight <= 16):
+            raise ValueError(f"requests_in_flight must be an int from 1 to 16, got {requests_in_flight!r}")
         if budget_bytes < PAGE:
             raise ValueError(f"budget_bytes={budget_bytes} is below a page ({PAGE} bytes): pass the bytes of "
                              "locked memory offload may use, at least the largest unit")
@@ -171,8 +182,10 @@ class SwapSpace(Closing):
         try:
             self._fd, self.direct = preflight.open_direct(self.file, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             self.pool = BufferPool(budget_bytes, handle if handle is not None else new_handle())
-            self.reads = IOQueue(handle if handle is not None else new_handle(), "read")
-            self.writes = IOQueue(new_handle(), "write")
+            more = requests_in_flight - 1
+            self.reads = IOQueue(handle if handle is not None else new_handle(), "read",
+                                 [new_handle() for _ in range(more)])
+            self.writes = IOQueue(new_handle(), "write", [new_handle() for _ in range(more)])
         except BaseException:
             self.close()
             raise
