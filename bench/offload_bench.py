@@ -8,9 +8,11 @@
 For each size (bytes of Adam state: exp_avg + exp_avg_sq, fp32; the model is a stack of square Linear
 layers with that much state), one Adam step of:
 - memory:  torch.optim.Adam with its state in memory (the compute bound);
-- raw:     the aio handle reading all the bytes the offloaded step moves (the state) in one request, then
-           writing them in one request, from one locked buffer, at the best handle settings of a small
-           grid tried first (block size, threads; the I/O bound of one drive);
+- raw:     the aio handle reading all the bytes the offloaded step moves (the state) as one batch, then
+           writing them as one batch, at the best handle settings of a small grid tried first (block size,
+           threads): the I/O bound of one drive. A batch is every RAW_BUFFER-sized part of the file queued
+           at once and waited for once, all through one locked buffer (the bytes are thrown away), so the
+           drive never idles between parts and the bound costs no host memory of the state's size;
 - offload: deepnvme.offload.OffloadedOptimizer(Adam) with --budget of locked memory;
 - deepspeed: DeepSpeed 0.19.8 ZeRO-3, offload_optimizer nvme, pipeline_read/write, default aio and
            buffer_count, world size 1, DS_ACCELERATOR=cpu, in its own venv and process
@@ -68,6 +70,7 @@ OPTIMIZERS = {"adam-fused": {"fused": True}, "adam-foreach": {"foreach": True}, 
 # Handle settings the raw bound tries (over the project's recommended ones); the best one is timed.
 RAW_GRID = ({}, {"block_size": 4 * MIB}, {"intra_op_parallelism": 4}, {"block_size": 4 * MIB,
                                                                        "intra_op_parallelism": 4})
+RAW_BUFFER = 256 * MIB
 
 
 def parse_size(text: str) -> int:
@@ -115,18 +118,19 @@ def deepspeed_moved(path: Path) -> int:
 
 
 class RawIO:
-    """The handle reading `nbytes` of a file in one request into a locked buffer, then writing them back in
-    one request: the same bytes as the offloaded step, in one transfer each way, at the best settings of
-    RAW_GRID (each tried once, before the timed repeats)."""
+    """The handle reading `nbytes` of a file as one batch, then writing them back as one batch: the same
+    bytes as the offloaded step, in one transfer each way (see the module docstring), at the best settings
+    of RAW_GRID (each tried once, before the timed repeats)."""
 
     def __init__(self, path: str, nbytes: int, log: Callable[[str], None]) -> None:
         self.nbytes = nbytes
         self.handle = new_handle()
-        self.buf = self.handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+        empty = torch.empty(0, dtype=torch.uint8)
+        self.buf = self.handle.new_cpu_locked_tensor(min(nbytes, RAW_BUFFER), empty)
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
         os.posix_fallocate(self.fd, 0, nbytes)
         self.buf.fill_(7)
-        self.handle.sync_pwrite(self.buf, self.fd, 0)
+        self._batch(write=True)
         tried = []
         for settings in RAW_GRID:
             self.handle = new_handle(**settings)
@@ -135,9 +139,15 @@ class RawIO:
         self.handle = new_handle(**self.settings)
         log("  raw settings tried: " + ", ".join(f"{s or 'recommended'} {t:.3f} s" for t, s in tried))
 
+    def _batch(self, write: bool) -> None:
+        submit = self.handle.async_pwrite if write else self.handle.async_pread
+        for off in range(0, self.nbytes, self.buf.numel()):
+            submit(self.buf[:min(self.buf.numel(), self.nbytes - off)], self.fd, off)
+        self.handle.wait()
+
     def step(self) -> None:
-        self.handle.sync_pread(self.buf, self.fd, 0)
-        self.handle.sync_pwrite(self.buf, self.fd, 0)
+        self._batch(write=False)
+        self._batch(write=True)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -259,7 +269,7 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
 
     contenders: dict[str, Callable[[], tuple[float, float, int] | None]] = {
         "memory": lambda: (*timed(mem_opt.step), 0),
-        "raw": lambda: (*timed(raw.step), state),
+        "raw": lambda: (*timed(raw.step), raw.buf.numel()),
         "offload": offload_step,
     }
     if ds is not None and not ds.error:
@@ -280,11 +290,12 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
             torch.equal(a, b) for a, b in zip(mem_model.parameters(), off_model.parameters())):
         raise RuntimeError("the offloaded optimizer's parameters differ from the in-memory one's")
     off_opt.close()
+    raw_requests = 2 * -(-state // raw.buf.numel())
     raw.close()
     moved = {"memory": 0, "raw": 2 * state, "offload": 2 * state, "deepspeed": ds_swapped}
     pipes = [pipeline(p) for p in profiles]
     median_pipe = sorted(pipes, key=lambda p: p["s"])[len(pipes) // 2] if pipes else None
-    requests = {"memory": 0, "raw": 2, "deepspeed": None,
+    requests = {"memory": 0, "raw": raw_requests, "deepspeed": None,
                 "offload": median_pipe and median_pipe["read_requests"] + median_pipe["write_requests"]}
     cells = {}
     for name, got in samples.items():

@@ -123,6 +123,23 @@ def test_master_weights_carried_by_checkpoints(workdir: Path, tmp_path: Path) ->
         assert _same(ref, second)
 
 
+def test_last_step_profiles_the_pipeline(workdir: Path) -> None:
+    """last_step: every swapped byte read once and written once, one read and one write request per tile
+    (its units lie back to back), spans inside the step and updates one after another."""
+    m = model()
+    with OffloadedOptimizer(torch.optim.Adam(m.parameters(), lr=1e-3, fused=True), workdir, BUDGET) as opt:
+        train(m, opt, range(3))
+        prof = opt.last_step
+        assert prof is not None and len(prof.updates) >= 3
+        assert len(prof.reads) == len(prof.writes) == len(prof.updates)
+        assert sum(n for *_, n in prof.reads) == sum(n for *_, n in prof.writes) == opt.swap.reserved_bytes
+        assert sum(n for *_, n in prof.updates) == sum(p.numel() * 4 for p in m.parameters())
+        for a, b, _ in prof.reads + prof.updates + prof.writes:
+            assert prof.began <= a <= b <= prof.ended
+        assert all(x[1] <= y[0] for x, y in zip(prof.updates, prof.updates[1:]))
+        assert 0 <= prof.read_wait_s <= prof.ended - prof.began
+
+
 def test_wrapping_an_optimizer_that_has_state(workdir: Path) -> None:
     ref, off = model(), model()
     ref_opt, inner = OPTIMIZERS["adam"](ref.parameters()), OPTIMIZERS["adam"](off.parameters())

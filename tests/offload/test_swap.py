@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,53 @@ def test_writes_never_delay_reads_and_completion_is_per_request(workdir: Path) -
             le.release()
         gate.set()
         stuck.wait()
+
+
+def test_two_requests_in_flight_each_way(workdir: Path) -> None:
+    """With requests_in_flight=2 reads go on while one read thread is held, and the free thread serves a
+    demanded read before queued prefetches; a lease written in several requests, completed on both write
+    threads, gives its memory back exactly once."""
+    with SwapSpace(workdir, 1 << 20, requests_in_flight=2) as space:
+        data = _fill(space, [PAGE] * 8)
+        units = [space.unit(f"u{i}") for i in range(8)]
+        gates = [threading.Event(), threading.Event()]
+        held = [space.reads.submit(Ticket(space.pool.acquire(PAGE).tensor, space._fd, 0, space.file, False,
+                                          lambda _t, g=g: g.wait())) for g in gates]
+        while not all(t.started for t in held):  # both read threads are busy with these two
+            time.sleep(0.001)
+        order: list[int] = []
+        leases = [space.read([units[i]]) for i in range(2, 6)]
+        for i, le in zip(range(2, 6), leases):
+            for t in le.tickets:
+                t.on_done = lambda _t, i=i: order.append(i)
+        leases[-1].demand()
+        gates[0].set()  # one thread free, the other still held
+        for le in leases:
+            le.wait()
+        assert order == [5, 2, 3, 4] and not held[1].done()
+        for le, i in zip(leases, range(2, 6)):
+            assert torch.equal(le.view(units[i]), data[i])
+            le.release()
+        gates[1].set()
+        held[1].wait()
+        for _ in range(20):  # units out of file order: one write request each, on either thread
+            lease = space.read(units[::-1], demand=True)
+            lease.wait()
+            assert len(lease.write_back()) == 8
+            space.wait_writes()
+            assert space.pool.in_use == 2 * PAGE  # the two held tickets' buffers only
+        for i, u in enumerate(units):
+            lease = space.read([u], demand=True)
+            lease.wait()
+            assert torch.equal(lease.view(u), data[i])
+            lease.release()
+
+
+@pytest.mark.parametrize("bad", [0, 17, True, 1.5, "2"])
+def test_requests_in_flight_checked(workdir: Path, bad: object) -> None:
+    with pytest.raises(ValueError, match="requests_in_flight"):
+        SwapSpace(workdir, 1 << 20, requests_in_flight=bad)  # type: ignore[arg-type]
+    assert os.listdir(workdir) == []
 
 
 def test_read_ahead_stops_at_the_budget(workdir: Path) -> None:
