@@ -30,7 +30,9 @@ request and update spans of one offloaded step per size) to <out>.json.
 
 Fairness: every contender's file I/O is O_DIRECT (DeepSpeed's aio opens its swap files with O_DIRECT), so
 the page cache plays no part for any of them; a host-side cache under a virtual disk is out of reach, and
-the rotating order spreads its effect over the contenders. OMP_WAIT_POLICY is set to passive (unless
+the rotating order spreads its effect over the contenders. Before each contender the bench syncs (not
+timed): a virtual disk's host may still be writing back what the previous contender wrote, and in a fixed
+rotation the same contender would always follow it and pay for it. OMP_WAIT_POLICY is set to passive (unless
 given) before torch loads, for this process and DeepSpeed's: with libgomp's default, torch's OpenMP
 workers spin after each parallel region, and on a small or shared machine that spinning takes the cores
 from whichever thread is doing real work (the I/O threads, another contender's process).
@@ -279,10 +281,14 @@ def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str
     for r in range(args.repeats):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
+            os.sync()  # untimed: what the last contender wrote is on the disk before the next one starts
             got = contenders[name]()
             if got is not None:
                 samples[name].append(got)
                 log(f"  repeat {r} {name:9s} {got[0]:.3f} s")
+            elif name == "deepspeed" and ds is not None and ds.error:
+                log(f"  DeepSpeed stopped: {ds.error} (out of host memory? see dmesg)")
+                names.remove(name)
     if ds is not None:
         ds.close()
     # Both took the same steps on the same gradients: a step that moved other bytes would not count.
