@@ -127,6 +127,15 @@ class _Streamer:
                        "wait_s": 0.0, "resyncs": 0, "resident_bytes": resident_bytes}
         self.root_forward: Any = None
         self.root_had_forward = False
+        self._blob_of = {x.name: b for u in units for b, x in zip(u.blobs, u.units) if b.crc is not None}
+        self.check = self._check_crcs if self._blob_of else None
+
+    def _check_crcs(self, lease: Lease) -> None:
+        """The store's CRC-32s of a unit's blobs, checked on the read thread as the reads finish."""
+        for x in lease.units:
+            b = self._blob_of.get(x.name)
+            if b is not None:
+                check(b, lease.view(x))
 
     # ------------------------------------------------------------------------------------------ reads
     def _lease(self, i: int) -> Lease | None:
@@ -136,7 +145,7 @@ class _Streamer:
         if self.reader is None or i not in self.order:  # type: ignore[operator]
             if self.reader is None:
                 self.recording.append(i)
-            lease = self.space.read(u.units, demand=True) if u.units else None
+            lease = self.space.read(u.units, demand=True, check=self.check) if u.units else None
             hit = False
             try:
                 if lease is not None:
@@ -176,12 +185,15 @@ class _Streamer:
         u.depth += 1
         if u.depth > 1:  # the unit calls itself (shared block): its tensors are in place already
             return
-        lease = self._lease(i)
+        try:
+            lease = self._lease(i)
+        except BaseException:
+            u.depth -= 1
+            raise
         try:
             views = {}
             for b, x in zip(u.blobs, u.units):
                 data = lease.view(x)  # type: ignore[union-attr]
-                check(b, data)
                 for info in b.tensors:
                     views[info.name] = tensor_in(b, info, data)
             cuda = [s.device for s in u.slots if s.device.type == "cuda"]
@@ -245,7 +257,8 @@ class _Streamer:
             if ok and self.recording:
                 self.order = list(self.recording)
                 groups = [self.units[i].units for i in self.order]
-                self.reader = ReadAhead(self.space, groups, ahead=self.prefetch, cyclic=True)
+                self.reader = ReadAhead(self.space, groups, ahead=self.prefetch, cyclic=True,
+                                        check=self.check)
                 self.pos = 0
                 self.reader.pump()
             self.recording = []

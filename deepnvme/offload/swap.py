@@ -20,7 +20,7 @@ import atexit
 import errno
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,15 +286,29 @@ class SwapSpace(Closing):
         buf = self.pool.acquire(Lease.size_of(units), block)
         return None if buf is None else Lease(self, units, buf)
 
-    def read(self, units: Sequence[Unit], *, block: bool = True, demand: bool = False) -> Lease | None:
-        """Queue reads of `units` into pool memory; None when `block` is False and the pool has no room."""
+    def read(self, units: Sequence[Unit], *, block: bool = True, demand: bool = False,
+             check: Callable[[Lease], None] | None = None) -> Lease | None:
+        """Queue reads of `units` into pool memory; None when `block` is False and the pool has no room.
+
+        `check(lease)` runs on the read thread once every read of the lease has succeeded (a checksum
+        computed there overlaps the caller's work); what it raises is what `lease.wait()` raises."""
         lease = self.allocate(units, block)
         if lease is None:
             return None
         priority = DEMAND if demand else PREFETCH
-        for view, start, path in lease.runs(lease.units):
+        runs = lease.runs(lease.units)
+        left = [len(runs)]
+
+        def done(ticket: Ticket) -> None:  # only the read thread runs this
+            left[0] -= 1
+            if left[0] == 0 and check is not None and all(t.error is None for t in lease.tickets):
+                check(lease)
+
+        for view, start, path in runs:
             fd = self._fd if path == self.file else self._ext[path]
-            lease.tickets.append(self.reads.submit(Ticket(view, fd, start, path, False), priority))
+            lease.tickets.append(Ticket(view, fd, start, path, False, done))
+        for t in lease.tickets:
+            self.reads.submit(t, priority)
         return lease
 
     def _track_write(self, ticket: Ticket) -> None:
@@ -342,15 +356,17 @@ class ReadAhead:
     (None for an empty group). The caller writes back or releases each lease; `close()` releases those
     issued but never taken.
 
-    With `cyclic`, the sequence repeats without end: position i is group i % len(groups) (the layers of a
-    model, forward after forward), so reads for the next pass start while the last groups of this one are
-    in use. `restart(i)` drops what was issued ahead (the caller left the expected order, e.g. a forward
-    interrupted halfway) and goes on from position i.
+    `check` is handed to every read (SwapSpace.read). With `cyclic`, the sequence repeats without end:
+    position i is group i % len(groups) (the layers of a model, forward after forward), so reads for the
+    next pass start while the last groups of this one are in use. `restart(i)` drops what was issued
+    ahead (the caller left the expected order, e.g. a forward interrupted halfway) and goes on from
+    position i.
     """
 
     def __init__(self, space: SwapSpace, groups: Sequence[Sequence[Unit]], ahead: bool = True, *,
-                 cyclic: bool = False) -> None:
+                 cyclic: bool = False, check: Callable[[Lease], None] | None = None) -> None:
         self.space, self.groups, self.ahead, self.cyclic = space, list(groups), ahead, cyclic
+        self.check = check
         if cyclic and not self.groups:
             raise ValueError("a cyclic ReadAhead needs at least one group")
         self._issued: dict[int, Lease | None] = {}
@@ -368,7 +384,7 @@ class ReadAhead:
         """Issue the next groups while the pool has room (never waits)."""
         while self.ahead and (self.cyclic or self._next < len(self.groups)):
             units = self._group(self._next)
-            lease = self.space.read(units, block=False) if units else None
+            lease = self.space.read(units, block=False, check=self.check) if units else None
             if units and lease is None:
                 return
             self._issued[self._next] = lease
@@ -379,7 +395,7 @@ class ReadAhead:
             if i != self._next:
                 raise ValueError(f"ReadAhead.take({i}) out of order (next is {self._next})")
             units = self._group(i)
-            self._issued[i] = self.space.read(units, demand=True) if units else None
+            self._issued[i] = self.space.read(units, demand=True, check=self.check) if units else None
             self._next += 1
         lease = self._issued.pop(i)
         if lease is not None:
