@@ -123,6 +123,7 @@ class _Streamer:
         self.reader: ReadAhead | None = None
         self.pos = 0
         self.copy_streams: dict[torch.device, Any] = {}
+        self.registered: int | None = None  # the pool's address once registered with CUDA (0: refused)
         self.counts = {"forwards": 0, "unit_reads": 0, "bytes_read": 0, "hits": 0, "stalls": 0,
                        "wait_s": 0.0, "resyncs": 0, "resident_bytes": resident_bytes}
         self.root_forward: Any = None
@@ -175,6 +176,15 @@ class _Streamer:
         return lease
 
     def _copy_stream(self, device: torch.device) -> Any:
+        """The side stream copies to `device` run on; the pool is registered with CUDA on first use, so
+        that copies from it are DMA transfers that overlap compute (it is locked, but CUDA must know)."""
+        if self.registered is None:
+            memory = self.space.pool.memory
+            try:
+                rc = torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.numel(), 0)
+                self.registered = memory.data_ptr() if int(rc) == 0 else 0
+            except (RuntimeError, AttributeError, TypeError):
+                self.registered = 0  # copies still work, staged by CUDA through its own pinned buffer
         if device not in self.copy_streams:
             self.copy_streams[device] = torch.cuda.Stream(device)
         return self.copy_streams[device]
@@ -202,9 +212,11 @@ class _Streamer:
             for s in u.slots:
                 v = views[s.info.name]
                 if s.device.type == "cuda":
-                    with torch.cuda.stream(stream):
+                    with torch.cuda.stream(stream):  # allocated and filled on the copy stream
                         v = v.to(s.device, non_blocking=True)
-                if v.dtype != s.dtype or (s.device.type != "cuda" and v.device != s.device):
+                        if v.dtype != s.dtype:
+                            v = v.to(s.dtype)
+                elif v.dtype != s.dtype or v.device != s.device:
                     v = v.to(s.device, s.dtype)
                 out.append(v)
             if stream is not None:
@@ -267,6 +279,10 @@ class _Streamer:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+        if self.registered:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self.registered)
+            self.registered = 0
         self.space.close()
         if self.owns_store:
             self.store.close()
