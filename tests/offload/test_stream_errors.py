@@ -19,10 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="transformers is needed for streaming tests (the offload extra)")
-pytest.importorskip("accelerate", reason="accelerate is needed for streaming tests (the offload extra)")
-
-from deepnvme.offload import (  # noqa: E402
+from deepnvme.offload import (
     SafetensorsStore,
     StoreError,
     stats,
@@ -30,8 +27,10 @@ from deepnvme.offload import (  # noqa: E402
     unstream,
     write_store,
 )
-from deepnvme.offload.stream import Placeholder  # noqa: E402
-from tests.offload.stream_models import PROMPT, build, generate, save  # noqa: E402
+from deepnvme.offload.stream import Placeholder
+from tests.offload.stream_models import PROMPT, build, generate, require_hf, save
+
+require_hf()
 
 BUDGET = 1 << 20
 
