@@ -105,6 +105,7 @@ class _Unit:
     views: list[torch.Tensor] = field(default_factory=list)
     copied: Any = None  # the CUDA event of the copy to the device
     depth: int = 0
+    position: int | None = None  # its position in the read-ahead while it runs (None: read on demand)
     orig_forward: Any = None
     had_forward: bool = False
     orig_apply: Any = None
@@ -125,7 +126,8 @@ class _Streamer:
         self.copy_streams: dict[torch.device, Any] = {}
         self.registered: int | None = None  # the pool's address once registered with CUDA (0: refused)
         self.counts = {"forwards": 0, "unit_reads": 0, "bytes_read": 0, "hits": 0, "stalls": 0,
-                       "wait_s": 0.0, "resyncs": 0, "resident_bytes": resident_bytes}
+                       "cache_hits": 0, "wait_s": 0.0, "resyncs": 0, "resident_bytes": resident_bytes}
+        self.recycled: set[int] = set()  # positions whose lease is a recycled one (no read)
         self.root_forward: Any = None
         self.root_had_forward = False
         self._blob_of = {x.name: b for u in units for b, x in zip(u.blobs, u.units) if b.crc is not None}
@@ -159,15 +161,23 @@ class _Streamer:
             if order[self.pos % n] != i:
                 k = next(k for k in range(n) if order[(self.pos + k) % n] == i)
                 self.reader.restart(self.pos + k)
+                self.recycled.clear()
                 self.pos += k
                 self.counts["resyncs"] += 1
             hit = self.reader.ready(self.pos)
+            cached = self.pos in self.recycled
+            self.recycled.discard(self.pos)
             try:
                 lease = self.reader.take(self.pos)
             except BaseException:
                 self.reader.restart(self.pos)
+                self.recycled.clear()
                 raise
+            u.position = self.pos
             self.pos += 1
+            if cached:
+                self.counts["cache_hits"] += 1
+                return lease
         self.counts["wait_s"] += time.perf_counter() - t0
         if u.units:
             self.counts["unit_reads"] += 1
@@ -257,7 +267,10 @@ class _Streamer:
         if u.copied is not None:
             u.copied.synchronize()  # the locked buffer goes back to the pool once the device has it
             u.copied = None
-        if lease is not None:
+        position, u.position = u.position, None
+        if self.reader is not None and position is not None and self.reader.recycle(position, lease):
+            self.recycled.add(position + len(self.order))  # type: ignore[arg-type]
+        elif lease is not None:
             lease.release()
         if self.reader is not None:
             self.reader.pump()
@@ -609,9 +622,10 @@ def _unwrap(mod: nn.Module, had: bool, orig: Any, attr: str) -> None:
 def stats(model: nn.Module) -> dict[str, Any]:
     """Statistics of a streamed model: `forwards`, `unit_reads` (units read into the pool), `bytes_read`,
     `hits` (unit reads finished before the unit ran: prefetch hits) and `stalls` (the forward waited),
-    `wait_s` (seconds forwards waited for reads), `resyncs` (units run out of the recorded order),
-    `resident_bytes` (tensors outside units, in memory), `streamed_bytes` (all units), `units`,
-    `budget_bytes`, `pool_peak_bytes`, `order_recorded`."""
+    `cache_hits` (units still in the pool from the pass before: with a budget that holds every unit,
+    nothing is read again), `wait_s` (seconds forwards waited for reads), `resyncs` (units run out of
+    the recorded order), `resident_bytes` (tensors outside units, in memory), `streamed_bytes` (all
+    units), `units`, `budget_bytes`, `pool_peak_bytes`, `order_recorded`, `prefetch`."""
     st = _streamer(model)
     with st.lock:
         out = dict(st.counts)

@@ -20,7 +20,7 @@ from tests.offload.stream_models import NEW_TOKENS, PROMPT, build, generate, req
 
 require_hf()
 
-BUDGET = 1 << 20
+BUDGET = 512 << 10  # two of the four blocks: reads run ahead, units are read again each forward
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
@@ -146,3 +146,12 @@ def test_write_store_replaces_a_store_atomically(reference: dict, kind: str, tmp
     assert torch.equal(generate(model)[0], reference["tokens"])
     with pytest.raises(ValueError, match="meta device"):
         write_store(build(kind, empty=True), tmp_path / "other")
+
+
+def test_budget_holding_every_unit_reads_each_once(kind: str, reference: dict) -> None:
+    model = stream_weights(build(kind, empty=True), reference["own"], 8 << 20)
+    tokens, logits = generate(model)
+    assert torch.equal(tokens, reference["tokens"]) and torch.equal(logits, reference["logits"])
+    s = stats(model)
+    assert s["unit_reads"] <= 2 * s["units"], s  # the recording pass, then each unit read ahead once
+    assert s["cache_hits"] == s["units"] * s["forwards"] - s["unit_reads"] > 0, s
