@@ -23,6 +23,7 @@ the store's (`model.half()` after streaming) are converted after each read.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -530,6 +531,7 @@ def _wrap_unit(streamer: _Streamer, i: int, u: _Unit) -> None:
     u.had_forward = "forward" in mod.__dict__
     u.orig_forward = mod.forward
 
+    @functools.wraps(u.orig_forward)  # the signature stays visible (generate() inspects it)
     def forward(*args: Any, **kwargs: Any) -> Any:
         with streamer.lock:
             streamer.enter(i)
@@ -563,6 +565,7 @@ def _wrap_root(streamer: _Streamer, model: nn.Module) -> None:
     streamer.root_had_forward = "forward" in model.__dict__
     streamer.root_forward = model.forward
 
+    @functools.wraps(streamer.root_forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
         with streamer.lock:
             ok = False
