@@ -96,3 +96,14 @@ def test_streamed_model_moved_between_cpu_and_cuda(stored: tuple[Net, Path]) -> 
         got = model(_ids())
         assert got.dtype == torch.float16
         torch.testing.assert_close(got.float().cpu(), want_cpu, atol=5e-2, rtol=5e-2)
+
+
+def test_load_safetensors_to_cuda(tmp_path: Path) -> None:
+    from deepnvme.offload import load_safetensors
+
+    st = pytest.importorskip("safetensors.torch", reason="safetensors is needed to write the checkpoint")
+    torch.manual_seed(1)
+    want = {"a": torch.randn(1000, 333), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(3).half()}
+    st.save_file(want, tmp_path / "x.safetensors")
+    got = load_safetensors(tmp_path / "x.safetensors", device="cuda", budget_bytes=256 << 10)
+    assert all(got[k].is_cuda and torch.equal(got[k].cpu(), want[k]) for k in want)
