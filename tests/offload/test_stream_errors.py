@@ -28,6 +28,7 @@ from deepnvme.offload import (
     write_store,
 )
 from deepnvme.offload.stream import Placeholder
+from tests.offload.helpers import open_fds
 from tests.offload.stream_models import PROMPT, build, generate, require_hf, save
 
 require_hf()
@@ -203,7 +204,9 @@ def test_meta_device_models(gpt2: dict, tmp_path: Path) -> None:
 
 
 def test_misuse(gpt2: dict) -> None:
+    """Wrong calls raise before anything changes; no descriptor is left open by them or by unstream."""
     model = build("gpt2", empty=True)
+    fds = open_fds()
     with pytest.raises(ValueError, match="not streamed"):
         unstream(model)
     with pytest.raises(ValueError, match="'transformer.h.0' lies inside 'transformer.h'"):
@@ -214,10 +217,15 @@ def test_misuse(gpt2: dict) -> None:
         stream_weights(model, gpt2["own"], 1.5e6)  # type: ignore[arg-type]
     with pytest.raises(FileNotFoundError):
         stream_weights(model, gpt2["own"] / "nothing", BUDGET)
+    with pytest.raises(ValueError, match="unit 'transformer.h.0' takes"):
+        stream_weights(model, gpt2["single"], 8 << 10)
+    assert open_fds() == fds
     stream_weights(model, gpt2["own"], BUDGET, units="transformer.h")
     with pytest.raises(RuntimeError, match="streamed already"):
         stream_weights(model, gpt2["own"], BUDGET)
     assert torch.equal(generate(model)[0], gpt2["tokens"])
+    unstream(model)
+    assert open_fds() == fds
 
 
 def test_two_threads_are_serialized(gpt2: dict) -> None:
