@@ -327,3 +327,14 @@ def test_base_model_and_head_model_checkpoints_interchange(gpt2: dict, tmp_path:
     unstream(base)
     head = stream_weights(build("gpt2", empty=True), save(base, tmp_path / "base"), BUDGET)
     assert torch.equal(generate(head)[0], gpt2["tokens"])
+
+
+def test_fifo_or_directory_instead_of_a_checkpoint(tmp_path: Path) -> None:
+    """A FIFO named like a checkpoint is refused at once (never waited on), naming it."""
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="not a regular file") as err:
+        SafetensorsStore(fifo)
+    assert err.value.filename == str(fifo)
+    with pytest.raises(OSError, match="not a regular file"):
+        SafetensorsStore(tmp_path)  # the directory's model.safetensors is that FIFO
