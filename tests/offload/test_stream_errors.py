@@ -338,3 +338,25 @@ def test_fifo_or_directory_instead_of_a_checkpoint(tmp_path: Path) -> None:
     assert err.value.filename == str(fifo)
     with pytest.raises(OSError, match="not a regular file"):
         SafetensorsStore(tmp_path)  # the directory's model.safetensors is that FIFO
+
+
+def test_own_store_with_a_bad_manifest_or_a_cut_file(gpt2: dict, tmp_path: Path) -> None:
+    from deepnvme.offload import OwnStore
+
+    d = _copy(gpt2["own"], tmp_path / "c")
+    manifest = d / "manifest.json"
+    good = manifest.read_text()
+    weights = d / json.loads(good)["file"]
+    os.truncate(weights, weights.stat().st_size - 8192)
+    with pytest.raises(StoreError, match=rf"in {weights}: its data ends .* the file is truncated"):
+        OwnStore(d)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError) as err:
+        OwnStore(d)
+    assert err.value.filename == str(weights)
+    manifest.write_text(good[:100])
+    with pytest.raises(StoreError, match="not a readable deepnvme store manifest"):
+        OwnStore(d)
+    manifest.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(StoreError, match="not a deepnvme store manifest of version 1"):
+        OwnStore(d)
