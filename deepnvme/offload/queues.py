@@ -133,7 +133,8 @@ class IOQueue:
                 ticket._done.set()
 
     def close(self) -> None:
-        """Finish what is queued, then stop the threads."""
+        """Finish what is queued, then stop the threads; a finished thread drops its handle, so the
+        descriptors close now, not when a reference cycle around the owner is collected."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
