@@ -58,7 +58,7 @@ from deepnvme._core.checks import check_int, check_type
 from deepnvme._core.direct import open_direct
 from deepnvme._core.errors import CheckpointFormatError, with_path
 from deepnvme._core.files import atomic_target, open_regular
-from deepnvme._core.handles import check_settings, default_handle, new_handle
+from deepnvme._core.handles import CHECKPOINT, check_settings, checkpoint_handle, new_handle
 from deepnvme.files import SeekableReader
 from op_builder.atomic_file import commit, discard, fsync_directory, temporary_name
 
@@ -78,17 +78,19 @@ EDGE = 4096
 
 def _handle_settings(handle: AioHandle | None, given: dict[str, Any]) -> dict[str, Any]:
     """The settings of a handle of our own, checked up front so a bad value fails at construction, not
-    mid-save; empty when `handle` is passed or nothing is set (then each thread's default handle serves)."""
+    mid-save; empty when `handle` is passed or nothing is set (then each thread's checkpoint handle serves).
+    Settings left out are the checkpoint defaults (deepnvme._core.handles.CHECKPOINT)."""
     if handle is not None or all(v is None for v in given.values()):
         return {}
-    return check_settings(given)
+    return check_settings(given, CHECKPOINT)
 
 
-def _resolve_handle(handle: AioHandle | None, settings: dict[str, Any]) -> AioHandle:
-    """The handle given, else one made from `settings` (kept by the caller), else this thread's default."""
+def _resolve_handle(handle: AioHandle | None, settings: dict[str, Any], directory: str) -> AioHandle:
+    """The handle given, else one made from `settings` (kept by the caller), else this thread's checkpoint
+    handle for `directory` (its tuned settings where it has them, see checkpoint_settings)."""
     if handle is not None:
         return handle
-    return new_handle(**settings) if settings else default_handle()
+    return new_handle(**settings) if settings else checkpoint_handle(directory)
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -326,10 +328,10 @@ class AioStorageWriter(FileSystemWriter):
     @property
     def handle(self) -> AioHandle:
         """The handle given; else one made once from the settings given; else the calling thread's
-        default handle (async_save writes from a thread of its own)."""
+        checkpoint handle for this directory (async_save writes from a thread of its own)."""
         if self._handle is None and self._handle_settings:
-            self._handle = _resolve_handle(None, self._handle_settings)
-        return _resolve_handle(self._handle, {})
+            self._handle = _resolve_handle(None, self._handle_settings, str(self.path))
+        return _resolve_handle(self._handle, {}, str(self.path))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items into its .distcp files; the future is already complete when returned."""
@@ -550,10 +552,10 @@ class AioStorageReader(FileSystemReader):
     @property
     def handle(self) -> AioHandle:
         """The handle given; else one made once from the settings given; else the calling thread's
-        default handle (async_save writes from a thread of its own)."""
+        checkpoint handle for this directory (async_save writes from a thread of its own)."""
         if self._handle is None and self._handle_settings:
-            self._handle = _resolve_handle(None, self._handle_settings)
-        return _resolve_handle(self._handle, {})
+            self._handle = _resolve_handle(None, self._handle_settings, str(self.path))
+        return _resolve_handle(self._handle, {}, str(self.path))
 
     # The globals a `.metadata` pickle may name: DCP's metadata classes and what they hold (see
     # _MetadataUnpickler). A subclass may add to this for metadata written with extra classes.
