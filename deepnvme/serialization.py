@@ -89,13 +89,13 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
     """torch.save(obj) to `path` atomically, storage payloads written O_DIRECT from the tensors' memory.
 
     `handle` is an aio_handle (default: this thread's own for checkpoints in that directory, see
-    deepnvme._core.handles.checkpoint_settings: a tuned file there or the process's, else 8 MiB blocks). Raises
-    FileNotFoundError when the directory is missing, IsADirectoryError when `path` is a directory, OSError
-    (errno, path) when a write fails — ENOSPC included — and pickling errors as torch.save does; in every
-    case a file that was at `path` before is left as it was. `checksum=False` leaves every record's CRC-32
-    zero, as torch does with compute_crc32 off: stock torch.load still reads the file, but neither zip tools
-    nor deepnvme.load can then check it. A symbolic link at `path` is written through, as torch.save does:
-    its target is atomically replaced and the link stays.
+    deepnvme._core.handles.checkpoint_settings: a tuned file there or the process's, else 8 MiB blocks).
+    Raises FileNotFoundError when the directory is missing, IsADirectoryError when `path` is a directory,
+    OSError (errno, path) when a write fails — ENOSPC included — and pickling errors as torch.save does; in
+    every case a file that was at `path` before is left as it was. `checksum=False` leaves every record's
+    CRC-32 zero, as torch does with compute_crc32 off: stock torch.load still reads the file, but neither zip
+    tools nor deepnvme.load can then check it. A symbolic link at `path` is written through, as torch.save
+    does: its target is atomically replaced and the link stays.
 
     `payloads` lets a caller supply storage bytes that are not in memory (deepnvme.offload streams an
     optimizer's state from its swap file this way): called with each storage of `obj` as torch writes
