@@ -151,8 +151,32 @@ class _Archive:
         return len(self.head) + self.payload + len(self.tail)
 
 
-def _archive_of(t: torch.Tensor) -> _Archive:
-    """Lay out torch.save(t) without its payload (skip_data): the payload goes to disk from `t` itself."""
+def _layout_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What torch.save(t)'s archive (payload aside) depends on, for a plain dense tensor; None for anything
+    else (subclasses, tensors with Python attributes or hooks, quantized or sparse ones), which is laid out
+    on its own. Tensors of one model repeat a few shapes, so their archives are laid out once per shape."""
+    if (type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized or t.__dict__
+            or t._backward_hooks):
+        return None
+    return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage().nbytes(),
+            t.requires_grad, t.is_conj(), t.is_neg())
+
+
+def _archive_of(t: torch.Tensor, laid_out: dict[tuple[Any, ...], _Archive] | None = None) -> _Archive:
+    """Lay out torch.save(t) without its payload (skip_data): the payload goes to disk from `t` itself.
+
+    `laid_out` keeps the archives made so far by _layout_key: a tensor with the key of one of them gets
+    the same bytes without pickling again."""
+    if laid_out is None or (key := _layout_key(t)) is None:
+        return _lay_out(t)
+    arc = laid_out.get(key)
+    if arc is None:
+        arc = laid_out[key] = _lay_out(t)
+    return arc
+
+
+def _lay_out(t: torch.Tensor) -> _Archive:
+    """torch.save(t) under skip_data, cut at the payload's hole."""
     sink = _ArchiveSink()
     with torch.serialization.skip_data():
         torch.save(t, sink)
@@ -207,6 +231,7 @@ class _FileLayout:
         self.gap_start = 0
         self.keep: list[torch.Tensor] = []  # tensors whose memory queued writes still read
         self.queued = 0  # bytes of gap copies queued since the last drain
+        self.laid_out: dict[tuple[Any, ...], _Archive] = {}  # archives by tensor layout (see _archive_of)
 
     @property
     def end(self) -> int:
@@ -222,7 +247,7 @@ class _FileLayout:
 
     def add_tensor(self, t: torch.Tensor) -> tuple[int, int]:
         """Append torch.save(t); returns (offset, length) of its archive in the file."""
-        arc = _archive_of(t)
+        arc = _archive_of(t, self.laid_out)
         if arc.payload < INLINE_BELOW:
             offset = self.add_bytes(arc.head)
             if arc.payload:
