@@ -452,6 +452,16 @@ def measure(c: Contender, sd: dict[str, torch.Tensor], shapes: list, workdir: Pa
         del got
 
 
+def by_file(cs: list[Contender]) -> list[list[Contender]]:
+    """The contenders grouped by the file they use, each saver first: a group runs together and its file is
+    removed after it, so the disk never holds more than one checkpoint of the bench (a grid of 4 GiB files
+    would need tens of GB)."""
+    groups: dict[str, list[Contender]] = {}
+    for c in cs:
+        groups.setdefault(c.kind, []).append(c)
+    return [sorted(g, key=lambda c: 0 if c.save is not None else 1) for g in groups.values()]
+
+
 def rates(nbytes: int, seconds: list[float]) -> list[float]:
     """GB/s of each sample, sorted."""
     return sorted(nbytes / s / 1e9 for s in seconds)
@@ -578,16 +588,19 @@ def main(argv: list[str] | None = None) -> int:
             engine = locked.handle.get_engine()
             try:
                 cs = contenders(pool, args.all) + raw_contenders(locked)
-                saved: dict[str, Path] = {}
+                groups = by_file(cs)
                 for rep in range(args.repeats):
-                    order = cs[rep % len(cs):] + cs[:rep % len(cs)]  # rotate: nobody always goes first
-                    # a load reads its own contender's save: keep loads after their saves within the repeat
-                    for c in sorted(order, key=lambda c: 0 if c.save is not None else 1):
-                        measure(c, sd, shapes, workdir, rep == 0, args.rest, saved, pool)
+                    # rotate: nobody always goes first
+                    for group in groups[rep % len(groups):] + groups[:rep % len(groups)]:
+                        saved: dict[str, Path] = {}
+                        try:
+                            for c in group:
+                                measure(c, sd, shapes, workdir, rep == 0, args.rest, saved, pool)
+                        finally:
+                            for p in saved.values():  # one checkpoint on the disk at a time
+                                remove(p)
                     print(f"[{label}] repeat {rep + 1}/{args.repeats} done at {time.time() - started:.0f} s",
                           file=sys.stderr, flush=True)
-                for p in saved.values():
-                    remove(p)
             finally:
                 locked.free()
             table, ratios = report(label, nbytes, len(shapes), cs, args.repeats)
