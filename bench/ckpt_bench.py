@@ -23,8 +23,9 @@ Loads start from a cold cache: every file of the checkpoint is evicted (fdatasyn
 Every load includes making its tensors (DCP loads into empty ones made inside the timing), and the first
 repeat checks every loaded tensor against the saved one. For each in-process operation: wall seconds, CPU
 seconds of this process (all threads), and the peak extra resident memory (the kernel's high-water mark,
-bench/_harness.py; for loads, beyond the bytes loaded). GB = 10^9 bytes; cells are median (min-max).
-Writes markdown to stdout and <out>.md, every sample to <out>.json (default bench/results/ckpt).
+bench/_harness.py; a load's includes the state it returns, less any memory the allocator reuses). GB = 10^9
+bytes; cells are median (min-max). Writes markdown to stdout and <out>.md, every sample to <out>.json (default
+bench/results/ckpt).
 """
 
 from __future__ import annotations
@@ -485,9 +486,9 @@ def cpu_cell(nbytes: int, cpu: list[float]) -> str:
     return f"{statistics.median(cpu) / (nbytes / 1e9):.2f}" if cpu else "—"
 
 
-def mib_cell(values: list[float], minus: int = 0) -> str:
-    """Median bytes above `minus`, in MiB."""
-    return f"{(statistics.median(values) - minus) / 2**20:.0f} MiB" if values else "—"
+def mib_cell(values: list[float]) -> str:
+    """Median bytes, in MiB."""
+    return f"{statistics.median(values) / 2**20:.0f} MiB" if values else "—"
 
 
 def bound_of(grid: list[Contender], nbytes: int, op: str) -> Contender:
@@ -501,12 +502,12 @@ def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: in
     bounds = {op: bound_of(grid, nbytes, op) for op in ("save", "load")}
     lines = [f"### {label}: {nbytes / 1e9:.2f} GB in {count} tensors, {repeats} repeats", "",
              "| contender | save GB/s | save CPU s/GB | load GB/s (cold) | load CPU s/GB | peak extra RSS: "
-             "save / load beyond the state |", "| --- | --- | --- | --- | --- | --- |"]
+             "save / load (the loaded state included) |", "| --- | --- | --- | --- | --- | --- |"]
     for c in [c for c in cs if c.group == "main"] + [c for c in cs if c.group == "reference"]:
         lines.append(f"| {c.name} | {cell(nbytes, c.samples['save'])} | "
                      f"{cpu_cell(nbytes, c.samples['save_cpu'])} | {cell(nbytes, c.samples['load'])} | "
                      f"{cpu_cell(nbytes, c.samples['load_cpu'])} | "
-                     f"{mib_cell(c.samples['save_rss'])} / {mib_cell(c.samples['load_rss'], nbytes)} |")
+                     f"{mib_cell(c.samples['save_rss'])} / {mib_cell(c.samples['load_rss'])} |")
     w, r = bounds["save"], bounds["load"]
     lines.append(f"| **bound**: one raw transfer of the file's bytes, locked buffer, best grid point "
                  f"(write: {w.name[4:]}; read: {r.name[4:]}) | {cell(nbytes, w.samples['save'])} | "
@@ -582,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = "?"
     try:
         for label, shapes in dicts:
+            load_before = os.getloadavg()
             sd = make_state(shapes)
             nbytes = nbytes_of(shapes)
             locked = LockedBytes(sd, workdir)
@@ -604,9 +606,11 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 locked.free()
             table, ratios = report(label, nbytes, len(shapes), cs, args.repeats)
+            loads = [round(x, 1) for x in (*load_before, *os.getloadavg())]
+            table[2:2] = [f"Load average (1, 5, 15 min) before: {loads[:3]}, after: {loads[3:]}.", ""]
             lines += table
             record["results"][label] = {"bytes": nbytes, "file_bytes": locked.nbytes, "tensors": len(shapes),
-                                        "ratios": ratios,
+                                        "ratios": ratios, "load_average_before_after": loads,
                                         "contenders": {c.name: c.samples for c in cs}}
             del sd
     finally:
@@ -616,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
             f"Machine: {platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}, torch "
             f"{torch.__version__}; checkpoints in {workdir} "
             f"(O_DIRECT {'works' if o_direct_works(str(workdir)) else 'refused'}); checkpoint handle "
-            f"{settings} ({source}, engine {engine}); load average before/after: see the JSON; "
+            f"{settings} ({source}, engine {engine}); "
             f"run took {time.time() - started:.0f} s. GB/s are state-dict bytes (10^9) per second.", ""]
     record["seconds"] = round(time.time() - started, 1)
     text = "\n".join(head + lines)
