@@ -95,8 +95,9 @@ def _thread_handles() -> dict[Any, Any]:
 
 
 def default_handle(slot: int = 0) -> AioHandle:
-    """This thread's aio_handle number `slot` with :data:`RECOMMENDED`, made on first use. load keeps a
-    second one (slot 1) so that one batch of reads is queued while the other's complete.
+    """This thread's aio_handle number `slot` with :data:`RECOMMENDED`, made on first use (checkpoints use
+    :func:`checkpoint_handle` instead; deepnvme.load keeps two of those so that one batch of reads is queued
+    while the other's complete).
 
     One per thread because a handle's wait() completes every request queued on it: two threads sharing one
     would wait for, and receive the errors of, each other's requests. A forked child makes its own.
