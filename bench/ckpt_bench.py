@@ -1,31 +1,31 @@
 #!/usr/bin/env python3
-"""Checkpoint save/load speed: deepnvme beside torch, safetensors and torch.distributed.checkpoint, one run.
+"""Checkpoint save/load speed against the bound: one raw transfer of the same bytes at the best settings.
 
-    python3 bench/ckpt_bench.py [--dir DIR] [--repeats 3] [--small | --quick] [--rest 1] [--out PREFIX]
+    python3 bench/ckpt_bench.py [--dir DIR] [--repeats 3] [--small | --medium-only] [--all] [--rest 1]
+                                [--out PREFIX]
 
 State dicts: a GPT-2-medium-like one (355 M float32 parameters, ~1.42 GB: many small, some large tensors)
-and one of 4 GiB (16 tensors of 256 MiB); --small uses GPT-2-small-like (~0.5 GB) and 1 GiB instead;
---quick measures only the GPT-2-medium-like one and only the contenders deepnvme.save/load's targets
-compare (torch.save/torch.load, deepnvme.save/load, the raw handle), 3 repeats: about a minute on a quiet
-machine, where the full run takes about 6 minutes (the 4 GiB state dict's torch.save and DCP rows are most
-of it).
+and one of 4 GiB (16 tensors of 256 MiB); --small uses GPT-2-small-like (~0.5 GB) and 1 GiB instead,
+--medium-only the GPT-2-medium-like one alone.
 Contenders, each saving and then loading the same state dict, in an order rotated every repeat:
-  * torch.save + fsync / torch.load (cold) / torch.load(mmap=True) with every page of every tensor touched;
-  * safetensors save_file + fsync / load_file, when safetensors is installed (it is not a dependency);
-  * DCP FileSystemWriter (thread_count=2) / FileSystemReader;
-  * deepnvme.save / deepnvme.load;
-  * deepnvme.checkpoint.AioStorageWriter / AioStorageReader with dcp.save / dcp.load in this process, and in
-    2 processes (gloo) that each hold half of the tensors;
-  * the raw aio_handle: the same tensors written back to back at 4 KiB-aligned offsets of one file with
-    async_pwrite + wait + fsync, and read with async_pread + wait into fresh page-aligned tensors (so
-    that every read goes O_DIRECT with no copy; torch.empty's memory is 64 bytes past a page and would
-    be staged): the ceiling.
-Loads start from a cold cache: every file of the checkpoint is evicted (fdatasync + fadvise) after the save.
+  * torch.save + fsync / torch.load (cold);
+  * deepnvme.save / deepnvme.load, no handle passed (the checkpoint default, or a tuned file's);
+  * deepnvme.checkpoint.AioStorageWriter / AioStorageReader with dcp.save / dcp.load in this process;
+  * the bound: the bytes of deepnvme.save's file in one locked buffer, moved by one sync_pwrite (+ fsync)
+    to a new file and one sync_pread back into that buffer, at every point of a grid of handle settings
+    (block 1/4/8 MiB x queue depth 32/128 x 1/2 threads); the bound of each operation is the grid point
+    with the best median;
+  * for reference, not a bound: one sync_pread of that file into fresh page-aligned memory at the
+    checkpoint default (what any load that returns new tensors pays: the memory's first-touch faults);
+--all adds torch.load(mmap=True) with every page touched, safetensors (when installed), DCP
+FileSystemWriter/Reader and AioStorageWriter/Reader in 2 processes (gloo).
+Loads start from a cold cache: every file of the checkpoint is evicted (fdatasync + fadvise) before it.
 Every load includes making its tensors (DCP loads into empty ones made inside the timing), and the first
-repeat checks every loaded tensor against the saved one. The peak extra resident memory of this process
-during each in-process save is the kernel's high-water mark, reset before it (bench/_harness.py).
-GB = 10^9 bytes; cells are median (min-max).
-Writes markdown to stdout and <out>.md, every sample to <out>.json.
+repeat checks every loaded tensor against the saved one. For each in-process operation: wall seconds, CPU
+seconds of this process (all threads), and the peak extra resident memory (the kernel's high-water mark,
+bench/_harness.py; a load's includes the state it returns, less any memory the allocator reuses). GB = 10^9
+bytes; cells are median (min-max). Writes markdown to stdout and <out>.md, every sample to <out>.json (default
+bench/results/ckpt).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _harness import ROOT, PeakMemory, wall  # puts this checkout on sys.path before deepnvme is imported
+from _harness import ROOT, PeakMemory, timed  # puts this checkout on sys.path before deepnvme is imported
 
 from deepnvme._core.aio_types import AioHandle  # noqa: E402
 from deepnvme.tools.pagecache import drop_file_cache, o_direct_works  # noqa: E402
@@ -171,13 +171,16 @@ def touch_all(sd: dict[str, torch.Tensor]) -> None:
 # ------------------------------------------------------------------------------------------ contenders
 @dataclass
 class Contender:
-    """Save and load functions over one state dict; load returns the state dict it made."""
+    """Save and load functions over one state dict; load returns the state dict it made (None: nothing to
+    check, the raw transfers)."""
 
     name: str
     save: Callable[[dict[str, torch.Tensor], Path], Any] | None  # out of process: returns its seconds
     load: Callable[[Path, Shapes], Any] | None
-    kind: str  # which checkpoint the load reads: its own save's
-    samples: dict[str, list[float]] = field(default_factory=lambda: {"save": [], "load": [], "rss": []})
+    kind: str  # which checkpoint the load reads: its own save's, or that of the contender of this kind
+    group: str = "main"  # "main" (the table), "grid" (the bound's candidates), "reference"
+    samples: dict[str, list[float]] = field(default_factory=lambda: {
+        "save": [], "load": [], "save_cpu": [], "load_cpu": [], "save_rss": [], "load_rss": []})
     in_process: bool = True
 
 
@@ -192,50 +195,76 @@ def torch_save(sd: dict[str, torch.Tensor], path: Path) -> None:
     fsync_file(path)
 
 
-def raw_write(handle: AioHandle) -> Callable[[dict[str, torch.Tensor], Path], None]:
-    """The handle alone: every tensor at the next 4 KiB-aligned offset of one file, then wait and fsync."""
+class LockedBytes:
+    """The bytes of one deepnvme.save file in one locked buffer: what every raw transfer moves."""
+
+    def __init__(self, sd: dict[str, torch.Tensor], workdir: Path) -> None:
+        import deepnvme
+        from deepnvme._core.handles import checkpoint_handle
+
+        probe = workdir / "bound_source.pt"
+        deepnvme.save(sd, probe)
+        self.handle = checkpoint_handle(workdir)
+        self.nbytes = probe.stat().st_size
+        self.buffer = self.handle.new_cpu_locked_tensor(self.nbytes, torch.empty(0, dtype=torch.uint8))
+        self.handle.sync_pread(self.buffer, str(probe))
+        probe.unlink()
+
+    def free(self) -> None:
+        """Unlock and free the buffer (a locked buffer is not the allocator's: it is given back here)."""
+        self.handle.free_cpu_locked_tensor(self.buffer)
+
+
+def raw_contenders(source: LockedBytes) -> list[Contender]:
+    """The bound's grid: one raw write (+ fsync) and one raw read of the file's bytes per setting, and the
+    reference read into fresh memory at the checkpoint default (reading the default's own grid file)."""
+    from aio_cases import Setting, handle_settings
+
+    from deepnvme._core.handles import CHECKPOINT, new_handle
+
+    engine = source.handle.get_engine()
+    out = []
+    for block in (1 << 20, 4 << 20, 8 << 20):
+        for depth in (32, 128):
+            for threads in (1, 2):
+                point = Setting(block, depth, threads)
+                h = new_handle(**handle_settings(engine, depth, threads, block))
+                out.append(Contender(f"raw {point.label()}", raw_write(h, source), raw_read(h, source),
+                                     f"raw-{block >> 20}M-{depth}-{threads}", group="grid"))
+    default = f"raw-{CHECKPOINT['block_size'] >> 20}M-{CHECKPOINT['queue_depth']}-" \
+              f"{CHECKPOINT['intra_op_parallelism']}"
+    out.append(Contender("raw read into fresh page-aligned memory (checkpoint default settings)", None,
+                         raw_read_fresh(source), default, group="reference"))
+    return out
+
+
+def raw_write(h: AioHandle, source: LockedBytes) -> Callable[[dict[str, torch.Tensor], Path], None]:
+    """One sync_pwrite of the locked buffer to a new file, then fsync."""
     def save(sd: dict[str, torch.Tensor], path: Path) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
-        try:
-            offset = 0
-            for t in sd.values():
-                handle.async_pwrite(t.view(-1).view(torch.uint8), fd, offset)
-                offset += -(-t.nbytes // ALIGN) * ALIGN
-            handle.wait()
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        h.sync_pwrite(source.buffer, str(path))
+        fsync_file(path)
     return save
 
 
-def empty_aligned_like_shapes(shapes: Shapes) -> dict[str, torch.Tensor]:
-    """Fresh page-aligned float32 tensors (the async_io op's empty_at_residue, as deepnvme.load uses)."""
-    from deepnvme import AsyncIOBuilder
-
-    empty_at_residue = AsyncIOBuilder().load().empty_at_residue
-    return {name: empty_at_residue(nbytes_of([(name, shape)]), 0).view(torch.float32).view(shape)
-            for name, shape in shapes}
-
-
-def raw_read(handle: AioHandle) -> Callable[[Path, Shapes], dict[str, Any]]:
-    """Read the raw file back into fresh page-aligned tensors with async_pread, one wait."""
-    def load(path: Path, shapes: Shapes) -> dict[str, Any]:
-        out = empty_aligned_like_shapes(shapes)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-        try:
-            offset = 0
-            for t in out.values():
-                handle.async_pread(t.view(-1).view(torch.uint8), fd, offset)
-                offset += -(-t.nbytes // ALIGN) * ALIGN
-            handle.wait()
-        finally:
-            os.close(fd)
-        return out
+def raw_read(h: AioHandle, source: LockedBytes) -> Callable[[Path, Shapes], None]:
+    """One sync_pread of the whole file back into the locked buffer."""
+    def load(path: Path, shapes: Shapes) -> None:
+        h.sync_pread(source.buffer, str(path))
     return load
 
 
-def contenders(handle: AioHandle, pool: RankPool | None, quick: bool = False) -> list[Contender]:
-    """Everything measured, in its base order (quick: only what deepnvme.save/load's targets compare)."""
+def raw_read_fresh(source: LockedBytes) -> Callable[[Path, Shapes], None]:
+    """One sync_pread of the whole file into page-aligned memory made for it (never touched before)."""
+    from deepnvme._core.op import aio_module
+
+    def load(path: Path, shapes: Shapes) -> None:
+        fresh = aio_module().empty_at_residue(source.nbytes, 0)
+        source.handle.sync_pread(fresh, str(path))
+    return load
+
+
+def contenders(pool: RankPool | None, every: bool) -> list[Contender]:
+    """The contenders of the table, in their base order (`every`: the --all ones too)."""
     import torch.distributed.checkpoint as dcp
 
     import deepnvme
@@ -253,39 +282,33 @@ def contenders(handle: AioHandle, pool: RankPool | None, quick: bool = False) ->
         touch_all(sd)
         return sd
 
-    torch_pair = Contender("torch.save + fsync / torch.load", torch_save,
-                           lambda p, s: torch.load(p, weights_only=True), "torch")
-    ours = Contender("deepnvme.save / deepnvme.load", lambda sd, p: deepnvme.save(sd, p),
-                     lambda p, s: deepnvme.load(p), "deepnvme")
-    raw = Contender("raw aio_handle write (+fsync) / read, same bytes", raw_write(handle), raw_read(handle),
-                    "raw")
-    if quick:
-        return [torch_pair, ours, raw]
-    out = [torch_pair, Contender("torch.load(mmap=True), every page touched", None, mmap_load, "torch")]
-    try:
-        from safetensors.torch import load_file, save_file
+    out = [Contender("torch.save + fsync / torch.load", torch_save,
+                     lambda p, s: torch.load(p, weights_only=True), "torch")]
+    if every:
+        out.append(Contender("torch.load(mmap=True), every page touched", None, mmap_load, "torch"))
+        try:
+            from safetensors.torch import load_file, save_file
 
-        def st_save(sd: dict[str, torch.Tensor], path: Path) -> None:
-            save_file(sd, str(path))
-            fsync_file(path)
+            def st_save(sd: dict[str, torch.Tensor], path: Path) -> None:
+                save_file(sd, str(path))
+                fsync_file(path)
 
-        out.append(Contender("safetensors save_file + fsync / load_file", st_save,
-                             lambda p, s: load_file(str(p)), "safetensors"))
-    except ImportError:
-        pass
-    out += [
-        Contender("DCP FileSystemWriter (2 threads) / FileSystemReader",
-                  lambda sd, p: dcp.save(sd, storage_writer=dcp.FileSystemWriter(p, thread_count=2)),
-                  dcp_load(dcp.FileSystemReader), "dcp-fs"),
-        ours,
-        Contender("DCP AioStorageWriter / AioStorageReader, 1 process",
-                  lambda sd, p: dcp.save(sd, storage_writer=AioStorageWriter(p)),
-                  dcp_load(AioStorageReader), "dcp-aio"),
-    ]
+            out.append(Contender("safetensors save_file + fsync / load_file", st_save,
+                                 lambda p, s: load_file(str(p)), "safetensors"))
+        except ImportError:
+            pass
+        out.append(Contender("DCP FileSystemWriter (2 threads) / FileSystemReader",
+                             lambda sd, p: dcp.save(sd, storage_writer=dcp.FileSystemWriter(p,
+                                                                                          thread_count=2)),
+                             dcp_load(dcp.FileSystemReader), "dcp-fs"))
+    out += [Contender("deepnvme.save / deepnvme.load", lambda sd, p: deepnvme.save(sd, p),
+                      lambda p, s: deepnvme.load(p), "deepnvme"),
+            Contender("DCP AioStorageWriter / AioStorageReader, 1 process",
+                      lambda sd, p: dcp.save(sd, storage_writer=AioStorageWriter(p)),
+                      dcp_load(AioStorageReader), "dcp-aio")]
     if pool is not None:
         out.append(Contender("DCP AioStorageWriter / AioStorageReader, 2 processes (gloo)",
                              pool.save, pool.load, "dcp-aio-2p", in_process=False))
-    out.append(raw)
     return out
 
 
@@ -393,7 +416,8 @@ def measure(c: Contender, sd: dict[str, torch.Tensor], shapes: list, workdir: Pa
             rest: float, saved: dict[str, Path], pool: RankPool | None) -> None:
     # pool: the 2-process contender's ranks; told which tensors to make and whether to check them
     """One save (if any) and one cold load (if any) of contender `c`; samples appended to c.samples."""
-    suffix = {"torch": ".pt", "safetensors": ".safetensors", "deepnvme": ".pt", "raw": ".bin"}.get(c.kind, "")
+    suffix = {"torch": ".pt", "safetensors": ".safetensors", "deepnvme": ".pt"}.get(c.kind, "")
+    suffix = ".bin" if c.kind.startswith("raw") else suffix
     path = workdir / f"ckpt_{c.kind}{suffix}"
     if c.save is not None:
         remove(path)
@@ -405,8 +429,10 @@ def measure(c: Contender, sd: dict[str, torch.Tensor], shapes: list, workdir: Pa
         else:
             touch_pages(*(t for t in sd.values() if isinstance(t, torch.Tensor)))  # deepnvme.tools.resident
             with PeakMemory() as peak:
-                c.samples["save"].append(wall(lambda: c.save(sd, path)))
-            c.samples["rss"].append(peak.extra)
+                took, cpu = timed(lambda: c.save(sd, path))
+            c.samples["save"].append(took)
+            c.samples["save_cpu"].append(cpu)
+            c.samples["save_rss"].append(peak.extra)
         saved[c.kind] = path
     if c.load is not None:
         path = saved[c.kind]
@@ -414,62 +440,112 @@ def measure(c: Contender, sd: dict[str, torch.Tensor], shapes: list, workdir: Pa
         time.sleep(rest)
         if not c.in_process:
             c.samples["load"].append(c.load(path, shapes))
-        else:
-            loaded: list[Any] = []
-            c.samples["load"].append(wall(lambda: loaded.append(c.load(path, shapes))))
-            got = loaded.pop()
-            if first:
-                check_state(got, shapes, c.name)
-            del got
+            return
+        loaded: list[Any] = []
+        with PeakMemory() as peak:
+            took, cpu = timed(lambda: loaded.append(c.load(path, shapes)))
+        c.samples["load"].append(took)
+        c.samples["load_cpu"].append(cpu)
+        c.samples["load_rss"].append(peak.extra)
+        got = loaded.pop()
+        if first and got is not None:
+            check_state(got, shapes, c.name)
+        del got
+
+
+def by_file(cs: list[Contender]) -> list[list[Contender]]:
+    """The contenders grouped by the file they use, each saver first: a group runs together and its file is
+    removed after it, so the disk never holds more than one checkpoint of the bench (a grid of 4 GiB files
+    would need tens of GB)."""
+    groups: dict[str, list[Contender]] = {}
+    for c in cs:
+        groups.setdefault(c.kind, []).append(c)
+    return [sorted(g, key=lambda c: 0 if c.save is not None else 1) for g in groups.values()]
+
+
+def rates(nbytes: int, seconds: list[float]) -> list[float]:
+    """GB/s of each sample, sorted."""
+    return sorted(nbytes / s / 1e9 for s in seconds)
 
 
 def cell(nbytes: int, seconds: list[float]) -> str:
     """GB/s as median (min-max)."""
     if not seconds:
         return "—"
-    rates = sorted(nbytes / s / 1e9 for s in seconds)
-    return f"{statistics.median(rates):.2f} ({rates[0]:.2f}–{rates[-1]:.2f})"
+    r = rates(nbytes, seconds)
+    return f"{statistics.median(r):.2f} ({r[0]:.2f}–{r[-1]:.2f})"
 
 
-def median_rate(nbytes: int, seconds: list[float]) -> float | None:
-    """Median GB/s, or None when not measured."""
-    return statistics.median(nbytes / s / 1e9 for s in seconds) if seconds else None
+def median_rate(nbytes: int, seconds: list[float]) -> float:
+    """Median GB/s (0 when not measured)."""
+    return statistics.median(rates(nbytes, seconds)) if seconds else 0.0
 
 
-def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: int) -> list[str]:
-    """The table and ratios for one state dict."""
+def cpu_cell(nbytes: int, cpu: list[float]) -> str:
+    """Median CPU seconds per GB."""
+    return f"{statistics.median(cpu) / (nbytes / 1e9):.2f}" if cpu else "—"
+
+
+def mib_cell(values: list[float]) -> str:
+    """Median bytes, in MiB."""
+    return f"{statistics.median(values) / 2**20:.0f} MiB" if values else "—"
+
+
+def bound_of(grid: list[Contender], nbytes: int, op: str) -> Contender:
+    """The grid point with the best median for `op`: the bound."""
+    return max(grid, key=lambda c: median_rate(nbytes, c.samples[op]))
+
+
+def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: int) -> tuple[list[str], dict]:
+    """The tables and ratios for one state dict, and the ratios as a record."""
+    grid = [c for c in cs if c.group == "grid"]
+    bounds = {op: bound_of(grid, nbytes, op) for op in ("save", "load")}
     lines = [f"### {label}: {nbytes / 1e9:.2f} GB in {count} tensors, {repeats} repeats", "",
-             "| contender | save GB/s | load GB/s (cold) | peak extra RSS during save |",
-             "| --- | --- | --- | --- |"]
-    for c in cs:
-        rss = f"{statistics.median(c.samples['rss']) / 2**20:.0f} MiB" if c.samples["rss"] else "—"
-        save, load = cell(nbytes, c.samples["save"]), cell(nbytes, c.samples["load"])
-        lines.append(f"| {c.name} | {save} | {load} | {rss} |")
-    by = {c.kind + ("-mmap" if "mmap" in c.name else ""): c for c in cs}
+             "| contender | save GB/s | save CPU s/GB | load GB/s (cold) | load CPU s/GB | peak extra RSS: "
+             "save / load (the loaded state included) |", "| --- | --- | --- | --- | --- | --- |"]
+    for c in [c for c in cs if c.group == "main"] + [c for c in cs if c.group == "reference"]:
+        lines.append(f"| {c.name} | {cell(nbytes, c.samples['save'])} | "
+                     f"{cpu_cell(nbytes, c.samples['save_cpu'])} | {cell(nbytes, c.samples['load'])} | "
+                     f"{cpu_cell(nbytes, c.samples['load_cpu'])} | "
+                     f"{mib_cell(c.samples['save_rss'])} / {mib_cell(c.samples['load_rss'])} |")
+    w, r = bounds["save"], bounds["load"]
+    lines.append(f"| **bound**: one raw transfer of the file's bytes, locked buffer, best grid point "
+                 f"(write: {w.name[4:]}; read: {r.name[4:]}) | {cell(nbytes, w.samples['save'])} | "
+                 f"{cpu_cell(nbytes, w.samples['save_cpu'])} | {cell(nbytes, r.samples['load'])} | "
+                 f"{cpu_cell(nbytes, r.samples['load_cpu'])} | — |")
+    lines += ["", "The bound's grid (one sync_pwrite + fsync / one sync_pread of the file's bytes), medians:",
+              "",
+              "| setting | write GB/s | read GB/s |", "| --- | --- | --- |"]
+    lines += [f"| {c.name[4:]} | {median_rate(nbytes, c.samples['save']):.2f} | "
+              f"{median_rate(nbytes, c.samples['load']):.2f} |" for c in grid]
+    by = {c.kind: c for c in cs if c.group == "main"}
+    by["bound-save"], by["bound-load"] = w, r
+    by["fresh"] = next((c for c in cs if c.group == "reference"), None)  # type: ignore[assignment]
+    found: dict[str, float] = {}
 
-    def ratio(kind: str, base: str, op: str, target: float, what: str) -> str | None:
+    def ratio(kind: str, base: str, op: str, target: float | None, what: str) -> str | None:
         """Ratio of medians, and the median of the per-repeat ratios (each repeat's two samples were taken
         minutes apart at most, so this one is less exposed to a load that drifts over the run)."""
         a, b = by.get(kind), by.get(base)
         if a is None or b is None or not a.samples[op] or not b.samples[op]:
             return None
-        r = median_rate(nbytes, a.samples[op]) / median_rate(nbytes, b.samples[op])
+        value = median_rate(nbytes, a.samples[op]) / median_rate(nbytes, b.samples[op])
         paired = statistics.median(y / x for x, y in zip(a.samples[op], b.samples[op]))
-        return (f"- {what}: {r:.2f}× (per-repeat {paired:.2f}×; target ≥ {target}×: "
-                f"{'met' if r >= target else 'NOT met'})")
+        found[what] = round(value, 3)
+        verdict = "" if target is None else f"; target ≥ {target}×: {'met' if value >= target else 'NOT met'}"
+        return f"- {what}: {value:.2f}× (per-repeat {paired:.2f}×{verdict})"
 
-    found = [ratio("deepnvme", "raw", "save", 0.8, "deepnvme.save / raw handle write"),
-             ratio("deepnvme", "torch", "save", 4, "deepnvme.save / torch.save+fsync"),
-             ratio("deepnvme", "raw", "load", 0.8, "deepnvme.load / raw handle read"),
-             ratio("deepnvme", "torch", "load", 1.5, "deepnvme.load / cold torch.load"),
-             ratio("dcp-aio", "dcp-fs", "save", 3, "AioStorageWriter 1 proc / FileSystemWriter"),
-             ratio("dcp-aio", "dcp-fs", "load", 2, "AioStorageReader 1 proc / FileSystemReader"),
-             ratio("dcp-aio-2p", "dcp-fs", "save", 3, "AioStorageWriter 2 procs / FileSystemWriter (1 proc)"),
-             ratio("dcp-aio-2p", "dcp-fs", "load", 2, "AioStorageReader 2 procs / FileSystemReader (1 proc)"),
-             ratio("dcp-aio", "raw", "save", 0.8, "AioStorageWriter 1 proc / raw handle write"),
-             ratio("dcp-aio", "raw", "load", 0.8, "AioStorageReader 1 proc / raw handle read")]
-    lines += ["", "Ratios of medians:", *(line for line in found if line is not None), ""]
-    return lines
+    rows = [ratio("deepnvme", "bound-save", "save", 0.9, "deepnvme.save / bound write"),
+            ratio("deepnvme", "bound-load", "load", 0.9, "deepnvme.load / bound read"),
+            ratio("dcp-aio", "bound-save", "save", 0.85, "AioStorageWriter 1 proc / bound write"),
+            ratio("dcp-aio", "bound-load", "load", 0.85, "AioStorageReader 1 proc / bound read"),
+            ratio("fresh", "bound-load", "load", None, "raw read into fresh memory / bound read"),
+            ratio("deepnvme", "torch", "save", None, "deepnvme.save / torch.save + fsync"),
+            ratio("deepnvme", "torch", "load", None, "deepnvme.load / cold torch.load"),
+            ratio("dcp-aio", "dcp-fs", "save", None, "AioStorageWriter / FileSystemWriter"),
+            ratio("dcp-aio", "dcp-fs", "load", None, "AioStorageReader / FileSystemReader")]
+    lines += ["", "Ratios of medians:", *(row for row in rows if row is not None), ""]
+    return lines, found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -479,11 +555,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--small", action="store_true", help="GPT-2-small-like (~0.5 GB) and 1 GiB state dicts")
-    size.add_argument("--quick", action="store_true",
-                      help="GPT-2-medium-like only; torch, deepnvme.save/load and the raw handle only")
-    ap.add_argument("--rest", type=float, default=1.0, help="seconds of rest before each timed operation")
-    ap.add_argument("--no-2proc", action="store_true", help="skip the 2-process DCP contender")
-    ap.add_argument("--out", default=str(ROOT / "_bench_out" / "ckpt_bench"),
+    size.add_argument("--quick", action="store_true", help="the GPT-2-medium-like state dict only")
+    ap.add_argument("--all", action="store_true",
+                    help="also torch.load(mmap), safetensors, DCP FileSystemWriter/Reader, DCP in 2 ranks")
+    ap.add_argument("--rest", type=float, default=0.5, help="seconds of rest before each timed operation")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "ckpt"),
                     help="output prefix (.md, .json)")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.rest < 0:
@@ -491,49 +567,62 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.dir)
     workdir.mkdir(parents=True, exist_ok=True)
 
-    from deepnvme._core.handles import RECOMMENDED, default_handle
+    from deepnvme._core.handles import checkpoint_settings
 
-    handle = default_handle()
+    settings, source = checkpoint_settings(workdir)
     if args.small:
         dicts = [("GPT-2-small-like", gpt2_shapes(12, 768)), ("1 GiB, 4 x 256 MiB", big_shapes(GIB))]
     elif args.quick:
         dicts = [("GPT-2-medium-like", gpt2_shapes(24, 1024))]
     else:
         dicts = [("GPT-2-medium-like", gpt2_shapes(24, 1024)), ("4 GiB, 16 x 256 MiB", big_shapes(4 * GIB))]
-    pool = None if args.no_2proc or args.quick else RankPool()
+    pool = RankPool() if args.all else None
     started = time.time()
     lines: list[str] = []
-    record: dict[str, Any] = {"argv": sys.argv, "results": {}}
+    record: dict[str, Any] = {"argv": sys.argv, "checkpoint_handle": settings, "results": {}}
+    engine = "?"
     try:
         for label, shapes in dicts:
+            load_before = os.getloadavg()
             sd = make_state(shapes)
             nbytes = nbytes_of(shapes)
-            cs = contenders(handle, pool, args.quick)
-            saved: dict[str, Path] = {}
-            for rep in range(args.repeats):
-                order = cs[rep % len(cs):] + cs[:rep % len(cs)]  # rotate: nobody always goes first
-                # a load reads its own contender's save: keep loads after their saves within the repeat
-                for c in sorted(order, key=lambda c: 0 if c.save is not None else 1):
-                    measure(c, sd, shapes, workdir, rep == 0, args.rest, saved, pool)
-                print(f"[{label}] repeat {rep + 1}/{args.repeats} done at {time.time() - started:.0f} s",
-                      file=sys.stderr, flush=True)
-            for p in saved.values():
-                remove(p)
-            lines += report(label, nbytes, len(shapes), cs, args.repeats)
-            record["results"][label] = {"bytes": nbytes, "tensors": len(shapes),
+            locked = LockedBytes(sd, workdir)
+            engine = locked.handle.get_engine()
+            try:
+                cs = contenders(pool, args.all) + raw_contenders(locked)
+                groups = by_file(cs)
+                for rep in range(args.repeats):
+                    # rotate: nobody always goes first
+                    for group in groups[rep % len(groups):] + groups[:rep % len(groups)]:
+                        saved: dict[str, Path] = {}
+                        try:
+                            for c in group:
+                                measure(c, sd, shapes, workdir, rep == 0, args.rest, saved, pool)
+                        finally:
+                            for p in saved.values():  # one checkpoint on the disk at a time
+                                remove(p)
+                    print(f"[{label}] repeat {rep + 1}/{args.repeats} done at {time.time() - started:.0f} s",
+                          file=sys.stderr, flush=True)
+            finally:
+                locked.free()
+            table, ratios = report(label, nbytes, len(shapes), cs, args.repeats)
+            loads = [round(x, 1) for x in (*load_before, *os.getloadavg())]
+            table[2:2] = [f"Load average (1, 5, 15 min) before: {loads[:3]}, after: {loads[3:]}.", ""]
+            lines += table
+            record["results"][label] = {"bytes": nbytes, "file_bytes": locked.nbytes, "tensors": len(shapes),
+                                        "ratios": ratios, "load_average_before_after": loads,
                                         "contenders": {c.name: c.samples for c in cs}}
             del sd
     finally:
         if pool is not None:
             pool.close()
-    st = "installed" if any("safetensors" in c.name for c in cs) else \
-        "not installed here (not a dependency of deepnvme): its rows are skipped"
     head = [f"Command: `python3 bench/ckpt_bench.py {' '.join(sys.argv[1:])}`", "",
             f"Machine: {platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}, torch "
             f"{torch.__version__}; checkpoints in {workdir} "
-            f"(O_DIRECT {'works' if o_direct_works(str(workdir)) else 'refused'})"
-            f"; handle {RECOMMENDED} ({handle.get_engine()}); safetensors {st}; "
-            f"run took {time.time() - started:.0f} s.", ""]
+            f"(O_DIRECT {'works' if o_direct_works(str(workdir)) else 'refused'}); checkpoint handle "
+            f"{settings} ({source}, engine {engine}); "
+            f"run took {time.time() - started:.0f} s. GB/s are state-dict bytes (10^9) per second.", ""]
+    record["seconds"] = round(time.time() - started, 1)
     text = "\n".join(head + lines)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

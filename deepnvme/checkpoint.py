@@ -58,7 +58,7 @@ from deepnvme._core.checks import check_int, check_type
 from deepnvme._core.direct import open_direct
 from deepnvme._core.errors import CheckpointFormatError, with_path
 from deepnvme._core.files import atomic_target, open_regular
-from deepnvme._core.handles import check_settings, default_handle, new_handle
+from deepnvme._core.handles import CHECKPOINT, check_settings, checkpoint_handle, new_handle
 from deepnvme.files import SeekableReader
 from op_builder.atomic_file import commit, discard, fsync_directory, temporary_name
 
@@ -78,17 +78,19 @@ EDGE = 4096
 
 def _handle_settings(handle: AioHandle | None, given: dict[str, Any]) -> dict[str, Any]:
     """The settings of a handle of our own, checked up front so a bad value fails at construction, not
-    mid-save; empty when `handle` is passed or nothing is set (then each thread's default handle serves)."""
+    mid-save; empty when `handle` is passed or nothing is set (then each thread's checkpoint handle serves).
+    Settings left out are the checkpoint defaults (deepnvme._core.handles.CHECKPOINT)."""
     if handle is not None or all(v is None for v in given.values()):
         return {}
-    return check_settings(given)
+    return check_settings(given, CHECKPOINT)
 
 
-def _resolve_handle(handle: AioHandle | None, settings: dict[str, Any]) -> AioHandle:
-    """The handle given, else one made from `settings` (kept by the caller), else this thread's default."""
+def _resolve_handle(handle: AioHandle | None, settings: dict[str, Any], directory: str) -> AioHandle:
+    """The handle given, else one made from `settings` (kept by the caller), else this thread's checkpoint
+    handle for `directory` (its tuned settings where it has them, see checkpoint_settings)."""
     if handle is not None:
         return handle
-    return new_handle(**settings) if settings else default_handle()
+    return new_handle(**settings) if settings else checkpoint_handle(directory)
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -149,8 +151,32 @@ class _Archive:
         return len(self.head) + self.payload + len(self.tail)
 
 
-def _archive_of(t: torch.Tensor) -> _Archive:
-    """Lay out torch.save(t) without its payload (skip_data): the payload goes to disk from `t` itself."""
+def _layout_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What torch.save(t)'s archive (payload aside) depends on, for a plain dense tensor; None for anything
+    else (subclasses, tensors with Python attributes or hooks, quantized or sparse ones), which is laid out
+    on its own. Tensors of one model repeat a few shapes, so their archives are laid out once per shape."""
+    if (type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized or t.__dict__
+            or t._backward_hooks):
+        return None
+    return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage().nbytes(),
+            t.requires_grad, t.is_conj(), t.is_neg())
+
+
+def _archive_of(t: torch.Tensor, laid_out: dict[tuple[Any, ...], _Archive] | None = None) -> _Archive:
+    """Lay out torch.save(t) without its payload (skip_data): the payload goes to disk from `t` itself.
+
+    `laid_out` keeps the archives made so far by _layout_key: a tensor with the key of one of them gets
+    the same bytes without pickling again."""
+    if laid_out is None or (key := _layout_key(t)) is None:
+        return _lay_out(t)
+    arc = laid_out.get(key)
+    if arc is None:
+        arc = laid_out[key] = _lay_out(t)
+    return arc
+
+
+def _lay_out(t: torch.Tensor) -> _Archive:
+    """torch.save(t) under skip_data, cut at the payload's hole."""
     sink = _ArchiveSink()
     with torch.serialization.skip_data():
         torch.save(t, sink)
@@ -205,6 +231,7 @@ class _FileLayout:
         self.gap_start = 0
         self.keep: list[torch.Tensor] = []  # tensors whose memory queued writes still read
         self.queued = 0  # bytes of gap copies queued since the last drain
+        self.laid_out: dict[tuple[Any, ...], _Archive] = {}  # archives by tensor layout (see _archive_of)
 
     @property
     def end(self) -> int:
@@ -220,7 +247,7 @@ class _FileLayout:
 
     def add_tensor(self, t: torch.Tensor) -> tuple[int, int]:
         """Append torch.save(t); returns (offset, length) of its archive in the file."""
-        arc = _archive_of(t)
+        arc = _archive_of(t, self.laid_out)
         if arc.payload < INLINE_BELOW:
             offset = self.add_bytes(arc.head)
             if arc.payload:
@@ -326,10 +353,10 @@ class AioStorageWriter(FileSystemWriter):
     @property
     def handle(self) -> AioHandle:
         """The handle given; else one made once from the settings given; else the calling thread's
-        default handle (async_save writes from a thread of its own)."""
+        checkpoint handle for this directory (async_save writes from a thread of its own)."""
         if self._handle is None and self._handle_settings:
-            self._handle = _resolve_handle(None, self._handle_settings)
-        return _resolve_handle(self._handle, {})
+            self._handle = _resolve_handle(None, self._handle_settings, str(self.path))
+        return _resolve_handle(self._handle, {}, str(self.path))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items into its .distcp files; the future is already complete when returned."""
@@ -550,10 +577,10 @@ class AioStorageReader(FileSystemReader):
     @property
     def handle(self) -> AioHandle:
         """The handle given; else one made once from the settings given; else the calling thread's
-        default handle (async_save writes from a thread of its own)."""
+        checkpoint handle for this directory (async_save writes from a thread of its own)."""
         if self._handle is None and self._handle_settings:
-            self._handle = _resolve_handle(None, self._handle_settings)
-        return _resolve_handle(self._handle, {})
+            self._handle = _resolve_handle(None, self._handle_settings, str(self.path))
+        return _resolve_handle(self._handle, {}, str(self.path))
 
     # The globals a `.metadata` pickle may name: DCP's metadata classes and what they hold (see
     # _MetadataUnpickler). A subclass may add to this for metadata written with extra classes.

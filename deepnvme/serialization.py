@@ -53,7 +53,7 @@ from deepnvme._core.crc import crc32
 from deepnvme._core.direct import DIRECT_MIN_BYTES, AlignedWriter, close_pair, open_for_write
 from deepnvme._core.errors import CheckpointFormatError, RefusedPickle, with_path
 from deepnvme._core.files import open_regular
-from deepnvme._core.handles import default_handle
+from deepnvme._core.handles import checkpoint_handle
 from deepnvme._core.memory import PAGE, address_of, aligned_buffer, byte_view, memory_of, round_up
 from deepnvme._core.op import aio_module
 from deepnvme._core.zipformat import Record
@@ -88,13 +88,14 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
          handle: AioHandle | None = None, checksum: bool = True, payloads: Any = None) -> None:
     """torch.save(obj) to `path` atomically, storage payloads written O_DIRECT from the tensors' memory.
 
-    `handle` is an aio_handle (default: this thread's own, with the recommended settings). Raises
-    FileNotFoundError when the directory is missing, IsADirectoryError when `path` is a directory, OSError
-    (errno, path) when a write fails — ENOSPC included — and pickling errors as torch.save does; in every
-    case a file that was at `path` before is left as it was. `checksum=False` leaves every record's CRC-32
-    zero, as torch does with compute_crc32 off: stock torch.load still reads the file, but neither zip tools
-    nor deepnvme.load can then check it. A symbolic link at `path` is written through, as torch.save does:
-    its target is atomically replaced and the link stays.
+    `handle` is an aio_handle (default: this thread's own for checkpoints in that directory, see
+    deepnvme._core.handles.checkpoint_settings: a tuned file there or the process's, else 8 MiB blocks).
+    Raises FileNotFoundError when the directory is missing, IsADirectoryError when `path` is a directory,
+    OSError (errno, path) when a write fails — ENOSPC included — and pickling errors as torch.save does; in
+    every case a file that was at `path` before is left as it was. `checksum=False` leaves every record's
+    CRC-32 zero, as torch does with compute_crc32 off: stock torch.load still reads the file, but neither zip
+    tools nor deepnvme.load can then check it. A symbolic link at `path` is written through, as torch.save
+    does: its target is atomically replaced and the link stays.
 
     `payloads` lets a caller supply storage bytes that are not in memory (deepnvme.offload streams an
     optimizer's state from its swap file this way): called with each storage of `obj` as torch writes
@@ -113,7 +114,7 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
     storages = _storages_of(obj, pickle_module, pickle_protocol)  # pickling errors surface before any file
     _join_closers()
-    handle = default_handle() if handle is None else handle
+    handle = checkpoint_handle(directory) if handle is None else handle
     tmp = temporary_name(target)
     # Allocated before the temporary exists, so a failure here (ENOMEM from the mmap) leaves nothing behind.
     buffers = [aligned_buffer(STAGING_BYTES) for _ in range(2)]
@@ -343,7 +344,11 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool =
         if records is None:  # the legacy format: torch reads it, from the file opened here
             with os.fdopen(os.dup(fd), "rb") as f:
                 return _torch_load(f, path, kwargs)
-        handles = [default_handle(), default_handle(1)] if handle is None else [handle]
+        if handle is None:
+            where = os.path.dirname(os.path.abspath(path))
+            handles = [checkpoint_handle(where), checkpoint_handle(where, 1)]
+        else:
+            handles = [handle]
         reader = _ArchiveReader(fd, path, records, handles[0], verify)
         try:
             if restore is not None:

@@ -25,12 +25,15 @@ def round_up(n: int, unit: int = PAGE) -> int:
 def aligned_buffer(nbytes: int) -> Any:
     """A page-aligned uint8 tensor of `nbytes` in anonymous memory: usable for O_DIRECT, not locked.
 
-    Locked memory is capped by RLIMIT_MEMLOCK (often 8 MiB), so staging buffers are plain pages.
+    Locked memory is capped by RLIMIT_MEMLOCK (often 8 MiB), so staging buffers are plain pages. Private
+    ones: mmap's default for anonymous memory is shared (shmem), whose pages cost about half as much again
+    to fault in, and which a forked child would keep writing into the parent's buffer through.
     """
     import torch
 
     check_int("nbytes", nbytes)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(memory, dtype=torch.uint8)
 
 
 def memory_of(t: Any) -> memoryview:

@@ -95,6 +95,36 @@ def test_many_small_tensors(tmp_path: Path) -> None:
     _check(_load(tmp_path / "c", AioStorageReader, sd), sd)
 
 
+def _same_shapes() -> list[torch.Tensor]:
+    """Tensors that share a shape and differ in what else torch.save records about them."""
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(4, 70_000, generator=g)
+    return [torch.randn(70_000, generator=g), torch.randn(70_000, generator=g),
+            torch.randn(70_000, generator=g).double(), base[1], base[2], base.t()[0],
+            torch.randn(70_000, generator=g).requires_grad_(), torch.nn.Parameter(torch.randn(70_000)),
+            torch.randn(70_000, generator=g, dtype=torch.complex64).conj()]
+
+
+def test_archives_laid_out_once_per_layout_match_torch() -> None:
+    """A layout reused for a tensor of the same layout is byte for byte what torch.save lays out for it."""
+    from deepnvme.checkpoint import _archive_of, _lay_out
+
+    laid_out: dict = {}
+    for t in _same_shapes():
+        _archive_of(t, laid_out)
+    assert 4 < len(laid_out) < len(_same_shapes())  # some layouts repeat, others do not
+    for t in _same_shapes():
+        assert _archive_of(t, laid_out) == _lay_out(t)
+
+
+def test_repeated_shapes_read_by_stock_and_ours(tmp_path: Path) -> None:
+    sd = {f"t{i}": t.detach().resolve_conj() for i, t in enumerate(_same_shapes())}
+    sd |= {f"layer{i}.w": torch.full((300, 300), float(i)) for i in range(12)}
+    dcp.save(sd, storage_writer=AioStorageWriter(tmp_path / "c"))
+    _check(_load(tmp_path / "c", FileSystemReader, sd), sd)
+    _check(_load(tmp_path / "c", AioStorageReader, sd), sd)
+
+
 def test_stock_read_by_ours(tmp_path: Path) -> None:
     sd = _state()
     dcp.save(sd, storage_writer=FileSystemWriter(tmp_path / "c", thread_count=2))
