@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -61,6 +62,9 @@ class Experts(nn.Module):
         check_int("num_local_experts", num_local_experts)
         self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
         self.num_local_experts = num_local_experts
+        # Called with the indices of the experts about to run, before the first runs (a weight streamer
+        # reads exactly those ahead: deepnvme.offload.expert_stream). None: nothing is told.
+        self.before_run: Callable[[list[int]], None] | None = None
         for e in self.deepspeed_experts:
             for p in e.parameters():
                 p.allreduce = False
@@ -80,6 +84,7 @@ class Experts(nn.Module):
                 f"inputs must hold {self.num_local_experts} tensors, one per expert, got {len(inputs)}"
             )
         flags = self._check_active(active)
+        self._announce(flags)
         outputs: list[Tensor | None] = []
         for chunk, expert, run in zip(inputs, self.deepspeed_experts, flags):
             if not run:
@@ -96,6 +101,10 @@ class Experts(nn.Module):
             raise ValueError(f"active must hold {self.num_local_experts} flags, one per expert, "
                              f"got {len(active)}")
         return [bool(a) for a in active]
+
+    def _announce(self, flags: list[bool]) -> None:
+        if self.before_run is not None:
+            self.before_run([i for i, run in enumerate(flags) if run])
 
     def runs_each_as_forward(self) -> bool:
         """Whether :meth:`run_each` stands in for a call of this module: its ``forward`` is this class's and
@@ -116,6 +125,7 @@ class Experts(nn.Module):
                 f"got {tuple(inputs.shape)}"
             )
         flags = self._check_active(active)
+        self._announce(flags)
         chunks = inputs.chunk(self.num_local_experts, dim=1)
         outputs: list[Tensor | None] = []
         for chunk, expert, run in zip(chunks, self.deepspeed_experts, flags):
