@@ -455,12 +455,11 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
         raise StoreError(f"{len(missing)} tensors of the model are not in the store {store.path}: "
                          f"{', '.join(repr(n) for n in missing[:5])}{more} (a store for another model?)")
     plan = []
-    unit_budget = budget if experts is None else budget - experts.largest
     for k, (name, mod) in enumerate(chosen):
         names = list(dict.fromkeys(s.info.name for s in slots[k]))
         blobs = store.blobs(names) if names else []
         need = _lease_bytes(blobs, PAGE)
-        if need > unit_budget // PAGE * PAGE:
+        if need > budget // PAGE * PAGE:
             raise ValueError(f"unit {name!r} takes {need} bytes of locked memory, over "
                              f"budget_bytes={budget}: raise budget_bytes to at least {need} (more lets "
                              "reads run ahead)")
