@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepnvme._core.crc import crc32
+from deepnvme.offload._doors import crc32
 from deepnvme.offload.store import Blob, Store, TensorInfo, crc_error
 from deepnvme.offload.swap import ReadAhead, SwapSpace
 

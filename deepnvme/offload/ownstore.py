@@ -25,8 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepnvme._core.crc import crc32
-from deepnvme._core.files import atomic_target, write_atomically
+from deepnvme.offload._doors import atomic_target, crc32, write_atomically
 from deepnvme.offload.pool import round_up
 from deepnvme.offload.store import Blob, StoreError, TensorInfo, runs
 

@@ -26,8 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from deepnvme._core.crc import crc32
-from deepnvme.offload._doors import PAGE
+from deepnvme.offload._doors import PAGE, crc32
 
 # Tensors of one run may be apart by up to this many bytes and still be read in one request (the gap is
 # read and ignored): one request costs more than a page of bandwidth.

@@ -19,10 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="transformers is needed for streaming tests (the offload extra)")
-pytest.importorskip("accelerate", reason="accelerate is needed for streaming tests (the offload extra)")
-
-from deepnvme.offload import (  # noqa: E402
+from deepnvme.offload import (
     SafetensorsStore,
     StoreError,
     stats,
@@ -30,10 +27,12 @@ from deepnvme.offload import (  # noqa: E402
     unstream,
     write_store,
 )
-from deepnvme.offload.stream import Placeholder  # noqa: E402
-from tests.offload.stream_models import PROMPT, build, generate, save  # noqa: E402
+from deepnvme.offload.stream import Placeholder
+from tests.offload.stream_models import PROMPT, build, generate, require_hf, save
 
-BUDGET = 1 << 20
+require_hf()
+
+BUDGET = 512 << 10  # two of the four blocks: reads run ahead, units are read again each forward
 
 
 @pytest.fixture(scope="module")
@@ -301,3 +300,22 @@ def interrupted_forward(store: str, real_signal: bool) -> None:
         raise AssertionError(f"after Ctrl-C: {got.tolist()} != {want.tolist()}")
     if stats(model)["resyncs"] < 1:
         raise AssertionError(f"the read-ahead did not restart: {stats(model)}")
+
+
+def test_base_model_and_head_model_checkpoints_interchange(gpt2: dict, tmp_path: Path) -> None:
+    """A base model (GPT2Model) streams from its head model's checkpoint and back: names are matched with
+    and without the base model prefix, as from_pretrained does."""
+    import transformers as tf
+
+    from tests.offload.stream_models import config
+
+    with torch.inference_mode():
+        want = gpt2["model"].transformer(PROMPT).last_hidden_state
+    with torch.device("meta"):
+        base = tf.GPT2Model(config("gpt2")).eval()
+    stream_weights(base, gpt2["single"], BUDGET)
+    with torch.inference_mode():
+        assert torch.equal(base(PROMPT).last_hidden_state, want)
+    unstream(base)
+    head = stream_weights(build("gpt2", empty=True), save(base, tmp_path / "base"), BUDGET)
+    assert torch.equal(generate(head)[0], gpt2["tokens"])

@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="transformers is needed for streaming tests (the offload extra)")
-pytest.importorskip("accelerate", reason="accelerate is needed for streaming tests (the offload extra)")
+from tests.offload.stream_models import PROMPT, require_hf
 
-from tests.offload.stream_models import PROMPT  # noqa: E402
+require_hf()
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET = 28 << 20
