@@ -127,6 +127,7 @@ class ExpertStreamer:
                                                        _device(t))
                     self._wrap(expert, "forward", self._expert_forward(si, e, expert))
                 self._wrap(s.module, "before_run", self._before_run(si))
+            self._wrap(s.module, "_apply", self._apply(s))
             del real
         self._hook = self.model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
 
@@ -136,6 +137,30 @@ class ExpertStreamer:
             mod.before_run = value
         else:
             mod.__dict__[attr] = value
+
+    def _apply(self, s: ExpertSet) -> Any:
+        """`model.to(...)`, `.half()` and the like on an expert set: its placeholders take the new device
+        and dtype (reads are converted to them), the rest of the module is moved as usual."""
+        from deepnvme.offload.stream import Placeholder
+
+        mod = s.module
+
+        def _apply(fn: Any, recurse: bool = True) -> nn.Module:
+            held = []
+            for m in mod.modules():
+                for table in (m._parameters, m._buffers):
+                    for attr, t in table.items():
+                        if isinstance(t, Placeholder):
+                            probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+                            held.append((table, attr, t, probe.dtype, probe.device))
+                            table[attr] = None
+            try:
+                type(mod)._apply(mod, fn, recurse)
+            finally:
+                for table, attr, t, dtype, device in held:
+                    table[attr] = Placeholder(t._name, t._unit, t.shape, dtype, device)
+            return mod
+        return _apply
 
     def _count_tokens(self, _mod: nn.Module, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids")

@@ -154,6 +154,22 @@ def test_only_routed_experts_are_read(mixtral_ref: dict) -> None:
     unstream(model)
 
 
+def test_moved_and_converted_after_streaming(mixtral_ref: dict) -> None:
+    """`.to(dtype)` reaches the experts' placeholders too: reads are converted, the output is the
+    in-memory model's in that dtype (eager experts: grouped_mm has no float64 kernel; the weights are the
+    same whatever the implementation)."""
+    model = stream_weights(mixtral("eager", empty=True), mixtral_ref["own"], BUDGET)
+    model.to("cpu").to(torch.float64)
+    placeholder = model.model.layers[0].mlp.experts.gate_up_proj
+    assert placeholder.dtype == torch.float64 and tuple(placeholder.shape) == (8, 256, 64)
+    ref = mixtral("eager").to(torch.float64)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    unstream(model)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float64
+
+
 def test_budget_too_small_for_an_expert(mixtral_ref: dict) -> None:
     with pytest.raises(ValueError, match="largest expert"):
         stream_weights(mixtral("grouped_mm", empty=True), mixtral_ref["own"], EXPERT)
