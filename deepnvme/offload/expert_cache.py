@@ -91,9 +91,7 @@ class ExpertCache(Closing):
         memory, in that order, as far as room can be made without evicting what the layer needs."""
         with self._lock:
             self._check_open()
-            for key in self._waiting:
-                self._entries[key].reserved = False
-            self._waiting = []
+            self._unreserve()
             for key in keys:
                 entry = self._entry(key)
                 entry.reserved = True
@@ -236,9 +234,15 @@ class ExpertCache(Closing):
         with self._lock:
             for key in list(self._lru):
                 self._drop(key, self._entries[key])
-            for key in self._waiting:
-                self._entries[key].reserved = False
-            self._waiting = []
+            self._unreserve()
+
+    def _unreserve(self) -> None:
+        """Forget what the last request left unacquired (a layer interrupted halfway, by an error or
+        Ctrl-C): those experts stay cached as any other, and a read done for them counts as a hit later."""
+        for entry in self._entries.values():
+            if entry.reserved:
+                entry.reserved = entry.fresh = False
+        self._waiting = []
 
     def close(self) -> None:
         """Release every lease and free the locked memory (idempotent). The space is the caller's."""

@@ -242,3 +242,29 @@ def test_deepnvme_moe_gpt_same_tokens_and_logits(gpt_ref: dict, where: str) -> N
     assert all(torch.equal(a, b) for a, b in zip(gpt_generate(model)[1], gpt_ref["logits"]))
     for a, b in zip(model.state_dict().values(), gpt_ref["model"].state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_interrupted_forward_leaves_the_model_usable(gpt_ref: dict) -> None:
+    """Ctrl-C inside an MoE layer, after the layer asked for its experts and before it ran them all: the
+    placeholders are back, the cache forgets the request, the next forwards give the in-memory output."""
+    sets = find_expert_sets(gpt_ref["model"])
+    expert = sum(p.numel() * 4 for p in sets[0].module.deepspeed_experts[0].parameters())
+    model = stream_weights(gpt(), gpt_ref["own"], 5 * expert)
+    victim = model.blocks[1].mlp.deepspeed_moe.experts.deepspeed_experts[2]
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    hook = victim.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt), torch.inference_mode():
+        model(PROMPT)
+    hook.remove()
+    cache = model._deepnvme_stream.experts.cache
+    assert not any(e.in_use for e in cache._entries.values())  # nothing held; the next request resets
+    from deepnvme.offload.stream import Placeholder
+
+    assert all(isinstance(p, Placeholder) for p in victim.parameters())
+    tokens, logits = gpt_generate(model)
+    assert torch.equal(tokens, gpt_ref["tokens"])
+    assert all(torch.equal(a, b) for a, b in zip(logits, gpt_ref["logits"]))
+    unstream(model)
