@@ -206,15 +206,10 @@ def checkpoint_names(model: nn.Module, name: str) -> list[str]:
 
 
 def _lookup(store_tensors: Mapping[str, TensorInfo], model: nn.Module, name: str) -> TensorInfo | None:
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    for n in checkpoint_names(model, name):
-        candidates = [n]
-        if prefix:
-            candidates.append(n[len(prefix) + 1:] if n.startswith(prefix + ".") else f"{prefix}.{n}")
-        for c in candidates:
-            if c in store_tensors:
-                return store_tensors[c]
-    return None
+    """Store tensor `name` under any of the names a checkpoint may give it (stream_weights' lookup)."""
+    from deepnvme.offload.stream import _find
+
+    return _find(store_tensors, model, [name])
 
 
 def _per_expert_sources(model: nn.Module, s: ExpertSet, param: str, e: int) -> list[str] | None:

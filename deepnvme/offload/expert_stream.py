@@ -28,7 +28,6 @@ from torch import nn
 
 from deepnvme.offload.expert_cache import ExpertCache
 from deepnvme.offload.expert_sets import FUSED, ExpertSet, Part, expert_parts, find_expert_sets
-from deepnvme.offload.pool import round_up
 from deepnvme.offload.store import Blob, Store, check, runs, tensor_in
 from deepnvme.offload.swap import Lease, SwapSpace
 
@@ -40,10 +39,6 @@ class _Expert:
     blobs: list[Blob]
     lease_bytes: int
     units: list[Any] = field(default_factory=list)
-
-
-def _lease_bytes(blobs: list[Blob], page: int) -> int:
-    return sum(round_up(round_up(b.offset + b.nbytes) - b.offset // page * page) for b in blobs)
 
 
 def split_budget(budget: int, dense_largest: int, expert_largest: int) -> tuple[int, int]:
@@ -66,6 +61,7 @@ class ExpertStreamer:
 
     def __init__(self, model: nn.Module, store: Store, sets: list[ExpertSet]) -> None:
         from deepnvme.offload._doors import PAGE
+        from deepnvme.offload.stream import _lease_bytes
 
         self.model, self.store, self.sets = model, store, sets
         self.owned = {id(t) for s in sets for t in s.tensors()}
