@@ -646,7 +646,8 @@ def stats(model: nn.Module) -> dict[str, Any]:
     `cache_hits` (units still in the pool from the pass before: with a budget that holds every unit,
     nothing is read again), `wait_s` (seconds forwards waited for reads), `resyncs` (units run out of
     the recorded order), `resident_bytes` (tensors outside units, in memory), `streamed_bytes` (all
-    units), `units`, `budget_bytes`, `pool_peak_bytes`, `order_recorded`, `prefetch`."""
+    units), `units`, `budget_bytes`, `pool_peak_bytes`, `order_recorded`, `prefetch`; for a model with
+    experts, `experts`: the expert cache's (expert_stream.ExpertStreamer.stats)."""
     st = _streamer(model)
     with st.lock:
         out = dict(st.counts)
