@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepnvme.offload._doors import atomic_target, crc32, write_atomically
+from deepnvme.offload._doors import atomic_target, crc32, open_regular, write_atomically
 from deepnvme.offload.pool import round_up
 from deepnvme.offload.store import Blob, StoreError, TensorInfo, runs
 
@@ -164,8 +164,8 @@ class OwnStore:
         self.path = os.path.abspath(os.fspath(path))
         manifest_path = os.path.join(self.path, MANIFEST)
         try:
-            with open(manifest_path) as f:
-                m = json.load(f)
+            with os.fdopen(open_regular(manifest_path), "rb") as f:  # a FIFO is refused, not waited on
+                m = json.loads(f.read())
         except ValueError as exc:
             raise StoreError(f"{manifest_path}: not a readable deepnvme store manifest ({exc})") from None
         if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:

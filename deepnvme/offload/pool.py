@@ -119,3 +119,4 @@ class BufferPool:
         if self._memory is not None:
             self._handle.free_cpu_locked_tensor(self._memory)
             self._memory = None
+            self._handle = None  # its descriptors close now

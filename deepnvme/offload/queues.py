@@ -118,8 +118,10 @@ class IOQueue:
                 ticket._done.set()
 
     def close(self) -> None:
-        """Finish what is queued, then stop the thread."""
+        """Finish what is queued, then stop the thread and let the handle go (its descriptors close now,
+        not when a reference cycle around the owner is collected)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         self._thread.join()
+        self._handle = None

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from deepnvme.offload._doors import open_regular
 from deepnvme.offload.store import Blob, StoreError, TensorInfo, runs
 
 INDEX = "model.safetensors.index.json"
@@ -41,18 +42,28 @@ DTYPES: dict[str, torch.dtype] = {
 def read_header(path: str) -> dict[str, TensorInfo]:
     """The tensors of one safetensors file, every claim of its header checked (see the module)."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise StoreError(f"{path}: {size} bytes, too short for a safetensors file (no header length)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER or 8 + n > size:
-                raise StoreError(f"{path}: header length {n} does not fit the file ({size} bytes): not a "
-                                 "safetensors file, or truncated")
-            raw = f.read(n)
+        fd = open_regular(path)  # a FIFO or a device is refused, never waited on
     except OSError as exc:
         raise OSError(exc.errno, f"{exc.strerror}: cannot read the safetensors header", path) from exc
+    try:
+        size = os.fstat(fd).st_size
+        # No read-ahead: the kernel would otherwise bring the first tensors into the page cache with the
+        # header, and the tensors are read with O_DIRECT.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise StoreError(f"{path}: {size} bytes, too short for a safetensors file (no header length)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER or 8 + n > size:
+            raise StoreError(f"{path}: header length {n} does not fit the file ({size} bytes): not a "
+                             "safetensors file, or truncated")
+        raw = os.pread(fd, n, 8)
+        if len(raw) < n:
+            raise StoreError(f"{path}: the header was cut short ({len(raw)} of {n} bytes)")
+    except OSError as exc:
+        raise OSError(exc.errno, f"{exc.strerror}: cannot read the safetensors header", path) from exc
+    finally:
+        os.close(fd)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -101,8 +112,8 @@ def _entry(path: str, name: str, entry: Any, base: int, size: int) -> TensorInfo
 def shard_files(path: str) -> list[str]:
     """The safetensors files of the checkpoint at `path` (a file, or a directory with an index or
     model.safetensors), with the index checked against the shards' headers by the caller."""
-    if os.path.isfile(path):
-        return [path]
+    if os.path.exists(path) and not os.path.isdir(path):
+        return [path]  # read_header refuses what is not a regular file
     if not os.path.isdir(path):
         raise FileNotFoundError(2, "no safetensors checkpoint here (neither a file nor a directory)", path)
     index = os.path.join(path, INDEX)

@@ -157,3 +157,46 @@ def test_budget_holding_every_unit_reads_each_once(kind: str, reference: dict) -
     s = stats(model)
     assert s["unit_reads"] <= 2 * s["units"], s  # the recording pass, then each unit read ahead once
     assert s["cache_hits"] == s["units"] * s["forwards"] - s["unit_reads"] > 0, s
+
+
+def _cached_pages(path: Path) -> int:
+    """Pages of `path` in the page cache (mincore over a mapping, which itself brings none in)."""
+    import ctypes
+    import mmap
+
+    from deepnvme._core.memory import address_of
+
+    size = path.stat().st_size
+    vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+        view = memoryview(m)
+        try:
+            if libc.mincore(ctypes.c_void_p(address_of(view)), ctypes.c_size_t(size), vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed", str(path))
+        finally:
+            view.release()
+    return sum(v & 1 for v in vec)
+
+
+def test_reads_bypass_the_page_cache(kind: str, reference: dict, tmp_path: Path) -> None:
+    """Streaming from safetensors reads with O_DIRECT: the checkpoint's pages do not enter the page
+    cache (only the header's, read once with ordinary reads when the store opens)."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    file = d / "model.safetensors"
+    data = (reference["single"] / "model.safetensors").read_bytes()
+    file.write_bytes(data)
+    header_pages = -(-(8 + int.from_bytes(data[:8], "little")) // 4096)
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if _cached_pages(file) > 0:
+        pytest.skip("the page cache kept this file's pages (POSIX_FADV_DONTNEED not honoured here)")
+    model = stream_weights(build(kind, empty=True), d, BUDGET)
+    assert torch.equal(generate(model)[0], reference["tokens"])
+    assert stats(model)["bytes_read"] > 4 * len(data)
+    assert _cached_pages(file) <= header_pages + 1, (_cached_pages(file), header_pages, len(data) // 4096)

@@ -28,6 +28,7 @@ from deepnvme.offload import (
     write_store,
 )
 from deepnvme.offload.stream import Placeholder
+from tests.offload.helpers import open_fds
 from tests.offload.stream_models import PROMPT, build, generate, require_hf, save
 
 require_hf()
@@ -203,7 +204,9 @@ def test_meta_device_models(gpt2: dict, tmp_path: Path) -> None:
 
 
 def test_misuse(gpt2: dict) -> None:
+    """Wrong calls raise before anything changes; no descriptor is left open by them or by unstream."""
     model = build("gpt2", empty=True)
+    fds = open_fds()
     with pytest.raises(ValueError, match="not streamed"):
         unstream(model)
     with pytest.raises(ValueError, match="'transformer.h.0' lies inside 'transformer.h'"):
@@ -214,10 +217,15 @@ def test_misuse(gpt2: dict) -> None:
         stream_weights(model, gpt2["own"], 1.5e6)  # type: ignore[arg-type]
     with pytest.raises(FileNotFoundError):
         stream_weights(model, gpt2["own"] / "nothing", BUDGET)
+    with pytest.raises(ValueError, match="unit 'transformer.h.0' takes"):
+        stream_weights(model, gpt2["single"], 8 << 10)
+    assert open_fds() == fds
     stream_weights(model, gpt2["own"], BUDGET, units="transformer.h")
     with pytest.raises(RuntimeError, match="streamed already"):
         stream_weights(model, gpt2["own"], BUDGET)
     assert torch.equal(generate(model)[0], gpt2["tokens"])
+    unstream(model)
+    assert open_fds() == fds
 
 
 def test_two_threads_are_serialized(gpt2: dict) -> None:
@@ -319,3 +327,36 @@ def test_base_model_and_head_model_checkpoints_interchange(gpt2: dict, tmp_path:
     unstream(base)
     head = stream_weights(build("gpt2", empty=True), save(base, tmp_path / "base"), BUDGET)
     assert torch.equal(generate(head)[0], gpt2["tokens"])
+
+
+def test_fifo_or_directory_instead_of_a_checkpoint(tmp_path: Path) -> None:
+    """A FIFO named like a checkpoint is refused at once (never waited on), naming it."""
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="not a regular file") as err:
+        SafetensorsStore(fifo)
+    assert err.value.filename == str(fifo)
+    with pytest.raises(OSError, match="not a regular file"):
+        SafetensorsStore(tmp_path)  # the directory's model.safetensors is that FIFO
+
+
+def test_own_store_with_a_bad_manifest_or_a_cut_file(gpt2: dict, tmp_path: Path) -> None:
+    from deepnvme.offload import OwnStore
+
+    d = _copy(gpt2["own"], tmp_path / "c")
+    manifest = d / "manifest.json"
+    good = manifest.read_text()
+    weights = d / json.loads(good)["file"]
+    os.truncate(weights, weights.stat().st_size - 8192)
+    with pytest.raises(StoreError, match=rf"in {weights}: its data ends .* the file is truncated"):
+        OwnStore(d)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError) as err:
+        OwnStore(d)
+    assert err.value.filename == str(weights)
+    manifest.write_text(good[:100])
+    with pytest.raises(StoreError, match="not a readable deepnvme store manifest"):
+        OwnStore(d)
+    manifest.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(StoreError, match="not a deepnvme store manifest of version 1"):
+        OwnStore(d)
