@@ -36,6 +36,7 @@ class _Entry:
     check: Callable[[Lease], None] | None
     lease: Lease | None = None
     checked: bool = False
+    group: Hashable = None  # the layer: eviction keeps each layer its share (see ExpertCache)
     reserved: bool = False  # requested by the layer running now, not acquired yet
     fresh: bool = False  # its read was issued for the use pending now (that use is a miss)
     in_use: int = 0  # acquired and not released
@@ -49,6 +50,12 @@ class ExpertCache(Closing):
     a miss when it had to be read for this use. Eviction takes the least recently used expert that the
     running layer does not need; when only those are left, one the layer needs later but has not acquired
     yet (it is read again at its `acquire`); never one in use.
+
+    Experts added with a `group` (their layer) are evicted least-recently-used within groups: a layer
+    holding its share of the capacity (capacity / groups) or more gives up its own least recently used
+    expert, else one of a layer over its share goes. Why: layers run in a cycle, and one least-recently-used
+    list over all of them evicts, when the cache holds less than a token's experts, exactly the experts
+    the next token's first layers come back for (no hits at all); per layer, each keeps its recent ones.
     """
 
     def __init__(self, space: SwapSpace, capacity_bytes: int, *, handle: Any = None) -> None:
@@ -61,15 +68,18 @@ class ExpertCache(Closing):
         self._entries: dict[Hashable, _Entry] = {}
         self._lru: OrderedDict[Hashable, None] = OrderedDict()  # resident or in flight, oldest first
         self._waiting: list[Hashable] = []  # requested keys whose reads are not issued yet, in order
+        self._groups: set[Hashable] = set()
         self._lock = threading.RLock()
         self.hits = self.misses = self.evictions = 0
         self.bytes_read = self.read_requests = self.tokens = 0
         self.read_order: list[Hashable] = []  # keys in the order their reads were issued (the last 1024)
 
     # ------------------------------------------------------------------------------------------ setup
-    def add(self, key: Hashable, units: Sequence[Unit], check: Callable[[Lease], None] | None = None) -> None:
-        """Register expert `key` as `units`; `check(lease)` runs once on its bytes after each read (e.g. a
-        CRC-32), before anyone uses them. ValueError when one expert exceeds the capacity."""
+    def add(self, key: Hashable, units: Sequence[Unit], check: Callable[[Lease], None] | None = None, *,
+            group: Hashable = None) -> None:
+        """Register expert `key` as `units` (of layer `group`); `check(lease)` runs once on its bytes after
+        each read (e.g. a CRC-32), before anyone uses them. ValueError when one expert exceeds the
+        capacity."""
         if key in self._entries:
             raise ValueError(f"expert {key!r} is in the cache already")
         if not units:
@@ -79,7 +89,9 @@ class ExpertCache(Closing):
             raise ValueError(f"expert {key!r} takes {nbytes} bytes of locked memory, more than the expert "
                              f"cache's {self.pool.capacity}: raise the budget by at least "
                              f"{nbytes - self.pool.capacity} bytes")
-        self._entries[key] = _Entry(list(units), nbytes, check)
+        self._entries[key] = _Entry(list(units), nbytes, check, group=group)
+        if group is not None:
+            self._groups.add(group)
 
     def expert_bytes(self, key: Hashable) -> int:
         """Bytes one read of `key` moves (its units' I/O ranges)."""
@@ -162,7 +174,8 @@ class ExpertCache(Closing):
             lease = self.space.read(entry.units, block=False, pool=self.pool)
             if lease is not None:
                 break
-            if not self._evict_one(reserved=False) and not (hard and self._evict_one(reserved=True)):
+            if (not self._evict_one(entry, reserved=False)
+                    and not (hard and self._evict_one(entry, reserved=True))):
                 if not hard:
                     return False
                 held = [k for k, e in self._entries.items() if e.in_use]
@@ -178,16 +191,30 @@ class ExpertCache(Closing):
         del self.read_order[:-1024]
         return True
 
-    def _evict_one(self, reserved: bool) -> bool:
-        for key in self._lru:
-            entry = self._entries[key]
-            if entry.in_use == 0 and entry.reserved == reserved:
-                self._drop(key, entry)
-                if reserved and key not in self._waiting:  # read again at its acquire
-                    self._waiting.append(key)
-                self.evictions += 1
-                return True
-        return False
+    def _evict_one(self, incoming: _Entry, reserved: bool) -> bool:
+        """Evict one expert to make room for `incoming` (see the class docstring); False if none can go."""
+        candidates = [k for k in self._lru
+                      if self._entries[k].in_use == 0 and self._entries[k].reserved == reserved]
+        if not candidates:
+            return False
+        victim = candidates[0]
+        if len(self._groups) > 1 and incoming.group is not None:
+            share = self.pool.capacity / len(self._groups)
+            held: dict[Hashable, int] = {}
+            for k in self._lru:
+                held[self._entries[k].group] = held.get(self._entries[k].group, 0) + self._entries[k].nbytes
+            own = [k for k in candidates if self._entries[k].group == incoming.group]
+            over = [k for k in candidates if held[self._entries[k].group] > share]
+            if own and held[incoming.group] + incoming.nbytes > share:
+                victim = own[0]
+            elif over:
+                victim = over[0]
+        entry = self._entries[victim]
+        self._drop(victim, entry)
+        if reserved and victim not in self._waiting:  # read again at its acquire
+            self._waiting.append(victim)
+        self.evictions += 1
+        return True
 
     def _drop(self, key: Hashable, entry: _Entry) -> None:
         lease, entry.lease, entry.checked, entry.fresh = entry.lease, None, False, False

@@ -14,8 +14,9 @@ it, and stays cached (least recently used evicted) for the next tokens:
   these few experts' tensors, assembled for the call, are the only expert memory outside the budget (on a
   GPU they are the device copy that would be made anyway).
 
-The budget is split (`split_budget`): the dense units get room for two of the largest (one running, one
-read ahead), the experts all the rest.
+The budget is split (`split_budget`): the dense units (the blocks without their experts) get all they
+need to stay in memory when that is at most half of it, else room for two of the largest (one running, one
+read ahead); the experts all the rest.
 """
 
 from __future__ import annotations
@@ -41,18 +42,28 @@ class _Expert:
     units: list[Any] = field(default_factory=list)
 
 
-def split_budget(budget: int, dense_largest: int, expert_largest: int) -> tuple[int, int]:
-    """(dense pool bytes, expert cache bytes) of `budget`: the dense units get two of their largest (one
-    runs while the next is read), at least one; the experts the rest, at least their largest. ValueError
-    naming both sizes when even that does not fit."""
+def split_budget(budget: int, dense_units: list[int], expert_largest: int) -> tuple[int, int]:
+    """(dense pool bytes, expert cache bytes) of `budget`, given the pool bytes of each dense unit (a block
+    without its experts) and of the largest expert.
+
+    Every token runs every dense unit but only k of each layer's E experts, so a byte of dense unit saves
+    more reads than a byte of cache: when all dense units fit in half the budget they get it (read once,
+    then kept across forwards by stream_weights), else room for two of the largest (one runs while the
+    next is read). The experts get the rest, at least their largest; ValueError naming both sizes when
+    even that does not fit."""
     from deepnvme.offload._doors import PAGE
 
     budget = budget // PAGE * PAGE
-    if dense_largest + expert_largest > budget:
-        raise ValueError(f"budget_bytes={budget} cannot hold the largest unit ({dense_largest} bytes) and "
+    largest = max(dense_units, default=0)
+    if largest + expert_largest > budget:
+        raise ValueError(f"budget_bytes={budget} cannot hold the largest unit ({largest} bytes) and "
                          f"the largest expert ({expert_largest} bytes) together: raise budget_bytes to at "
-                         f"least {dense_largest + expert_largest}")
-    dense = min(max(2 * dense_largest, PAGE), budget - expert_largest)
+                         f"least {largest + expert_largest}")
+    every = sum(dense_units) + PAGE
+    if every <= budget // 2 and every + expert_largest <= budget:
+        dense = every
+    else:
+        dense = min(max(2 * largest, PAGE), budget - expert_largest)
     return dense, budget - dense
 
 
@@ -100,7 +111,7 @@ class ExpertStreamer:
                 x.units = [space.add_external(f"{s.unit_name(x.key[1])}#{j}", b.path, b.offset, b.nbytes,
                                               pool=self.cache.pool) for j, b in enumerate(x.blobs)]
                 crcs = [(b, u) for b, u in zip(x.blobs, x.units) if b.crc is not None]
-                self.cache.add(x.key, x.units, _crc_check(crcs) if crcs else None)
+                self.cache.add(x.key, x.units, _crc_check(crcs) if crcs else None, group=x.key[0])
         except BaseException:
             self.cache.close()
             raise

@@ -496,8 +496,8 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
         plan.append(_Unit(name, mod, slots[k], blobs))
     expert_bytes = 0
     if experts is not None:
-        largest = max((_lease_bytes(u.blobs, PAGE) for u in plan), default=0)
-        budget, expert_bytes = split_budget(budget, largest, experts.largest)
+        budget, expert_bytes = split_budget(budget, [_lease_bytes(u.blobs, PAGE) for u in plan],
+                                            experts.largest)
     space = SwapSpace(None, budget)
     try:
         dests = {}

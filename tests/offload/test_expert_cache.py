@@ -69,6 +69,25 @@ def test_only_requested_experts_are_read_and_lru_evicts(store: tuple[Path, torch
         assert cache.stats()["bytes_per_token"] == pytest.approx(5 * EXPERT / 10)
 
 
+def test_eviction_keeps_each_layer_its_share(store: tuple[Path, torch.Tensor], workdir: Path) -> None:
+    """Experts of two layers (groups), room for two: a layer at its share gives up its own least recently
+    used expert, not the other layer's (which one list over both layers would evict)."""
+    path, data = store
+    with SwapSpace(workdir, PAGE) as space, ExpertCache(space, 2 * EXPERT) as cache:
+        for i in range(N):
+            cache.add(i, [space.add_external(f"e{i}", path, i * EXPERT, EXPERT, pool=cache.pool)],
+                      group="a" if i < 3 else "b")
+        use(cache, [0], data)
+        use(cache, [1], data)
+        use(cache, [3], data)  # b holds nothing: a is over its share, its least recently used (0) goes
+        assert cache.cached() == [1, 3]
+        use(cache, [1], data)  # a hit: 3 is now the least recently used overall
+        use(cache, [2], data)  # a is at its share: its own 1 goes, b's 3 stays
+        assert cache.cached() == [3, 2]
+        use(cache, [3], data)
+        assert cache.stats()["hits"] == 2 and cache.stats()["evictions"] == 2
+
+
 def test_capacity_of_one_expert_evicts_a_later_need(store: tuple[Path, torch.Tensor], workdir: Path) -> None:
     """A layer needing more experts than fit: the ones it needs later are read at their turn, never a
     deadlock, never wrong bytes."""
