@@ -8,11 +8,15 @@
 - :func:`stream_weights` / :func:`unstream` / :func:`stats` (stream.py): inference with the weights on the
   drive, each block read in just before it runs, from a store (store.py, the protocol): a safetensors
   checkpoint read in place (safetensors_store.py, also :func:`load_safetensors`) or deepnvme's own
-  (ownstore.py, :func:`write_store`); bulk.py reads whole tensors through the pool.
+  (ownstore.py, :func:`write_store`); bulk.py reads whole tensors through the pool. Mixture-of-Experts
+  experts are units of their own (expert_sets.py finds and maps them, expert_stream.py runs them), read
+  only when routed to, through :class:`ExpertCache` (expert_cache.py: least-recently-used, in a locked
+  pool of its own, demand before prefetch).
 """
 
 from __future__ import annotations
 
+from deepnvme.offload.expert_cache import ExpertCache
 from deepnvme.offload.optimizer import OffloadedOptimizer
 from deepnvme.offload.ownstore import OwnStore, write_store
 from deepnvme.offload.safetensors_store import SafetensorsStore, load_safetensors
@@ -20,6 +24,6 @@ from deepnvme.offload.store import Blob, Store, StoreError, TensorInfo, open_sto
 from deepnvme.offload.stream import StreamedWeightError, stats, stream_weights, unstream
 from deepnvme.offload.swap import Lease, ReadAhead, SwapSpace, Unit
 
-__all__ = ["Blob", "Lease", "OffloadedOptimizer", "OwnStore", "ReadAhead", "SafetensorsStore", "Store",
-           "StoreError", "StreamedWeightError", "SwapSpace", "TensorInfo", "Unit", "load_safetensors",
-           "open_store", "stats", "stream_weights", "unstream", "write_store"]
+__all__ = ["Blob", "ExpertCache", "Lease", "OffloadedOptimizer", "OwnStore", "ReadAhead", "SafetensorsStore",
+           "Store", "StoreError", "StreamedWeightError", "SwapSpace", "TensorInfo", "Unit",
+           "load_safetensors", "open_store", "stats", "stream_weights", "unstream", "write_store"]

@@ -1,0 +1,270 @@
+"""stream_weights on Mixture-of-Experts models: experts are units of their own, read only when routed to,
+through the LRU expert cache; tokens and logits equal the in-memory model's bit for bit, with a budget
+smaller than all the experts, for a Mixtral-style Hugging Face model (every store layout of its experts,
+every experts implementation of transformers) and a deepnvme.moe GPT."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is needed for streaming tests (the offload extra)")
+pytest.importorskip("accelerate", reason="accelerate is needed for streaming tests (the offload extra)")
+from safetensors.torch import save_file  # noqa: E402
+
+from deepnvme.offload import stats, stream_weights, unstream, write_store  # noqa: E402
+from deepnvme.offload.expert_sets import FUSED, MODULES, find_expert_sets  # noqa: E402
+from deepnvme.offload.store import StoreError  # noqa: E402
+from tests.offload.stream_models import NEW_TOKENS, PROMPT, generate  # noqa: E402
+
+EXPERT = 3 * 64 * 128 * 4  # one Mixtral expert below: gate, up and down projections in fp32
+BUDGET = 400_000  # a few experts: far less than the 24 of the model
+
+
+def mixtral(impl: str, *, empty: bool = False) -> torch.nn.Module:
+    import transformers as tf
+
+    cfg = tf.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                           num_experts_per_tok=2, max_position_embeddings=96, bos_token_id=0, eos_token_id=0,
+                           pad_token_id=0)
+    cfg._experts_implementation = impl
+    if empty:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            return tf.MixtralForCausalLM(cfg).eval()
+    torch.manual_seed(0)
+    return tf.MixtralForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """refs(impl): the in-memory model with that experts implementation, its output, and its weights in
+    each store layout (built once per implementation)."""
+    made: dict[str, dict] = {}
+
+    def get(impl: str) -> dict:
+        if impl not in made:
+            model = mixtral(impl)
+            root = tmp_path_factory.mktemp(f"mixtral-{impl}")
+            tokens, logits = generate(model)
+            model.save_pretrained(root / "per_expert", safe_serialization=True)
+            fused = root / "fused"
+            fused.mkdir()
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, fused / "model.safetensors")
+            made[impl] = {"model": model, "tokens": tokens, "logits": logits,
+                          "per_expert": root / "per_expert", "fused": fused,
+                          "own": Path(write_store(model, root / "own"))}
+        return made[impl]
+    return get
+
+
+@pytest.fixture(scope="module")
+def mixtral_ref(refs: Any) -> dict:
+    return refs("grouped_mm")
+
+
+def test_save_pretrained_keeps_experts_apart(mixtral_ref: dict) -> None:
+    """What the mapping is for: the model holds 3-D expert tensors, transformers 5.24 saves per-expert ones
+    under the old names; deepnvme's store keeps one blob per expert."""
+    from safetensors import safe_open
+
+    with safe_open(str(mixtral_ref["per_expert"] / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.block_sparse_moe.experts.7.w1.weight" in keys
+    assert not any("gate_up_proj" in k for k in keys)
+    sets = find_expert_sets(mixtral_ref["model"])
+    assert [(s.name, s.kind, s.num_experts) for s in sets] == [
+        (f"model.layers.{i}.mlp.experts", FUSED, 8) for i in range(3)]
+    assert tuple(sets[0].module.gate_up_proj.shape) == (8, 256, 64)
+    import json
+
+    manifest = json.loads((mixtral_ref["own"] / "manifest.json").read_text())
+    blobs = {b["unit"]: b for b in manifest["blobs"]}
+    expert = blobs["model.layers.1.mlp.experts.5"]
+    assert [t["names"] for t in expert["tensors"]] == [["model.layers.1.mlp.experts.5.gate_up_proj"],
+                                                      ["model.layers.1.mlp.experts.5.down_proj"]]
+    assert expert["nbytes"] == EXPERT and expert["offset"] % 4096 == 0
+
+
+@pytest.mark.parametrize(("impl", "where"), [
+    ("grouped_mm", "per_expert"), ("grouped_mm", "fused"), ("grouped_mm", "own"), ("eager", "own"),
+    ("batched_mm", "fused")])
+def test_mixtral_same_tokens_and_logits(refs: Any, impl: str, where: str) -> None:
+    """Every store layout of the experts (save_pretrained's per-expert tensors, a fused checkpoint,
+    deepnvme's store) and every experts implementation of transformers."""
+    mixtral_ref = refs(impl)
+    model = stream_weights(mixtral(impl, empty=True), mixtral_ref[where], BUDGET)
+    tokens, logits = generate(model)
+    assert tokens.shape[1] == PROMPT.shape[1] + NEW_TOKENS
+    assert torch.equal(tokens, mixtral_ref["tokens"])
+    assert torch.equal(logits, mixtral_ref["logits"])
+    e = stats(model)["experts"]
+    assert e["experts"] == 24 and e["expert_bytes"] >= 24 * EXPERT
+    assert EXPERT <= e["capacity_bytes"] < 24 * EXPERT / 4  # the budget holds a few experts only
+    assert e["evictions"] > 0 and e["cached_bytes"] <= e["capacity_bytes"]
+    assert e["hits"] + e["misses"] > 0 and 0 <= e["hit_rate"] <= 1
+    # Each miss reads one expert: one request from deepnvme's store; from a checkpoint one per tensor run
+    # (a fused checkpoint keeps an expert's two slices apart), each with its page edges.
+    parts = {"own": 1, "fused": 2, "per_expert": 3}[where]
+    assert e["misses"] <= e["read_requests"] <= parts * e["misses"]
+    assert e["read_requests"] == e["misses"] or where != "own"
+    assert e["misses"] * EXPERT <= e["bytes_read"] <= e["misses"] * (EXPERT + 2 * parts * 4096)
+    assert e["tokens"] == PROMPT.shape[1] + (NEW_TOKENS - 1) + tokens.shape[1]
+    assert e["bytes_per_token"] == pytest.approx(e["bytes_read"] / e["tokens"])
+    unstream(model)
+    assert torch.equal(generate(model)[1], mixtral_ref["logits"])
+
+
+def routed(model: torch.nn.Module, ids: torch.Tensor) -> set[tuple[int, int]]:
+    """(layer, expert) pairs the in-memory model routes `ids` to."""
+    out: set[tuple[int, int]] = set()
+    hooks = [s.module.register_forward_pre_hook(
+        lambda _m, args, i=i: out.update((i, int(e)) for e in args[1].unique()))
+        for i, s in enumerate(find_expert_sets(model))]
+    with torch.inference_mode():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def test_only_routed_experts_are_read(mixtral_ref: dict) -> None:
+    """One forward with room for every expert: exactly the routed experts are read, once each, one request
+    each from deepnvme's store."""
+    ids = torch.tensor([[5, 17]])
+    want = routed(mixtral_ref["model"], ids)
+    assert 2 <= len(want) < 24
+    model = stream_weights(mixtral("grouped_mm", empty=True), mixtral_ref["own"], 24 * EXPERT + (1 << 20))
+    with torch.inference_mode():
+        model(ids)
+    st = model._deepnvme_stream.experts
+    assert set(st.cache.read_order) == want and len(st.cache.read_order) == len(want)
+    e = stats(model)["experts"]
+    assert e["read_requests"] == len(want) and e["bytes_read"] == len(want) * EXPERT
+    assert e["evictions"] == 0 and e["hits"] == 0 and e["misses"] == len(want)
+    with torch.inference_mode():
+        model(ids)  # the same routes again: all hits, nothing read
+    e = stats(model)["experts"]
+    assert e["hits"] == len(want) and e["read_requests"] == len(want) and e["hit_rate"] == 0.5
+    unstream(model)
+
+
+def test_moved_and_converted_after_streaming(mixtral_ref: dict) -> None:
+    """`.to(dtype)` reaches the experts' placeholders too: reads are converted, the output is the
+    in-memory model's in that dtype (eager experts: grouped_mm has no float64 kernel; the weights are the
+    same whatever the implementation)."""
+    model = stream_weights(mixtral("eager", empty=True), mixtral_ref["own"], BUDGET)
+    model.to("cpu").to(torch.float64)
+    placeholder = model.model.layers[0].mlp.experts.gate_up_proj
+    assert placeholder.dtype == torch.float64 and tuple(placeholder.shape) == (8, 256, 64)
+    ref = mixtral("eager").to(torch.float64)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    unstream(model)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float64
+
+
+def test_budget_too_small_for_an_expert(mixtral_ref: dict) -> None:
+    with pytest.raises(ValueError, match="largest expert"):
+        stream_weights(mixtral("grouped_mm", empty=True), mixtral_ref["own"], EXPERT)
+
+
+def test_store_of_another_model(mixtral_ref: dict, tmp_path: Path) -> None:
+    import transformers as tf
+
+    cfg = mixtral("eager", empty=True).config
+    cfg.intermediate_size = 96
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        other = tf.MixtralForCausalLM(cfg).eval()
+    with pytest.raises(StoreError, match="gate_up_proj"):
+        stream_weights(other, mixtral_ref["own"], BUDGET)
+
+
+# ------------------------------------------------------------------------------------- deepnvme.moe GPT
+def gpt() -> torch.nn.Module:
+    from deepnvme.moe.recipe.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=96, seq_length=64, num_layers=4, hidden_size=32, num_attention_heads=4,
+                    num_experts=(4,), expert_interval=2, topk=2, min_capacity=1)
+    return GPT(cfg, seed=0).eval()
+
+
+def gpt_generate(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Greedy decoding of NEW_TOKENS tokens (the recipe's GPT has no KV cache: each step runs the whole
+    sequence) and each step's logits."""
+    idx, logits = PROMPT, []
+    with torch.inference_mode():
+        for _ in range(NEW_TOKENS):
+            out = model(idx)[0]
+            logits.append(out)
+            idx = torch.cat([idx, out[:, -1].argmax(-1, keepdim=True)], 1)
+    return idx, logits
+
+
+@pytest.fixture(scope="module")
+def gpt_ref(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    model = gpt()
+    root = tmp_path_factory.mktemp("gpt")
+    tokens, logits = gpt_generate(model)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, root / "model.safetensors")
+    return {"model": model, "tokens": tokens, "logits": logits, "safetensors": root / "model.safetensors",
+            "own": Path(write_store(model, root / "own"))}
+
+
+@pytest.mark.parametrize("where", ["safetensors", "own"])
+def test_deepnvme_moe_gpt_same_tokens_and_logits(gpt_ref: dict, where: str) -> None:
+    sets = find_expert_sets(gpt_ref["model"])
+    assert [(s.kind, s.num_experts) for s in sets] == [(MODULES, 4), (MODULES, 4)]
+    expert = sum(p.numel() * 4 for p in sets[0].module.deepspeed_experts[0].parameters())
+    model = stream_weights(gpt(), gpt_ref[where], 5 * expert)
+    tokens, logits = gpt_generate(model)
+    assert torch.equal(tokens, gpt_ref["tokens"])
+    assert all(torch.equal(a, b) for a, b in zip(logits, gpt_ref["logits"]))
+    e = stats(model)["experts"]
+    assert e["experts"] == 8 and e["capacity_bytes"] < 8 * expert
+    # Without a KV cache every step routes the whole sequence: nearly every expert of each layer runs, in
+    # layer order, a cycle longer than the cache, which is least-recently-used's worst case (few hits).
+    assert e["evictions"] > 0 and 0 <= e["hit_rate"] < 1
+    assert e["read_requests"] == e["misses"]  # one request per expert read, from either store
+    assert e["tokens"] == sum(PROMPT.shape[1] + i for i in range(NEW_TOKENS))
+    placeholder = model.blocks[1].mlp.deepspeed_moe.experts.deepspeed_experts[3].fc1.weight
+    with pytest.raises(RuntimeError, match="streamed from the drive"):
+        placeholder + 1
+    unstream(model)
+    assert all(torch.equal(a, b) for a, b in zip(gpt_generate(model)[1], gpt_ref["logits"]))
+    for a, b in zip(model.state_dict().values(), gpt_ref["model"].state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_interrupted_forward_leaves_the_model_usable(gpt_ref: dict) -> None:
+    """Ctrl-C inside an MoE layer, after the layer asked for its experts and before it ran them all: the
+    placeholders are back, the cache forgets the request, the next forwards give the in-memory output."""
+    sets = find_expert_sets(gpt_ref["model"])
+    expert = sum(p.numel() * 4 for p in sets[0].module.deepspeed_experts[0].parameters())
+    model = stream_weights(gpt(), gpt_ref["own"], 5 * expert)
+    victim = model.blocks[1].mlp.deepspeed_moe.experts.deepspeed_experts[2]
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    hook = victim.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt), torch.inference_mode():
+        model(PROMPT)
+    hook.remove()
+    cache = model._deepnvme_stream.experts.cache
+    assert not any(e.in_use for e in cache._entries.values())  # nothing held; the next request resets
+    from deepnvme.offload.stream import Placeholder
+
+    assert all(isinstance(p, Placeholder) for p in victim.parameters())
+    tokens, logits = gpt_generate(model)
+    assert torch.equal(tokens, gpt_ref["tokens"])
+    assert all(torch.equal(a, b) for a, b in zip(logits, gpt_ref["logits"]))
+    unstream(model)
