@@ -5,11 +5,21 @@
   first, pre-flight checks (preflight.py) and per-process directories (swapdir.py); closing.py is the
   context-manager face they share, _doors.py every import from the rest of deepnvme.
 - :class:`OffloadedOptimizer` (optimizer.py): any torch.optim optimizer with its state on the drive.
+- :func:`stream_weights` / :func:`unstream` / :func:`stats` (stream.py): inference with the weights on the
+  drive, each block read in just before it runs, from a store (store.py, the protocol): a safetensors
+  checkpoint read in place (safetensors_store.py, also :func:`load_safetensors`) or deepnvme's own
+  (ownstore.py, :func:`write_store`); bulk.py reads whole tensors through the pool.
 """
 
 from __future__ import annotations
 
 from deepnvme.offload.optimizer import OffloadedOptimizer
+from deepnvme.offload.ownstore import OwnStore, write_store
+from deepnvme.offload.safetensors_store import SafetensorsStore, load_safetensors
+from deepnvme.offload.store import Blob, Store, StoreError, TensorInfo, open_store
+from deepnvme.offload.stream import StreamedWeightError, stats, stream_weights, unstream
 from deepnvme.offload.swap import Lease, ReadAhead, SwapSpace, Unit
 
-__all__ = ["Lease", "OffloadedOptimizer", "ReadAhead", "SwapSpace", "Unit"]
+__all__ = ["Blob", "Lease", "OffloadedOptimizer", "OwnStore", "ReadAhead", "SafetensorsStore", "Store",
+           "StoreError", "StreamedWeightError", "SwapSpace", "TensorInfo", "Unit", "load_safetensors",
+           "open_store", "stats", "stream_weights", "unstream", "write_store"]

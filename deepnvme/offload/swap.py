@@ -16,9 +16,11 @@ order, as far ahead as the pool has room, and demands the one the caller needs n
 
 from __future__ import annotations
 
+import atexit
 import errno
 import os
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,18 @@ from deepnvme.offload.pool import Buffer, BufferPool, round_up
 from deepnvme.offload.queues import DEMAND, PREFETCH, IOQueue, Ticket
 
 SWAP_FILE = "swap.bin"
+# Spaces still open when the interpreter exits are closed first: a read still in flight on a handle's
+# threads at exit would otherwise end the process with std::terminate.
+_OPEN: weakref.WeakSet[SwapSpace] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_spaces() -> None:
+    for space in list(_OPEN):
+        try:
+            space.close()
+        except Exception:  # noqa: BLE001 - exiting: nothing can be done with the error
+            pass
 
 
 @dataclass(frozen=True)
@@ -142,24 +156,28 @@ class SwapSpace(Closing):
     Pre-flight, before anything is created: the budget against RLIMIT_MEMLOCK, the directory (exists,
     writable, O_DIRECT or a warning), `expected_bytes` against the free space. Stale subdirectories of
     dead processes in `directory` are removed. `close()` removes this space's files.
+
+    `directory=None` makes a read-only space: no swap file and no write queue, only external units (the
+    weights streamed for inference are read in place from their checkpoint; nothing is written).
     """
 
-    def __init__(self, directory: str | os.PathLike, budget_bytes: int, *, handle: Any = None,
+    def __init__(self, directory: str | os.PathLike | None, budget_bytes: int, *, handle: Any = None,
                  expected_bytes: int = 0) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
             raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}")
         if budget_bytes < PAGE:
             raise ValueError(f"budget_bytes={budget_bytes} is below a page ({PAGE} bytes): pass the bytes of "
                              "locked memory offload may use, at least the largest unit")
-        directory = os.path.abspath(os.fspath(directory))
         preflight.check_memlock(budget_bytes, locked_bytes())
-        preflight.check_writable(directory)
-        swapdir.remove_stale(directory)
-        if expected_bytes:
-            preflight.check_free_space(directory, expected_bytes)
+        if directory is not None:
+            directory = os.path.abspath(os.fspath(directory))
+            preflight.check_writable(directory)
+            swapdir.remove_stale(directory)
+            if expected_bytes:
+                preflight.check_free_space(directory, expected_bytes)
         self.directory = directory
-        self.path = swapdir.make_own(directory)
-        self.file = os.path.join(self.path, SWAP_FILE)
+        self.path = None if directory is None else swapdir.make_own(directory)
+        self.file = None if self.path is None else os.path.join(self.path, SWAP_FILE)
         self._fd = -1
         self._ext: dict[str, int] = {}
         self._units: dict[str, Unit] = {}
@@ -169,18 +187,24 @@ class SwapSpace(Closing):
         self.pool = None
         self.closed = False
         try:
-            self._fd, self.direct = preflight.open_direct(self.file, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            if self.file is not None:
+                self._fd, self.direct = preflight.open_direct(self.file, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             self.pool = BufferPool(budget_bytes, handle if handle is not None else new_handle())
             self.reads = IOQueue(handle if handle is not None else new_handle(), "read")
-            self.writes = IOQueue(new_handle(), "write")
+            if self.file is not None:
+                self.writes = IOQueue(new_handle(), "write")
         except BaseException:
             self.close()
             raise
+        _OPEN.add(self)
 
     # ------------------------------------------------------------------------------------------ units
     def add(self, name: str, nbytes: int) -> Unit:
         """Reserve `nbytes` (padded to pages) in the swap file for a new unit `name`."""
         self._check_open()
+        if self.file is None:
+            raise RuntimeError(f"unit {name!r}: this swap space is read-only (made without a directory); it "
+                               "holds external units only")
         if name in self._units:
             raise ValueError(f"a unit named {name!r} exists already")
         if nbytes <= 0:
@@ -245,6 +269,8 @@ class SwapSpace(Closing):
     def check_files(self) -> None:
         """Raise OSError naming the swap file if it was deleted or cut short under this space."""
         self._check_open()
+        if self.file is None:
+            return
         st = os.fstat(self._fd)
         if st.st_nlink == 0:
             raise OSError(errno.ENOENT, "the swap file was deleted while in use; its state is lost (load a "
@@ -260,15 +286,29 @@ class SwapSpace(Closing):
         buf = self.pool.acquire(Lease.size_of(units), block)
         return None if buf is None else Lease(self, units, buf)
 
-    def read(self, units: Sequence[Unit], *, block: bool = True, demand: bool = False) -> Lease | None:
-        """Queue reads of `units` into pool memory; None when `block` is False and the pool has no room."""
+    def read(self, units: Sequence[Unit], *, block: bool = True, demand: bool = False,
+             check: Callable[[Lease], None] | None = None) -> Lease | None:
+        """Queue reads of `units` into pool memory; None when `block` is False and the pool has no room.
+
+        `check(lease)` runs on the read thread once every read of the lease has succeeded (a checksum
+        computed there overlaps the caller's work); what it raises is what `lease.wait()` raises."""
         lease = self.allocate(units, block)
         if lease is None:
             return None
         priority = DEMAND if demand else PREFETCH
-        for view, start, path in lease.runs(lease.units):
+        runs = lease.runs(lease.units)
+        left = [len(runs)]
+
+        def done(ticket: Ticket) -> None:  # only the read thread runs this
+            left[0] -= 1
+            if left[0] == 0 and check is not None and all(t.error is None for t in lease.tickets):
+                check(lease)
+
+        for view, start, path in runs:
             fd = self._fd if path == self.file else self._ext[path]
-            lease.tickets.append(self.reads.submit(Ticket(view, fd, start, path, False), priority))
+            lease.tickets.append(Ticket(view, fd, start, path, False, done))
+        for t in lease.tickets:
+            self.reads.submit(t, priority)
         return lease
 
     def _track_write(self, ticket: Ticket) -> None:
@@ -286,7 +326,7 @@ class SwapSpace(Closing):
 
     def _check_open(self) -> None:
         if self.closed:
-            raise RuntimeError(f"the swap space in {self.directory} is closed")
+            raise RuntimeError(f"the swap space in {self.directory or '(read-only)'} is closed")
 
     def close(self) -> None:
         """Finish queued I/O, free the pool, close files, remove this space's subdirectory (idempotent)."""
@@ -303,7 +343,7 @@ class SwapSpace(Closing):
                 os.close(fd)
         self._fd = -1
         self._ext.clear()
-        if hasattr(self, "path"):
+        if getattr(self, "path", None) is not None:
             swapdir.remove_own(self.path)
 
 
@@ -315,18 +355,36 @@ class ReadAhead:
     needed), demands it, waits for it, issues more groups ahead without blocking, and returns the lease
     (None for an empty group). The caller writes back or releases each lease; `close()` releases those
     issued but never taken.
+
+    `check` is handed to every read (SwapSpace.read). With `cyclic`, the sequence repeats without end:
+    position i is group i % len(groups) (the layers of a model, forward after forward), so reads for the
+    next pass start while the last groups of this one are in use. `restart(i)` drops what was issued
+    ahead (the caller left the expected order, e.g. a forward interrupted halfway) and goes on from
+    position i.
     """
 
-    def __init__(self, space: SwapSpace, groups: Sequence[Sequence[Unit]], ahead: bool = True) -> None:
-        self.space, self.groups, self.ahead = space, list(groups), ahead
+    def __init__(self, space: SwapSpace, groups: Sequence[Sequence[Unit]], ahead: bool = True, *,
+                 cyclic: bool = False, check: Callable[[Lease], None] | None = None) -> None:
+        self.space, self.groups, self.ahead, self.cyclic = space, list(groups), ahead, cyclic
+        self.check = check
+        if cyclic and not self.groups:
+            raise ValueError("a cyclic ReadAhead needs at least one group")
         self._issued: dict[int, Lease | None] = {}
         self._next = 0
 
+    def _group(self, i: int) -> Sequence[Unit]:
+        return self.groups[i % len(self.groups)] if self.cyclic else self.groups[i]
+
+    def ready(self, i: int) -> bool:
+        """Whether position i was issued and every read of it has finished (take(i) would not wait)."""
+        lease = self._issued.get(i)
+        return i in self._issued and (lease is None or all(t.done() for t in lease.tickets))
+
     def pump(self) -> None:
         """Issue the next groups while the pool has room (never waits)."""
-        while self.ahead and self._next < len(self.groups):
-            units = self.groups[self._next]
-            lease = self.space.read(units, block=False) if units else None
+        while self.ahead and (self.cyclic or self._next < len(self.groups)):
+            units = self._group(self._next)
+            lease = self.space.read(units, block=False, check=self.check) if units else None
             if units and lease is None:
                 return
             self._issued[self._next] = lease
@@ -336,8 +394,8 @@ class ReadAhead:
         if i not in self._issued:
             if i != self._next:
                 raise ValueError(f"ReadAhead.take({i}) out of order (next is {self._next})")
-            units = self.groups[i]
-            self._issued[i] = self.space.read(units, demand=True) if units else None
+            units = self._group(i)
+            self._issued[i] = self.space.read(units, demand=True, check=self.check) if units else None
             self._next += 1
         lease = self._issued.pop(i)
         if lease is not None:
@@ -350,6 +408,11 @@ class ReadAhead:
                 lease.release()
                 raise
         return lease
+
+    def restart(self, i: int) -> None:
+        """Release every lease issued but not taken; the next take is take(i)."""
+        self.close()
+        self._next = i
 
     def close(self) -> None:
         for lease in self._issued.values():

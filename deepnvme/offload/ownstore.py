@@ -1,0 +1,245 @@
+"""deepnvme's own weight store: one aligned, contiguous blob per unit in one file, and a JSON manifest.
+
+Why a store of its own when safetensors checkpoints can be read in place: there a unit's tensors may be
+spread over shards and lie at unaligned offsets, so a unit takes several requests with partial pages at
+their edges; here a unit is one page-aligned request, and every blob and tensor carries a CRC-32
+(deepnvme._core.crc) checked as it is read, so a damaged or replaced file is an error, not wrong output.
+
+Layout of a store directory: `manifest.json` and `weights-<id>.bin`. In the file, each unit's tensors are
+back to back (each at a multiple of 64 bytes) in one blob that starts at a page boundary; tensors outside
+every unit form one more blob (unit ""). Tensors that are one tensor under several names (tied weights)
+are written once and listed under each name. The manifest is replaced last and atomically
+(deepnvme._core.files), after the weights file is complete and synced, so a store is either the old one
+or the new one; the old weights file is then removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepnvme._core.crc import crc32
+from deepnvme._core.files import atomic_target, write_atomically
+from deepnvme.offload.pool import round_up
+from deepnvme.offload.store import Blob, StoreError, TensorInfo, runs
+
+MANIFEST = "manifest.json"
+FORMAT = "deepnvme-weights"
+VERSION = 1
+TENSOR_ALIGN = 64
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn,
+    torch.float8_e5m2, torch.complex64, torch.complex128)}
+
+
+def _default_units(names: Iterable[str]) -> list[str]:
+    """Unit prefixes of a state dict: `<list>.<i>` for the list of numbered blocks with the most tensors."""
+    counts: dict[str, set[str]] = {}
+    for n in names:
+        m = re.match(r"^(.*?)\.(\d+)\.", n)
+        if m:
+            counts.setdefault(m[1], set()).add(f"{m[1]}.{m[2]}")
+    if not counts:
+        return []
+    best = max(counts, key=lambda k: len(counts[k]))
+    return sorted(counts[best], key=lambda u: int(u.rsplit(".", 1)[1]))
+
+
+def _named_tensors(obj: nn.Module | Mapping[str, torch.Tensor]) -> list[tuple[list[str], torch.Tensor]]:
+    """(names, tensor) of each distinct tensor: tied ones once, under all their names."""
+    if isinstance(obj, nn.Module):
+        from deepnvme.offload.stream import tensor_aliases
+
+        return [(names, t) for names, t in tensor_aliases(obj)]
+    if not isinstance(obj, Mapping):
+        raise TypeError(f"write_store takes a torch.nn.Module or a state dict, got {type(obj).__name__}")
+    seen: dict[tuple, int] = {}
+    out: list[tuple[list[str], torch.Tensor]] = []
+    for name, t in obj.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state dict entry {name!r} is a {type(t).__name__}, not a tensor")
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape),
+               t.stride()) if not t.is_meta and t.numel() else None
+        if key is not None and key in seen:
+            out[seen[key]][0].append(name)
+            continue
+        if key is not None:
+            seen[key] = len(out)
+        out.append(([name], t))
+    return out
+
+
+def write_store(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], directory: str | os.PathLike, *,
+                units: list[str] | None = None) -> str:
+    """Write the tensors of a model (or a state dict) as a deepnvme store in `directory` (created if
+    needed; a store there is replaced atomically). `units`: the unit prefixes (module names such as
+    "model.layers.3"; a tensor belongs to the longest prefix it starts with); by default a model's
+    repeated blocks (as stream_weights picks them) or, for a state dict, the numbered blocks with the most
+    tensors. Returns the directory."""
+    directory = os.path.abspath(os.fspath(directory))
+    tensors = _named_tensors(model_or_state_dict)
+    for names, t in tensors:
+        if t.is_meta:
+            raise ValueError(f"tensor {names[0]!r} is on the meta device: it has no values to write")
+    if units is None:
+        if isinstance(model_or_state_dict, nn.Module):
+            from deepnvme.offload.stream import unit_names
+
+            units = unit_names(model_or_state_dict)
+        else:
+            units = _default_units(n for names, _ in tensors for n in names)
+    prefixes = sorted(set(units), key=len, reverse=True)
+    groups: dict[str, list[tuple[list[str], torch.Tensor]]] = {u: [] for u in [*units, ""]}
+    for names, t in tensors:
+        home = next((u for u in prefixes if names[0] == u or names[0].startswith(u + ".")), "")
+        groups[home].append((names, t))
+    os.makedirs(directory, exist_ok=True)
+    old = _old_weights(directory)
+    file = f"weights-{uuid.uuid4().hex[:12]}.bin"
+    path = os.path.join(directory, file)
+    manifest_blobs = []
+    with atomic_target(path) as tmp, open(tmp, "wb") as f:
+        at = 0
+        for unit, members in groups.items():
+            if not members:
+                continue
+            start = round_up(at)
+            f.write(bytes(start - at))
+            at, blob_crc, entries = start, 0, []
+            for names, t in members:
+                pad = round_up(at, TENSOR_ALIGN) - at
+                if pad and at > start:
+                    f.write(bytes(pad))
+                    blob_crc = crc32(bytes(pad), blob_crc)
+                    at += pad
+                data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+                f.write(data)
+                c = crc32(data)
+                blob_crc = crc32(data, blob_crc)
+                entries.append({"names": names, "offset": at, "nbytes": int(data.nbytes),
+                                "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                                "crc": c})
+                at += data.nbytes
+            manifest_blobs.append({"unit": unit, "offset": start, "nbytes": at - start, "crc": blob_crc,
+                                   "tensors": entries})
+        f.write(bytes(round_up(at) - at))  # whole pages: the last blob's read needs no partial page
+        f.flush()
+        os.fsync(f.fileno())
+    manifest = {"format": FORMAT, "version": VERSION, "file": file, "file_bytes": round_up(at),
+                "blobs": manifest_blobs}
+    write_atomically(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1).encode())
+    if old is not None and old != file:
+        try:
+            os.unlink(os.path.join(directory, old))
+        except FileNotFoundError:
+            pass
+    return directory
+
+
+def _old_weights(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, MANIFEST)) as f:
+            name = json.load(f).get("file")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and "/" not in name else None
+
+
+class OwnStore:
+    """The store written by write_store in `path` (see the module and store.py)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        manifest_path = os.path.join(self.path, MANIFEST)
+        try:
+            with open(manifest_path) as f:
+                m = json.load(f)
+        except ValueError as exc:
+            raise StoreError(f"{manifest_path}: not a readable deepnvme store manifest ({exc})") from None
+        if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
+            raise StoreError(f"{manifest_path}: not a deepnvme store manifest of version {VERSION}")
+        file = m.get("file")
+        if not isinstance(file, str) or "/" in file:
+            raise StoreError(f"{manifest_path}: 'file' must name the weights file in the store directory")
+        self.file = os.path.join(self.path, file)
+        try:
+            size = os.stat(self.file).st_size
+        except FileNotFoundError:
+            raise FileNotFoundError(2, "the store's weights file is missing", self.file) from None
+        self._tensors: dict[str, TensorInfo] = {}
+        self._blobs: list[Blob] = []
+        self._crc: dict[str, int] = {}
+        for b in m.get("blobs", []):
+            infos = []
+            for e in b["tensors"]:
+                infos.extend(self._entry(e, size))
+            blob_end = b["offset"] + b["nbytes"]
+            if blob_end > size:
+                raise StoreError(f"unit {b.get('unit')!r}: its blob ends at byte {blob_end} but {self.file} "
+                                 f"has {size}: the file is truncated")
+            self._blobs.append(Blob(self.file, b["offset"], b["nbytes"], tuple(infos), b["crc"]))
+
+    def _entry(self, e: dict[str, Any], size: int) -> list[TensorInfo]:
+        names = e.get("names") or ["?"]
+        where = f"tensor {names[0]!r} in {self.file}"
+        dtype = _DTYPES.get(e.get("dtype"))  # type: ignore[arg-type]
+        if dtype is None:
+            raise StoreError(f"{where}: unknown dtype {e.get('dtype')!r} in the manifest")
+        shape = tuple(e["shape"])
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel * dtype.itemsize != e["nbytes"]:
+            raise StoreError(f"{where}: the manifest gives {e['nbytes']} bytes for {e['dtype']} {shape}")
+        if e["offset"] + e["nbytes"] > size:
+            raise StoreError(f"{where}: its data ends at byte {e['offset'] + e['nbytes']} but the file has "
+                             f"{size}: the file is truncated")
+        out = []
+        for n in names:
+            info = TensorInfo(n, self.file, e["offset"], e["nbytes"], dtype, shape)
+            self._tensors[n] = info
+            self._crc[n] = e["crc"]
+            out.append(info)
+        return out
+
+    def tensors(self) -> Mapping[str, TensorInfo]:
+        return self._tensors
+
+    def blobs(self, names: Iterable[str]) -> list[Blob]:
+        """A unit's blob where `names` hold every tensor of it (one request, its CRC checked); any other
+        tensor read on its own with its own CRC."""
+        want = set()
+        for n in names:
+            if n not in self._tensors:
+                raise KeyError(f"tensor {n!r} is not in the deepnvme store {self.path}")
+            want.add(n)
+        out = []
+        for b in self._blobs:
+            members = {t.name for t in b.tensors}
+            if members and members <= want:
+                out.append(b)
+                want -= members
+        by_place: dict[tuple[int, int], list[TensorInfo]] = {}
+        for n in sorted(want):
+            info = self._tensors[n]
+            by_place.setdefault((info.offset, info.nbytes), []).append(info)
+        for (offset, nbytes), infos in sorted(by_place.items()):
+            out.append(Blob(self.file, offset, nbytes, tuple(infos), self._crc[infos[0].name]))
+        return out
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"OwnStore({self.path!r}, {len(self._tensors)} tensors)"
+
+
+__all__ = ["MANIFEST", "OwnStore", "runs", "write_store"]

@@ -1,0 +1,118 @@
+"""stream_weights on Hugging Face models: the same tokens and logits as in memory, from every store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is needed for streaming tests (the offload extra)")
+pytest.importorskip("accelerate", reason="accelerate is needed for streaming tests (the offload extra)")
+
+from deepnvme.offload import (  # noqa: E402
+    StreamedWeightError,
+    load_safetensors,
+    stats,
+    stream_weights,
+    unstream,
+    write_store,
+)
+from tests.offload.stream_models import NEW_TOKENS, PROMPT, build, generate, save  # noqa: E402
+
+BUDGET = 1 << 20
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference(kind: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The in-memory model, its output, and its weights in each kind of store."""
+    model = build(kind)
+    root = tmp_path_factory.mktemp(kind)
+    tokens, logits = generate(model)
+    return {"model": model, "tokens": tokens, "logits": logits,
+            "single": save(model, root / "single"), "sharded": save(model, root / "sharded", "100KB"),
+            "own": Path(write_store(model, root / "own"))}
+
+
+@pytest.mark.parametrize("where", ["single", "sharded", "own"])
+def test_same_tokens_and_logits_as_in_memory(kind: str, reference: dict, where: str) -> None:
+    if where == "sharded":
+        assert len(list(reference["sharded"].glob("*.safetensors"))) > 2
+    model = stream_weights(build(kind, empty=True), reference[where], BUDGET)
+    tokens, logits = generate(model)
+    assert tokens.shape[1] == PROMPT.shape[1] + NEW_TOKENS
+    assert torch.equal(tokens, reference["tokens"])
+    assert torch.equal(logits, reference["logits"])
+    s = stats(model)
+    block = s["streamed_bytes"] // s["units"]
+    assert s["units"] == 4 and s["order_recorded"] and s["forwards"] == NEW_TOKENS + 1
+    assert s["unit_reads"] == 4 * s["forwards"]
+    assert s["streamed_bytes"] * s["forwards"] <= s["bytes_read"] <= (block + 2 * 4096 * 4) * s["unit_reads"]
+    assert s["hits"] + s["stalls"] == s["unit_reads"] and s["hits"] > 0, s
+    assert 0 < s["pool_peak_bytes"] <= s["budget_bytes"] == BUDGET
+    assert s["resident_bytes"] > 0 and s["wait_s"] >= 0
+
+
+def test_in_memory_model_streamed_and_unstreamed(kind: str, reference: dict) -> None:
+    """Streaming a model that has its weights frees them; unstream reads them back: same values."""
+    model = build(kind)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stream_weights(model, reference["own"], BUDGET, prefetch=False)
+    tokens, _ = generate(model)
+    assert torch.equal(tokens, reference["tokens"])
+    assert stats(model)["hits"] == 0
+    unstream(model)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    with pytest.raises(ValueError, match="not streamed"):
+        stats(model)
+    assert torch.equal(generate(model)[0], reference["tokens"])
+
+
+def test_placeholder_touched_outside_its_forward(kind: str, reference: dict) -> None:
+    model = stream_weights(build(kind, empty=True), reference["single"], BUDGET)
+    block = model.transformer.h[1] if kind == "gpt2" else model.model.layers[1]
+    name, weight = next((n, p) for n, p in block.named_parameters() if p.dim() == 2)
+    assert weight.device.type == "cpu" and weight.dtype == torch.float32
+    with pytest.raises(StreamedWeightError, match=rf"{name}.*unit '.*\.1'.*unstream"):
+        weight.sum()
+    with pytest.raises(StreamedWeightError):
+        model.state_dict()
+    assert "Placeholder" in repr(weight)
+    assert torch.equal(generate(model)[0], reference["tokens"])
+
+
+def test_model_to_eval_no_grad_and_dtype(kind: str, reference: dict) -> None:
+    model = stream_weights(build(kind, empty=True), reference["own"], BUDGET)
+    model.to("cpu").eval()
+    with torch.no_grad():
+        assert torch.equal(model(reference["tokens"]).logits, reference["logits"])
+    model.to(torch.float64)
+    ref64 = build(kind).to(torch.float64)
+    with torch.no_grad():
+        got = model(reference["tokens"]).logits
+        assert got.dtype == torch.float64
+        assert torch.equal(got, ref64(reference["tokens"]).logits)
+
+
+def test_backward_through_streamed_weights_raises(kind: str, reference: dict) -> None:
+    model = stream_weights(build(kind, empty=True), reference["own"], BUDGET)
+    emb = model.get_input_embeddings()(PROMPT).detach().requires_grad_(True)
+    out = model(inputs_embeds=emb).logits.sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
+def test_load_safetensors(kind: str, reference: dict) -> None:
+    want = reference["model"].state_dict()
+    for where in ("single", "sharded"):
+        got = load_safetensors(reference[where])
+        for k, v in got.items():
+            assert torch.equal(v, want[k]), k
+        assert len(got) >= len(want) - 1  # the tied head is saved once

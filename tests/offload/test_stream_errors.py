@@ -1,0 +1,303 @@
+"""stream_weights with bad input: stores that lie or do not fit, budgets too small, misuse, threads, Ctrl-C.
+
+Each case gets an exception naming the tensor and the file (or the unit and the sizes), never wrong
+output, and the model stays usable afterwards where the cause is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is needed for streaming tests (the offload extra)")
+pytest.importorskip("accelerate", reason="accelerate is needed for streaming tests (the offload extra)")
+
+from deepnvme.offload import (  # noqa: E402
+    SafetensorsStore,
+    StoreError,
+    stats,
+    stream_weights,
+    unstream,
+    write_store,
+)
+from deepnvme.offload.stream import Placeholder  # noqa: E402
+from tests.offload.stream_models import PROMPT, build, generate, save  # noqa: E402
+
+BUDGET = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    model = build("gpt2")
+    root = tmp_path_factory.mktemp("gpt2")
+    return {"model": model, "tokens": generate(model)[0], "single": save(model, root / "single"),
+            "sharded": save(model, root / "sharded", "100KB"), "own": Path(write_store(model, root / "own"))}
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite_header(file: Path, edit: object) -> None:
+    """Replace the JSON header of a safetensors file by edit(header), keeping the data bytes."""
+    raw = file.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    edit(header)  # type: ignore[operator]
+    new = json.dumps(header, separators=(",", ":")).encode()
+    new += b" " * (n - len(new))
+    assert len(new) == n, "the edit must not grow the header"
+    file.write_bytes(raw[:8] + new + raw[8 + n:])
+
+
+def _name_of_block_weight(header: dict, block: int = 2) -> str:
+    return next(k for k in sorted(header)
+                if k.startswith(f"transformer.h.{block}.") and k.endswith("c_fc.weight"))
+
+
+def test_unit_larger_than_the_budget(gpt2: dict) -> None:
+    with pytest.raises(ValueError, match=r"unit 'transformer.h.0' takes \d+ bytes.*budget_bytes=65536"):
+        stream_weights(build("gpt2", empty=True), gpt2["own"], 64 << 10)
+
+
+def test_store_of_another_model(gpt2: dict) -> None:
+    with pytest.raises(StoreError, match=r"tensors of the model are not in the store .*single.*another"):
+        stream_weights(build("llama", empty=True), gpt2["single"], BUDGET)
+
+
+def test_shape_mismatch_names_tensor_and_file(gpt2: dict, tmp_path: Path) -> None:
+    import transformers as tf
+
+    other = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=96, n_positions=80))
+    path = save(other, tmp_path / "other")
+    with pytest.raises(StoreError, match=r"'transformer.wpe.weight' in .*safetensors: shape \(80, 64\)"):
+        stream_weights(build("gpt2", empty=True), path, BUDGET)
+
+
+def test_missing_tensor(gpt2: dict, tmp_path: Path) -> None:
+    d = _copy(gpt2["single"], tmp_path / "c")
+    file = d / "model.safetensors"
+    gone = []
+
+    def drop(h: dict) -> None:
+        gone.append(_name_of_block_weight(h))
+        del h[gone[0]]
+
+    _rewrite_header(file, drop)
+    with pytest.raises(StoreError, match=rf"1 tensors .*'{gone[0]}'"):
+        stream_weights(build("gpt2", empty=True), d, BUDGET)
+
+
+def test_truncated_file(gpt2: dict, tmp_path: Path) -> None:
+    d = _copy(gpt2["single"], tmp_path / "c")
+    file = d / "model.safetensors"
+    os.truncate(file, file.stat().st_size - 100)
+    with pytest.raises(StoreError, match=rf"tensor '.*' in {file}: its data ends .* truncated"):
+        SafetensorsStore(d)
+
+
+@pytest.mark.parametrize("lie", ["offsets", "dtype", "unknown dtype", "overlap", "header length"])
+def test_header_that_lies(gpt2: dict, tmp_path: Path, lie: str) -> None:
+    d = _copy(gpt2["single"], tmp_path / "c")
+    file = d / "model.safetensors"
+    names = []
+
+    def edit(h: dict) -> None:
+        name = _name_of_block_weight(h)
+        names.append(name)
+        e = h[name]
+        if lie == "offsets":
+            e["data_offsets"][1] -= 4
+        elif lie == "dtype":
+            e["dtype"] = "F16"
+        elif lie == "unknown dtype":
+            e["dtype"] = "F17"
+        elif lie == "overlap":
+            e["data_offsets"] = [e["data_offsets"][0] - 8, e["data_offsets"][1] - 8]
+
+    if lie == "header length":
+        raw = file.read_bytes()
+        file.write_bytes(struct.pack("<Q", len(raw)) + raw[8:])
+        with pytest.raises(StoreError, match=rf"{file}: header length .* does not fit"):
+            SafetensorsStore(d)
+        return
+    _rewrite_header(file, edit)
+    expect = {"offsets": "lies about offsets or dtype", "dtype": "lies about offsets or dtype",
+              "unknown dtype": "unknown dtype 'F17'", "overlap": "overlap"}[lie]
+    with pytest.raises(StoreError, match=expect) as err:
+        SafetensorsStore(d)
+    assert str(file) in str(err.value) and names[0] in str(err.value)
+
+
+def test_index_placing_a_tensor_in_the_wrong_shard(gpt2: dict, tmp_path: Path) -> None:
+    d = _copy(gpt2["sharded"], tmp_path / "c")
+    index = d / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    name = sorted(data["weight_map"])[0]
+    others = sorted(set(data["weight_map"].values()) - {data["weight_map"][name]})
+    data["weight_map"][name] = others[0]
+    index.write_text(json.dumps(data))
+    with pytest.raises(StoreError, match=rf"'{name}': .*index.json places it in .*{others[0]}"):
+        SafetensorsStore(d)
+
+
+def test_damaged_own_store_fails_its_crc_then_recovers(gpt2: dict, tmp_path: Path) -> None:
+    d = _copy(gpt2["own"], tmp_path / "c")
+    manifest = json.loads((d / "manifest.json").read_text())
+    blob = next(b for b in manifest["blobs"] if b["unit"] == "transformer.h.2")
+    weights = d / manifest["file"]
+    at = blob["offset"] + blob["nbytes"] // 2
+    with open(weights, "r+b") as f:
+        f.seek(at)
+        good = f.read(1)
+        f.seek(at)
+        f.write(bytes([good[0] ^ 0xFF]))
+    model = stream_weights(build("gpt2", empty=True), d, BUDGET)
+    with pytest.raises(StoreError, match=rf"CRC-32 mismatch .* of {weights} .*transformer.h.2"):
+        generate(model)
+    assert isinstance(model.transformer.h[2].mlp.c_fc.weight, Placeholder)
+    with open(weights, "r+b") as f:
+        f.seek(at)
+        f.write(good)
+    assert torch.equal(generate(model)[0], gpt2["tokens"])
+
+
+def test_file_cut_short_under_a_streamed_model(gpt2: dict, tmp_path: Path) -> None:
+    d = _copy(gpt2["single"], tmp_path / "c")
+    file = d / "model.safetensors"
+    keep = file.read_bytes()
+    model = stream_weights(build("gpt2", empty=True), d, BUDGET, prefetch=False)
+    os.truncate(file, 4096)
+    with pytest.raises(OSError) as err:
+        generate(model)
+    assert err.value.filename == str(file)
+    file.write_bytes(keep)
+    assert torch.equal(generate(model)[0], gpt2["tokens"])
+
+
+def test_meta_device_models(gpt2: dict, tmp_path: Path) -> None:
+    """GPT-2 built on torch.device("meta") runs from the store alone; Llama's rotary frequencies are a
+    buffer no checkpoint holds, so on the meta device it is refused with the way out."""
+    import transformers as tf
+
+    from tests.offload.stream_models import config
+
+    with torch.device("meta"):
+        model = tf.GPT2LMHeadModel(config("gpt2")).eval()
+    stream_weights(model, gpt2["sharded"], BUDGET)
+    assert torch.equal(generate(model)[0], gpt2["tokens"])
+    with torch.device("meta"):
+        llama = tf.LlamaForCausalLM(config("llama"))
+    with pytest.raises(StoreError, match="inv_freq.*init_empty_weights"):
+        stream_weights(llama, save(build("llama"), tmp_path / "llama"), BUDGET)
+
+
+def test_misuse(gpt2: dict) -> None:
+    model = build("gpt2", empty=True)
+    with pytest.raises(ValueError, match="not streamed"):
+        unstream(model)
+    with pytest.raises(ValueError, match="'transformer.h.0' lies inside 'transformer.h'"):
+        stream_weights(model, gpt2["own"], BUDGET, units=["transformer.h", "transformer.h.0"])
+    with pytest.raises(ValueError, match="no such module"):
+        stream_weights(model, gpt2["own"], BUDGET, units="transformer.blocks")
+    with pytest.raises(TypeError, match="budget_bytes must be an int"):
+        stream_weights(model, gpt2["own"], 1.5e6)  # type: ignore[arg-type]
+    with pytest.raises(FileNotFoundError):
+        stream_weights(model, gpt2["own"] / "nothing", BUDGET)
+    stream_weights(model, gpt2["own"], BUDGET, units="transformer.h")
+    with pytest.raises(RuntimeError, match="streamed already"):
+        stream_weights(model, gpt2["own"], BUDGET)
+    assert torch.equal(generate(model)[0], gpt2["tokens"])
+
+
+def test_two_threads_are_serialized(gpt2: dict) -> None:
+    """Two threads generating with one streamed model: each forward runs whole before the other's, and
+    both get the in-memory tokens."""
+    model = stream_weights(build("gpt2", empty=True), gpt2["single"], BUDGET)
+    seen: list[tuple[int, int]] = []
+    for i, block in enumerate(model.transformer.h):
+        block.attn.register_forward_hook(lambda *_, i=i: seen.append((threading.get_ident(), i)))
+    results: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            results[k] = generate(model)[0]
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert all(torch.equal(results[k], gpt2["tokens"]) for k in range(2))
+    for start in range(0, len(seen), 4):  # each forward: blocks 0..3, all from one thread
+        run4 = seen[start:start + 4]
+        assert [i for _, i in run4] == [0, 1, 2, 3] and len({t for t, _ in run4}) == 1, seen
+
+
+# A real SIGINT, handled by Python's own handler (installed explicitly: a process started in the background
+# by a non-interactive shell inherits SIGINT ignored), raised in the forward's own thread.
+_SIGINT_CHILD = """
+import signal
+import sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests/support"]
+from tests.offload.test_stream_errors import interrupted_forward
+interrupted_forward(sys.argv[2], True)
+"""
+
+
+@pytest.mark.parametrize("real_signal", [False, True])
+def test_ctrl_c_during_a_forward_leaves_the_model_usable(gpt2: dict, real_signal: bool) -> None:
+    if not real_signal:
+        interrupted_forward(str(gpt2["single"]), False)
+        return
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _SIGINT_CHILD, root, str(gpt2["single"])], env=env,
+                       capture_output=True, text=True, timeout=240, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def interrupted_forward(store: str, real_signal: bool) -> None:
+    """Ctrl-C inside block 2 of a forward: the block's weights are placeholders again, and the model then
+    generates exactly the in-memory tokens (the read-ahead restarts from block 0)."""
+    ref = build("gpt2")
+    want = generate(ref)[0]
+    model = stream_weights(build("gpt2", empty=True), store, BUDGET)
+    with torch.inference_mode():
+        model(PROMPT)  # records the order: the interrupted forward below has reads ahead in flight
+    fired = []
+
+    def interrupt(*_: object) -> None:
+        if not fired:
+            fired.append(1)
+            if real_signal:
+                signal.raise_signal(signal.SIGINT)  # to this thread: handled before the hook returns
+            else:
+                raise KeyboardInterrupt
+
+    hook = model.transformer.h[2].mlp.register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt), torch.inference_mode():
+        model(PROMPT)
+    hook.remove()
+    assert fired and isinstance(model.transformer.h[2].mlp.c_fc.weight, Placeholder)
+    got = generate(model)[0]
+    if not torch.equal(got, want):
+        raise AssertionError(f"after Ctrl-C: {got.tolist()} != {want.tolist()}")
+    if stats(model)["resyncs"] < 1:
+        raise AssertionError(f"the read-ahead did not restart: {stats(model)}")
