@@ -61,6 +61,13 @@ class BufferPool:
         self.in_use = 0
         self.peak_in_use = 0
 
+    @property
+    def memory(self) -> Any:
+        """The whole locked allocation (a uint8 tensor), e.g. to register it with CUDA."""
+        if self._memory is None:
+            raise PoolClosedError("the buffer pool is closed")
+        return self._memory
+
     def acquire(self, nbytes: int, block: bool = True) -> Buffer | None:
         """A buffer of at least `nbytes` (whole pages); waits for space when `block`, else None if none."""
         size = round_up(max(nbytes, 1))

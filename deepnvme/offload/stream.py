@@ -23,6 +23,7 @@ the store's (`model.half()` after streaming) are converted after each read.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -105,6 +106,7 @@ class _Unit:
     views: list[torch.Tensor] = field(default_factory=list)
     copied: Any = None  # the CUDA event of the copy to the device
     depth: int = 0
+    position: int | None = None  # its position in the read-ahead while it runs (None: read on demand)
     orig_forward: Any = None
     had_forward: bool = False
     orig_apply: Any = None
@@ -123,8 +125,10 @@ class _Streamer:
         self.reader: ReadAhead | None = None
         self.pos = 0
         self.copy_streams: dict[torch.device, Any] = {}
+        self.registered: int | None = None  # the pool's address once registered with CUDA (0: refused)
         self.counts = {"forwards": 0, "unit_reads": 0, "bytes_read": 0, "hits": 0, "stalls": 0,
-                       "wait_s": 0.0, "resyncs": 0, "resident_bytes": resident_bytes}
+                       "cache_hits": 0, "wait_s": 0.0, "resyncs": 0, "resident_bytes": resident_bytes}
+        self.recycled: set[int] = set()  # positions whose lease is a recycled one (no read)
         self.root_forward: Any = None
         self.root_had_forward = False
         self._blob_of = {x.name: b for u in units for b, x in zip(u.blobs, u.units) if b.crc is not None}
@@ -158,15 +162,23 @@ class _Streamer:
             if order[self.pos % n] != i:
                 k = next(k for k in range(n) if order[(self.pos + k) % n] == i)
                 self.reader.restart(self.pos + k)
+                self.recycled.clear()
                 self.pos += k
                 self.counts["resyncs"] += 1
             hit = self.reader.ready(self.pos)
+            cached = self.pos in self.recycled
+            self.recycled.discard(self.pos)
             try:
                 lease = self.reader.take(self.pos)
             except BaseException:
                 self.reader.restart(self.pos)
+                self.recycled.clear()
                 raise
+            u.position = self.pos
             self.pos += 1
+            if cached:
+                self.counts["cache_hits"] += 1
+                return lease
         self.counts["wait_s"] += time.perf_counter() - t0
         if u.units:
             self.counts["unit_reads"] += 1
@@ -175,6 +187,15 @@ class _Streamer:
         return lease
 
     def _copy_stream(self, device: torch.device) -> Any:
+        """The side stream copies to `device` run on; the pool is registered with CUDA on first use, so
+        that copies from it are DMA transfers that overlap compute (it is locked, but CUDA must know)."""
+        if self.registered is None:
+            memory = self.space.pool.memory
+            try:
+                rc = torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.numel(), 0)
+                self.registered = memory.data_ptr() if int(rc) == 0 else 0
+            except (RuntimeError, AttributeError, TypeError):
+                self.registered = 0  # copies still work, staged by CUDA through its own pinned buffer
         if device not in self.copy_streams:
             self.copy_streams[device] = torch.cuda.Stream(device)
         return self.copy_streams[device]
@@ -202,9 +223,11 @@ class _Streamer:
             for s in u.slots:
                 v = views[s.info.name]
                 if s.device.type == "cuda":
-                    with torch.cuda.stream(stream):
+                    with torch.cuda.stream(stream):  # allocated and filled on the copy stream
                         v = v.to(s.device, non_blocking=True)
-                if v.dtype != s.dtype or (s.device.type != "cuda" and v.device != s.device):
+                        if v.dtype != s.dtype:
+                            v = v.to(s.dtype)
+                elif v.dtype != s.dtype or v.device != s.device:
                     v = v.to(s.device, s.dtype)
                 out.append(v)
             if stream is not None:
@@ -245,7 +268,10 @@ class _Streamer:
         if u.copied is not None:
             u.copied.synchronize()  # the locked buffer goes back to the pool once the device has it
             u.copied = None
-        if lease is not None:
+        position, u.position = u.position, None
+        if self.reader is not None and position is not None and self.reader.recycle(position, lease):
+            self.recycled.add(position + len(self.order))  # type: ignore[arg-type]
+        elif lease is not None:
             lease.release()
         if self.reader is not None:
             self.reader.pump()
@@ -267,6 +293,10 @@ class _Streamer:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+        if self.registered:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self.registered)
+            self.registered = 0
         self.space.close()
         if self.owns_store:
             self.store.close()
@@ -501,6 +531,7 @@ def _wrap_unit(streamer: _Streamer, i: int, u: _Unit) -> None:
     u.had_forward = "forward" in mod.__dict__
     u.orig_forward = mod.forward
 
+    @functools.wraps(u.orig_forward)  # the signature stays visible (generate() inspects it)
     def forward(*args: Any, **kwargs: Any) -> Any:
         with streamer.lock:
             streamer.enter(i)
@@ -534,6 +565,7 @@ def _wrap_root(streamer: _Streamer, model: nn.Module) -> None:
     streamer.root_had_forward = "forward" in model.__dict__
     streamer.root_forward = model.forward
 
+    @functools.wraps(streamer.root_forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
         with streamer.lock:
             ok = False
@@ -593,9 +625,10 @@ def _unwrap(mod: nn.Module, had: bool, orig: Any, attr: str) -> None:
 def stats(model: nn.Module) -> dict[str, Any]:
     """Statistics of a streamed model: `forwards`, `unit_reads` (units read into the pool), `bytes_read`,
     `hits` (unit reads finished before the unit ran: prefetch hits) and `stalls` (the forward waited),
-    `wait_s` (seconds forwards waited for reads), `resyncs` (units run out of the recorded order),
-    `resident_bytes` (tensors outside units, in memory), `streamed_bytes` (all units), `units`,
-    `budget_bytes`, `pool_peak_bytes`, `order_recorded`."""
+    `cache_hits` (units still in the pool from the pass before: with a budget that holds every unit,
+    nothing is read again), `wait_s` (seconds forwards waited for reads), `resyncs` (units run out of
+    the recorded order), `resident_bytes` (tensors outside units, in memory), `streamed_bytes` (all
+    units), `units`, `budget_bytes`, `pool_peak_bytes`, `order_recorded`, `prefetch`."""
     st = _streamer(model)
     with st.lock:
         out = dict(st.counts)

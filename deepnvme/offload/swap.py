@@ -358,8 +358,10 @@ class ReadAhead:
 
     `check` is handed to every read (SwapSpace.read). With `cyclic`, the sequence repeats without end:
     position i is group i % len(groups) (the layers of a model, forward after forward), so reads for the
-    next pass start while the last groups of this one are in use. `restart(i)` drops what was issued
-    ahead (the caller left the expected order, e.g. a forward interrupted halfway) and goes on from
+    next pass start while the last groups of this one are in use; at most one pass is in flight, and
+    `recycle(i, lease)` hands a used lease back for position i + len(groups) (same units, bytes still in
+    memory) when the budget holds a whole pass, so nothing is read twice. `restart(i)` drops what was
+    issued ahead (the caller left the expected order, e.g. a forward interrupted halfway) and goes on from
     position i.
     """
 
@@ -371,6 +373,7 @@ class ReadAhead:
             raise ValueError("a cyclic ReadAhead needs at least one group")
         self._issued: dict[int, Lease | None] = {}
         self._next = 0
+        self._low = 0  # the first position not taken yet
 
     def _group(self, i: int) -> Sequence[Unit]:
         return self.groups[i % len(self.groups)] if self.cyclic else self.groups[i]
@@ -382,7 +385,8 @@ class ReadAhead:
 
     def pump(self) -> None:
         """Issue the next groups while the pool has room (never waits)."""
-        while self.ahead and (self.cyclic or self._next < len(self.groups)):
+        while self.ahead and (self._next < self._low + len(self.groups) - 1 if self.cyclic
+                              else self._next < len(self.groups)):
             units = self._group(self._next)
             lease = self.space.read(units, block=False, check=self.check) if units else None
             if units and lease is None:
@@ -398,6 +402,7 @@ class ReadAhead:
             self._issued[i] = self.space.read(units, demand=True, check=self.check) if units else None
             self._next += 1
         lease = self._issued.pop(i)
+        self._low = i + 1
         if lease is not None:
             lease.demand()
         self.pump()
@@ -412,7 +417,16 @@ class ReadAhead:
     def restart(self, i: int) -> None:
         """Release every lease issued but not taken; the next take is take(i)."""
         self.close()
-        self._next = i
+        self._next = self._low = i
+
+    def recycle(self, i: int, lease: Lease | None) -> bool:
+        """Keep the taken lease of position i as position i + len(groups) when that is the next to issue
+        (cyclic only); False when it is not (the caller releases the lease)."""
+        if not self.cyclic or i + len(self.groups) != self._next:
+            return False
+        self._issued[self._next] = lease
+        self._next += 1
+        return True
 
     def close(self) -> None:
         for lease in self._issued.values():

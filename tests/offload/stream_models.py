@@ -7,6 +7,15 @@ from typing import Any
 
 import torch
 
+
+def require_hf() -> None:
+    """Skip the calling test module where the offload extra (transformers, accelerate) is missing."""
+    import pytest
+
+    for name in ("transformers", "accelerate", "safetensors"):
+        pytest.importorskip(name, reason=f"{name} is needed for the streaming tests (the offload extra)")
+
+
 PROMPT = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
 NEW_TOKENS = 32
 

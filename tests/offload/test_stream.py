@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="transformers is needed for streaming tests (the offload extra)")
-pytest.importorskip("accelerate", reason="accelerate is needed for streaming tests (the offload extra)")
-
-from deepnvme.offload import (  # noqa: E402
+from deepnvme.offload import (
     StreamedWeightError,
     load_safetensors,
     stats,
@@ -18,9 +16,11 @@ from deepnvme.offload import (  # noqa: E402
     unstream,
     write_store,
 )
-from tests.offload.stream_models import NEW_TOKENS, PROMPT, build, generate, save  # noqa: E402
+from tests.offload.stream_models import NEW_TOKENS, PROMPT, build, generate, require_hf, save
 
-BUDGET = 1 << 20
+require_hf()
+
+BUDGET = 512 << 10  # two of the four blocks: reads run ahead, units are read again each forward
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
@@ -44,6 +44,8 @@ def test_same_tokens_and_logits_as_in_memory(kind: str, reference: dict, where: 
     if where == "sharded":
         assert len(list(reference["sharded"].glob("*.safetensors"))) > 2
     model = stream_weights(build(kind, empty=True), reference[where], BUDGET)
+    if kind == "gpt2":  # the head is the embedding (tied), read once from the one tensor the store has
+        assert model.lm_head.weight is model.transformer.wte.weight
     tokens, logits = generate(model)
     assert tokens.shape[1] == PROMPT.shape[1] + NEW_TOKENS
     assert torch.equal(tokens, reference["tokens"])
@@ -116,3 +118,42 @@ def test_load_safetensors(kind: str, reference: dict) -> None:
         for k, v in got.items():
             assert torch.equal(v, want[k]), k
         assert len(got) >= len(want) - 1  # the tied head is saved once
+
+
+def test_load_safetensors_matches_safetensors_and_refuses_bad_paths(reference: dict, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    file = reference["single"] / "model.safetensors"
+    want = load_file(file)
+    got = load_safetensors(file, budget_bytes=64 << 10)  # many chunks, tensors cut across them
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert len({v.untyped_storage().data_ptr() for v in got.values()}) == len(got)  # tensors of their own
+    with pytest.raises(FileNotFoundError):
+        load_safetensors(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        load_safetensors(tmp_path / "empty")
+
+
+def test_write_store_replaces_a_store_atomically(reference: dict, kind: str, tmp_path: Path) -> None:
+    """A second write_store into the same directory replaces the store whole and removes the old weights;
+    a state dict is stored as well as a model."""
+    d = tmp_path / "store"
+    write_store(reference["model"].state_dict(), d)
+    first = sorted(os.listdir(d))
+    write_store(reference["model"], d)
+    second = sorted(os.listdir(d))
+    assert len(first) == len(second) == 2 and first != second
+    model = stream_weights(build(kind, empty=True), d, BUDGET)
+    assert torch.equal(generate(model)[0], reference["tokens"])
+    with pytest.raises(ValueError, match="meta device"):
+        write_store(build(kind, empty=True), tmp_path / "other")
+
+
+def test_budget_holding_every_unit_reads_each_once(kind: str, reference: dict) -> None:
+    model = stream_weights(build(kind, empty=True), reference["own"], 8 << 20)
+    tokens, logits = generate(model)
+    assert torch.equal(tokens, reference["tokens"]) and torch.equal(logits, reference["logits"])
+    s = stats(model)
+    assert s["unit_reads"] <= 2 * s["units"], s  # the recording pass, then each unit read ahead once
+    assert s["cache_hits"] == s["units"] * s["forwards"] - s["unit_reads"] > 0, s

@@ -19,10 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="transformers is needed for streaming tests (the offload extra)")
-pytest.importorskip("accelerate", reason="accelerate is needed for streaming tests (the offload extra)")
-
-from deepnvme.offload import (  # noqa: E402
+from deepnvme.offload import (
     SafetensorsStore,
     StoreError,
     stats,
@@ -30,10 +27,12 @@ from deepnvme.offload import (  # noqa: E402
     unstream,
     write_store,
 )
-from deepnvme.offload.stream import Placeholder  # noqa: E402
-from tests.offload.stream_models import PROMPT, build, generate, save  # noqa: E402
+from deepnvme.offload.stream import Placeholder
+from tests.offload.stream_models import PROMPT, build, generate, require_hf, save
 
-BUDGET = 1 << 20
+require_hf()
+
+BUDGET = 512 << 10  # two of the four blocks: reads run ahead, units are read again each forward
 
 
 @pytest.fixture(scope="module")

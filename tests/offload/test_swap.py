@@ -152,6 +152,46 @@ def test_external_units_at_any_offset(workdir: Path) -> None:
     assert path.read_bytes() == blob.numpy().tobytes()
 
 
+def test_read_only_space_cyclic_read_ahead_and_checks(workdir: Path) -> None:
+    """A space without a directory reads external units only; a cyclic ReadAhead wraps around forever and
+    restarts where told; a read's check runs once its bytes are in and its error is the lease's."""
+    gen = torch.Generator().manual_seed(4)
+    blob = torch.randint(0, 256, (6 * PAGE,), dtype=torch.uint8, generator=gen)
+    path = workdir / "weights.bin"
+    path.write_bytes(blob.numpy().tobytes())
+    before = set(os.listdir(workdir))
+    checked: list[str] = []
+
+    def check(lease: object) -> None:
+        name = lease.units[0].name  # type: ignore[attr-defined]
+        checked.append(name)
+        if name == "bad":
+            raise ValueError("checksum of 'bad' does not match")
+
+    with SwapSpace(None, 3 * PAGE) as space:
+        assert space.directory is None and space.file is None
+        with pytest.raises(RuntimeError, match="read-only"):
+            space.add("owned", PAGE)
+        units = [space.add_external(f"u{i}", path, i * PAGE, PAGE) for i in range(4)]
+        reader = ReadAhead(space, [[u] for u in units], cyclic=True, check=check)
+        for pos in [*range(9), 13, 14]:
+            if pos == 13:
+                reader.restart(13)
+            lease = reader.take(pos)
+            assert torch.equal(lease.view(units[pos % 4]), blob[pos % 4 * PAGE:(pos % 4 + 1) * PAGE])
+            assert space.pool.in_use <= 3 * PAGE
+            lease.release()
+        reader.close()
+        assert space.pool.in_use == 0 and checked[:4] == ["u0", "u1", "u2", "u3"]
+        bad = space.read([space.add_external("bad", path, 5 * PAGE, 100)], check=check)
+        with pytest.raises(ValueError, match="checksum of 'bad'"):
+            bad.wait()
+        bad.release()
+        with pytest.raises(ValueError, match="at least one group"):
+            ReadAhead(space, [], cyclic=True)
+    assert set(os.listdir(workdir)) == before
+
+
 def test_budget_checks(workdir: Path) -> None:
     with pytest.raises(ValueError, match="budget_bytes=0"):
         SwapSpace(workdir, 0)
