@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -61,24 +62,49 @@ class Experts(nn.Module):
         check_int("num_local_experts", num_local_experts)
         self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
         self.num_local_experts = num_local_experts
+        # Called with the indices of the experts about to run, before the first runs (a weight streamer
+        # reads exactly those ahead: deepnvme.offload.expert_stream). None: nothing is told.
+        self.before_run: Callable[[list[int]], None] | None = None
         for e in self.deepspeed_experts:
             for p in e.parameters():
                 p.allreduce = False
                 p.group_name = expert_group_name
 
-    def run_each(self, inputs: list[Tensor] | tuple[Tensor, ...]) -> list[Tensor]:
+    def run_each(self, inputs: list[Tensor] | tuple[Tensor, ...],
+                 active: list[bool] | None = None) -> list[Tensor]:
         """Run local expert i on ``inputs[i]`` (one buffer per expert, as the MoE layer dispatches them) and
         return their outputs (a tuple output contributes its first element): what :meth:`forward` does
-        without splitting one tensor and concatenating the results."""
+        without splitting one tensor and concatenating the results.
+
+        ``active`` (one flag per expert) leaves the experts flagged False unrun: their outputs are one
+        shared tensor of zeros shaped like the others', for a caller that never reads them (an expert that
+        received no tokens, at inference)."""
         if len(inputs) != self.num_local_experts:
             raise ValueError(
                 f"inputs must hold {self.num_local_experts} tensors, one per expert, got {len(inputs)}"
             )
-        outputs = []
-        for chunk, expert in zip(inputs, self.deepspeed_experts):
+        flags = self._check_active(active)
+        self._announce(flags)
+        outputs: list[Tensor | None] = []
+        for chunk, expert, run in zip(inputs, self.deepspeed_experts, flags):
+            if not run:
+                outputs.append(None)
+                continue
             out = expert(chunk)
             outputs.append(out[0] if isinstance(out, tuple) else out)
-        return outputs
+        return _fill_idle(outputs, inputs)
+
+    def _check_active(self, active: list[bool] | None) -> list[bool]:
+        if active is None:
+            return [True] * self.num_local_experts
+        if len(active) != self.num_local_experts:
+            raise ValueError(f"active must hold {self.num_local_experts} flags, one per expert, "
+                             f"got {len(active)}")
+        return [bool(a) for a in active]
+
+    def _announce(self, flags: list[bool]) -> None:
+        if self.before_run is not None:
+            self.before_run([i for i, run in enumerate(flags) if run])
 
     def runs_each_as_forward(self) -> bool:
         """Whether :meth:`run_each` stands in for a call of this module: its ``forward`` is this class's and
@@ -90,18 +116,38 @@ class Experts(nn.Module):
                  nn_module._global_backward_hooks, nn_module._global_backward_pre_hooks)
         return type(self).forward is Experts.forward and not any(hooks)
 
-    def forward(self, inputs: Tensor) -> Tensor:
-        """Run each local expert on its chunk of dim 1 and concatenate the results along dim 1."""
+    def forward(self, inputs: Tensor, active: list[bool] | None = None) -> Tensor:
+        """Run each local expert on its chunk of dim 1 and concatenate the results along dim 1; experts
+        whose ``active`` flag is False are not run and contribute zeros (see :meth:`run_each`)."""
         if inputs.dim() < 2 or inputs.shape[1] % self.num_local_experts:
             raise ValueError(
                 f"inputs dim 1 must split into {self.num_local_experts} expert chunks, "
                 f"got {tuple(inputs.shape)}"
             )
-        outputs = []
-        for chunk, expert in zip(inputs.chunk(self.num_local_experts, dim=1), self.deepspeed_experts):
+        flags = self._check_active(active)
+        self._announce(flags)
+        chunks = inputs.chunk(self.num_local_experts, dim=1)
+        outputs: list[Tensor | None] = []
+        for chunk, expert, run in zip(chunks, self.deepspeed_experts, flags):
+            if not run:
+                outputs.append(None)
+                continue
             out = expert(chunk)
             outputs.append(out[0] if isinstance(out, tuple) else out)
-        return torch.cat(outputs, dim=1)
+        return torch.cat(_fill_idle(outputs, chunks), dim=1)
+
+
+def _fill_idle(outputs: list[Tensor | None], inputs: list[Tensor] | tuple[Tensor, ...]) -> list[Tensor]:
+    """`outputs` with each None (an expert not run) replaced by one shared zero tensor shaped like the
+    outputs that were computed, or like the inputs when none was (experts map [..., M] to [..., M])."""
+    if all(o is not None for o in outputs):
+        return outputs  # type: ignore[return-value]
+    like = next((o for o in outputs if o is not None), None)
+    if like is None:
+        zeros = torch.zeros_like(inputs[0])
+    else:
+        zeros = like.new_zeros(inputs[0].shape[:-1] + like.shape[-1:])
+    return [zeros if o is None else o for o in outputs]
 
 
 def expert_ranks(layer: nn.Module) -> tuple[int, int]:

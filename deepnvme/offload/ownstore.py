@@ -96,6 +96,11 @@ def write_store(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], dir
             units = unit_names(model_or_state_dict)
         else:
             units = _default_units(n for names, _ in tensors for n in names)
+    if isinstance(model_or_state_dict, nn.Module):  # every expert a blob of its own (expert_sets.py)
+        from deepnvme.offload.expert_sets import expert_unit_names, split_fused
+
+        tensors = split_fused(model_or_state_dict, tensors)
+        units = [*units, *expert_unit_names(model_or_state_dict)]
     prefixes = sorted(set(units), key=len, reverse=True)
     groups: dict[str, list[tuple[list[str], torch.Tensor]]] = {u: [] for u in [*units, ""]}
     for names, t in tensors:

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from deepnvme.offload.bulk import read_into
+from deepnvme.offload.expert_stream import ExpertStreamer, split_budget
 from deepnvme.offload.pool import round_up
 from deepnvme.offload.store import Blob, Store, StoreError, TensorInfo, check, open_store, tensor_in
 from deepnvme.offload.swap import Lease, ReadAhead, SwapSpace, Unit
@@ -131,6 +132,7 @@ class _Streamer:
         self.recycled: set[int] = set()  # positions whose lease is a recycled one (no read)
         self.root_forward: Any = None
         self.root_had_forward = False
+        self.experts: ExpertStreamer | None = None
         self._blob_of = {x.name: b for u in units for b, x in zip(u.blobs, u.units) if b.crc is not None}
         self.check = self._check_crcs if self._blob_of else None
 
@@ -297,6 +299,8 @@ class _Streamer:
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaHostUnregister(self.registered)
             self.registered = 0
+        if self.experts is not None:
+            self.experts.close()
         self.space.close()
         if self.owns_store:
             self.store.close()
@@ -385,8 +389,10 @@ def unit_names(model: nn.Module, units: Any = None) -> list[str]:
 
 
 def _find(store_tensors: Any, model: nn.Module, names: list[str]) -> TensorInfo | None:
+    from deepnvme.offload.expert_sets import checkpoint_names
+
     prefix = getattr(model, "base_model_prefix", "") or ""
-    for n in names:
+    for n in [c for x in names for c in checkpoint_names(model, x)]:
         candidates = [n]
         if prefix:
             candidates += [n[len(prefix) + 1:]] if n.startswith(prefix + ".") else [f"{prefix}.{n}"]
@@ -437,6 +443,7 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
     if callable(tie):
         tie()  # a model built with init_empty_weights has its tied parameters apart until tied
     chosen = _unit_modules(model, units)
+    experts = ExpertStreamer.for_model(model, store)  # experts are units of their own (expert_stream.py)
     unit_of = {}  # module name prefix -> unit index
     for k, (n, _) in enumerate(chosen):
         unit_of[n] = k
@@ -448,6 +455,8 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
         full = [a[0] for a in aliases]
         mod0, attr0, is_param = aliases[0][2], aliases[0][3], aliases[0][4]
         t = (mod0._parameters if is_param else mod0._buffers)[attr0]
+        if experts is not None and id(t) in experts.owned:
+            continue
         homes = set()
         for _, mname, *_ in aliases:
             home = next((k for p, k in unit_of.items() if mname == p or mname.startswith(p + ".")), None)
@@ -476,15 +485,20 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
         raise StoreError(f"{len(missing)} tensors of the model are not in the store {store.path}: "
                          f"{', '.join(repr(n) for n in missing[:5])}{more} (a store for another model?)")
     plan = []
+    unit_budget = budget if experts is None else budget - experts.largest
     for k, (name, mod) in enumerate(chosen):
         names = list(dict.fromkeys(s.info.name for s in slots[k]))
         blobs = store.blobs(names) if names else []
         need = _lease_bytes(blobs, PAGE)
-        if need > budget // PAGE * PAGE:
+        if need > unit_budget // PAGE * PAGE:
             raise ValueError(f"unit {name!r} takes {need} bytes of locked memory, over "
                              f"budget_bytes={budget}: raise budget_bytes to at least {need} (more lets "
                              "reads run ahead)")
         plan.append(_Unit(name, mod, slots[k], blobs))
+    expert_bytes = 0
+    if experts is not None:
+        largest = max((_lease_bytes(u.blobs, PAGE) for u in plan), default=0)
+        budget, expert_bytes = split_budget(budget, largest, experts.largest)
     space = SwapSpace(None, budget)
     try:
         dests = {}
@@ -505,6 +519,9 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
             u.units = [space.add_external(f"{u.name}#{j}", b.path, b.offset, b.nbytes)
                        for j, b in enumerate(u.blobs)]
         streamer = _Streamer(store, owns, space, plan, prefetch, resident_bytes)
+        if experts is not None:
+            experts.install(space, expert_bytes)
+            streamer.experts = experts
     except BaseException:
         space.close()
         raise
@@ -610,6 +627,8 @@ def unstream(model: nn.Module) -> nn.Module:
             _unwrap(u.module, u.had_forward, u.orig_forward, "forward")
             _unwrap(u.module, u.orig_apply is not None, u.orig_apply, "_apply")
         _unwrap(model, st.root_had_forward, st.root_forward, "forward")
+        if st.experts is not None:
+            st.experts.restore()
         delattr(model, _ATTR)
         st.close()
     return model
@@ -638,4 +657,6 @@ def stats(model: nn.Module) -> dict[str, Any]:
         out["pool_peak_bytes"] = st.space.pool.peak_in_use
         out["order_recorded"] = st.order is not None
         out["prefetch"] = st.prefetch
+        if st.experts is not None:
+            out["experts"] = st.experts.stats()
     return out

@@ -230,8 +230,10 @@ class SwapSpace(Closing):
         self._units[name] = unit
         return unit
 
-    def add_external(self, name: str, path: str | os.PathLike, offset: int, nbytes: int) -> Unit:
-        """A read-only unit: `nbytes` at `offset` of an existing file (e.g. a safetensors tensor)."""
+    def add_external(self, name: str, path: str | os.PathLike, offset: int, nbytes: int, *,
+                     pool: BufferPool | None = None) -> Unit:
+        """A read-only unit: `nbytes` at `offset` of an existing file (e.g. a safetensors tensor), to be
+        read into `pool` when given (its size is checked against that pool's)."""
         self._check_open()
         path = os.path.abspath(os.fspath(path))
         if name in self._units:
@@ -248,9 +250,10 @@ class SwapSpace(Closing):
         start = offset // PAGE * PAGE
         end = max(offset + nbytes, min(round_up(offset + nbytes), size))
         unit = Unit(name, path, offset, nbytes, False, start, end)
-        if round_up(unit.io_nbytes) > self.pool.capacity:
+        capacity = (self.pool if pool is None else pool).capacity
+        if round_up(unit.io_nbytes) > capacity:
             raise ValueError(f"unit {name!r} takes {round_up(unit.io_nbytes)} bytes, more than "
-                             f"budget_bytes={self.pool.capacity}: raise budget_bytes to at least that")
+                             f"budget_bytes={capacity}: raise budget_bytes to at least that")
         self._units[name] = unit
         return unit
 
@@ -280,19 +283,23 @@ class SwapSpace(Closing):
                           "it was truncated while in use; its state is lost (load a checkpoint)", self.file)
 
     # ------------------------------------------------------------------------------------------ moves
-    def allocate(self, units: Sequence[Unit], block: bool = True) -> Lease | None:
-        """Pool memory for `units` without reading them (their contents are about to be written)."""
+    def allocate(self, units: Sequence[Unit], block: bool = True, *,
+                 pool: BufferPool | None = None) -> Lease | None:
+        """Pool memory for `units` without reading them (their contents are about to be written); from
+        `pool` instead of the space's own when given (a cache that keeps its memory apart)."""
         self._check_open()
-        buf = self.pool.acquire(Lease.size_of(units), block)
+        buf = (self.pool if pool is None else pool).acquire(Lease.size_of(units), block)
         return None if buf is None else Lease(self, units, buf)
 
     def read(self, units: Sequence[Unit], *, block: bool = True, demand: bool = False,
-             check: Callable[[Lease], None] | None = None) -> Lease | None:
-        """Queue reads of `units` into pool memory; None when `block` is False and the pool has no room.
+             check: Callable[[Lease], None] | None = None,
+             pool: BufferPool | None = None) -> Lease | None:
+        """Queue reads of `units` into pool memory (`pool`'s when given); None when `block` is False and
+        the pool has no room.
 
         `check(lease)` runs on the read thread once every read of the lease has succeeded (a checksum
         computed there overlaps the caller's work); what it raises is what `lease.wait()` raises."""
-        lease = self.allocate(units, block)
+        lease = self.allocate(units, block, pool=pool)
         if lease is None:
             return None
         priority = DEMAND if demand else PREFETCH

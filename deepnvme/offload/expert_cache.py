@@ -1,0 +1,254 @@
+"""The expert cache: Mixture-of-Experts experts read from the drive only when tokens are routed to them,
+kept in a budget of locked memory with least-recently-used eviction.
+
+Each expert is a key with its units in a `SwapSpace` (one unit per read request: in deepnvme's own store an
+expert is one contiguous blob, so one unit). The cache has a `BufferPool` of its own (`capacity_bytes` of
+locked memory): the dense units streamed beside it never wait on memory the cache holds, and the cache never
+fragments their pool. Reads go through the space's read queue, so they share its order: queued prefetches
+(the dense units read ahead, the experts a layer will need) wait behind a demanded expert.
+
+A layer uses the cache in three calls: `request(keys)` once the gate has routed (counts each key a hit or a
+miss and queues reads of the misses, in order, while there is room: evicting least-recently-used experts that
+no layer holds), then for each key in the same order `acquire(key)` (demands its read, waits, returns the
+`Lease`) and `release(key)` (the expert stays cached; reads of keys not yet issued start). Requests never
+hold more than fits: a key whose read could not be issued is read at its `acquire`, once the keys before it
+are released, so the capacity needs to hold only the largest expert.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from deepnvme.offload._doors import new_handle
+from deepnvme.offload.closing import Closing
+from deepnvme.offload.pool import BufferPool, round_up
+from deepnvme.offload.swap import Lease, SwapSpace, Unit
+
+
+@dataclass
+class _Entry:
+    units: list[Unit]
+    nbytes: int  # pool bytes its lease takes
+    check: Callable[[Lease], None] | None
+    lease: Lease | None = None
+    checked: bool = False
+    reserved: bool = False  # requested by the layer running now, not acquired yet
+    fresh: bool = False  # its read was issued for the use pending now (that use is a miss)
+    in_use: int = 0  # acquired and not released
+
+
+class ExpertCache(Closing):
+    """Experts (keys, each a list of units of `space`) cached in `capacity_bytes` of locked memory of their
+    own; see the module docstring for the calls a layer makes and `stats()` for what is counted.
+
+    A use is a hit when the expert's bytes were in memory (or being read) before the layer asked for it, and
+    a miss when it had to be read for this use. Eviction takes the least recently used expert that the
+    running layer does not need; when only those are left, one the layer needs later but has not acquired
+    yet (it is read again at its `acquire`); never one in use.
+    """
+
+    def __init__(self, space: SwapSpace, capacity_bytes: int, *, handle: Any = None) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+            raise TypeError(f"capacity_bytes must be an int, got {type(capacity_bytes).__name__}")
+        self.space = space
+        self.closed = True
+        self.pool = BufferPool(capacity_bytes, handle if handle is not None else new_handle())
+        self.closed = False
+        self._entries: dict[Hashable, _Entry] = {}
+        self._lru: OrderedDict[Hashable, None] = OrderedDict()  # resident or in flight, oldest first
+        self._waiting: list[Hashable] = []  # requested keys whose reads are not issued yet, in order
+        self._lock = threading.RLock()
+        self.hits = self.misses = self.evictions = 0
+        self.bytes_read = self.read_requests = self.tokens = 0
+        self.read_order: list[Hashable] = []  # keys in the order their reads were issued (the last 1024)
+
+    # ------------------------------------------------------------------------------------------ setup
+    def add(self, key: Hashable, units: Sequence[Unit], check: Callable[[Lease], None] | None = None) -> None:
+        """Register expert `key` as `units`; `check(lease)` runs once on its bytes after each read (e.g. a
+        CRC-32), before anyone uses them. ValueError when one expert exceeds the capacity."""
+        if key in self._entries:
+            raise ValueError(f"expert {key!r} is in the cache already")
+        if not units:
+            raise ValueError(f"expert {key!r} has no units")
+        nbytes = Lease.size_of(units)
+        if nbytes > self.pool.capacity:
+            raise ValueError(f"expert {key!r} takes {nbytes} bytes of locked memory, more than the expert "
+                             f"cache's {self.pool.capacity}: raise the budget by at least "
+                             f"{nbytes - self.pool.capacity} bytes")
+        self._entries[key] = _Entry(list(units), nbytes, check)
+
+    def expert_bytes(self, key: Hashable) -> int:
+        """Bytes one read of `key` moves (its units' I/O ranges)."""
+        return sum(u.io_nbytes for u in self._entry(key).units)
+
+    # ----------------------------------------------------------------------------------- a layer's calls
+    def request(self, keys: Sequence[Hashable]) -> None:
+        """A layer needs `keys` (each once, in the order it will acquire them): queue reads of those not in
+        memory, in that order, as far as room can be made without evicting what the layer needs."""
+        with self._lock:
+            self._check_open()
+            for key in self._waiting:
+                self._entries[key].reserved = False
+            self._waiting = []
+            for key in keys:
+                entry = self._entry(key)
+                entry.reserved = True
+                if entry.lease is None:
+                    self._waiting.append(key)
+                else:
+                    self._lru.move_to_end(key)
+            self._issue_waiting()
+
+    def acquire(self, key: Hashable) -> Lease:
+        """The lease holding expert `key`'s bytes, read now if need be, demanded ahead of queued prefetches
+        (release it with `release(key)`)."""
+        with self._lock:
+            self._check_open()
+            entry = self._entry(key)
+            if key in self._waiting:
+                self._waiting.remove(key)
+            if entry.lease is None:
+                self._issue(key, entry, hard=True)
+            if entry.fresh:
+                self.misses += 1
+            else:
+                self.hits += 1
+            entry.fresh = entry.reserved = False
+            entry.in_use += 1
+            lease = entry.lease
+            self._lru.move_to_end(key)
+        lease.demand()
+        try:
+            lease.wait()
+            with self._lock:
+                if not entry.checked and entry.check is not None:
+                    entry.check(lease)
+                entry.checked = True
+        except BaseException:
+            with self._lock:
+                entry.in_use -= 1
+                self._drop(key, entry)  # a failed or damaged read is never served from the cache
+            raise
+        return lease
+
+    def release(self, key: Hashable) -> None:
+        """The layer is done with `key`: it stays cached (most recently used); waiting reads get issued."""
+        with self._lock:
+            entry = self._entry(key)
+            entry.in_use = max(entry.in_use - 1, 0)
+            if not self.closed:
+                self._issue_waiting()
+
+    def count_tokens(self, n: int) -> None:
+        """Add `n` tokens to the count bytes per token is measured over (the model's tokens, once each)."""
+        with self._lock:
+            self.tokens += int(n)
+
+    # ------------------------------------------------------------------------------------------ memory
+    def _issue_waiting(self) -> None:
+        while self._waiting:
+            key = self._waiting[0]
+            if not self._issue(key, self._entries[key], hard=False):
+                return
+            self._waiting.pop(0)
+
+    def _issue(self, key: Hashable, entry: _Entry, hard: bool) -> bool:
+        """Queue the read of `key` (prefetch priority) once room is made by evicting least-recently-used
+        experts: those the running layer does not need, and when `hard` (the key is wanted now) those it
+        needs later. False when no room can be made (never when `hard`: that raises)."""
+        while True:
+            lease = self.space.read(entry.units, block=False, pool=self.pool)
+            if lease is not None:
+                break
+            if not self._evict_one(reserved=False) and not (hard and self._evict_one(reserved=True)):
+                if not hard:
+                    return False
+                held = [k for k, e in self._entries.items() if e.in_use]
+                raise RuntimeError(f"the expert cache ({self.pool.capacity} bytes) cannot hold expert "
+                                   f"{key!r} ({entry.nbytes} bytes) while {held} are in use: release them "
+                                   "first, or raise the budget")
+        entry.lease, entry.checked, entry.fresh = lease, False, True
+        self._lru[key] = None
+        self._lru.move_to_end(key)
+        self.bytes_read += sum(u.io_nbytes for u in entry.units)
+        self.read_requests += len(lease.tickets)
+        self.read_order.append(key)
+        del self.read_order[:-1024]
+        return True
+
+    def _evict_one(self, reserved: bool) -> bool:
+        for key in self._lru:
+            entry = self._entries[key]
+            if entry.in_use == 0 and entry.reserved == reserved:
+                self._drop(key, entry)
+                if reserved and key not in self._waiting:  # read again at its acquire
+                    self._waiting.append(key)
+                self.evictions += 1
+                return True
+        return False
+
+    def _drop(self, key: Hashable, entry: _Entry) -> None:
+        lease, entry.lease, entry.checked, entry.fresh = entry.lease, None, False, False
+        self._lru.pop(key, None)
+        if lease is not None:
+            lease.release()  # waits for a read still in flight before the memory goes back
+
+    # ------------------------------------------------------------------------------------------ reporting
+    def cached(self) -> list[Hashable]:
+        """Keys resident or being read, least recently used first."""
+        with self._lock:
+            return list(self._lru)
+
+    def stats(self) -> dict[str, Any]:
+        """hits, misses, hit_rate (hits / uses), evictions, bytes_read, read_requests, tokens,
+        bytes_per_token (bytes_read / tokens, None before any token), capacity_bytes, cached_bytes."""
+        with self._lock:
+            uses = self.hits + self.misses
+            return {
+                "hits": self.hits,
+                "misses": self.misses,
+                "hit_rate": self.hits / uses if uses else None,
+                "evictions": self.evictions,
+                "bytes_read": self.bytes_read,
+                "read_requests": self.read_requests,
+                "tokens": self.tokens,
+                "bytes_per_token": self.bytes_read / self.tokens if self.tokens else None,
+                "capacity_bytes": self.pool.capacity,
+                "cached_bytes": sum(self._entries[k].nbytes for k in self._lru),
+            }
+
+    def _entry(self, key: Hashable) -> _Entry:
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise KeyError(f"no expert {key!r} in this expert cache") from None
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the expert cache is closed")
+
+    def clear(self) -> None:
+        """Give every cached expert's memory back (waits for reads in flight); counters are kept."""
+        with self._lock:
+            for key in list(self._lru):
+                self._drop(key, self._entries[key])
+            for key in self._waiting:
+                self._entries[key].reserved = False
+            self._waiting = []
+
+    def close(self) -> None:
+        """Release every lease and free the locked memory (idempotent). The space is the caller's."""
+        if getattr(self, "closed", True):
+            return
+        self.clear()
+        self.closed = True
+        self.pool.close()
+
+
+def capacity_for(units_per_expert: Sequence[Sequence[Unit]]) -> int:
+    """The least capacity that holds the largest of these experts (whole pages)."""
+    return max((round_up(Lease.size_of(u)) for u in units_per_expert), default=0)

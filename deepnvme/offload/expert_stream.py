@@ -1,0 +1,319 @@
+"""Experts streamed as units of their own: what stream_weights does with a model's Mixture-of-Experts layers.
+
+Each expert (expert_sets.py finds them and maps them to the store) is a key of an `ExpertCache` with its
+own part of the budget; its tensors become placeholders. An expert is read only when tokens are routed to
+it, and stays cached (least recently used evicted) for the next tokens:
+
+* ``modules`` sets (deepnvme.moe): the MoE layer runs only the experts that keep a token at inference and
+  tells the set which ones first (`Experts.before_run`): the cache queues their reads in that order, and
+  each expert's forward demands its own, runs on views of the cached bytes and hands them back.
+* ``fused`` sets (Hugging Face, transformers 5): the experts module's forward is replaced by one that reads
+  the experts `top_k_index` names and calls the module's own forward (the configured implementation:
+  eager, grouped_mm, batched_mm) on 3-D tensors holding only those experts, with the indices renumbered.
+  The results are those of the whole tensors bit for bit (each expert's rows are computed alike), and
+  these few experts' tensors, assembled for the call, are the only expert memory outside the budget (on a
+  GPU they are the device copy that would be made anyway).
+
+The budget is split (`split_budget`): the dense units get room for two of the largest (one running, one
+read ahead), the experts all the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepnvme.offload.expert_cache import ExpertCache
+from deepnvme.offload.expert_sets import FUSED, ExpertSet, Part, expert_parts, find_expert_sets
+from deepnvme.offload.pool import round_up
+from deepnvme.offload.store import Blob, Store, check, runs, tensor_in
+from deepnvme.offload.swap import Lease, SwapSpace
+
+
+@dataclass
+class _Expert:
+    key: tuple[int, int]
+    parts: list[Part]
+    blobs: list[Blob]
+    lease_bytes: int
+    units: list[Any] = field(default_factory=list)
+
+
+def _lease_bytes(blobs: list[Blob], page: int) -> int:
+    return sum(round_up(round_up(b.offset + b.nbytes) - b.offset // page * page) for b in blobs)
+
+
+def split_budget(budget: int, dense_largest: int, expert_largest: int) -> tuple[int, int]:
+    """(dense pool bytes, expert cache bytes) of `budget`: the dense units get two of their largest (one
+    runs while the next is read), at least one; the experts the rest, at least their largest. ValueError
+    naming both sizes when even that does not fit."""
+    from deepnvme.offload._doors import PAGE
+
+    budget = budget // PAGE * PAGE
+    if dense_largest + expert_largest > budget:
+        raise ValueError(f"budget_bytes={budget} cannot hold the largest unit ({dense_largest} bytes) and "
+                         f"the largest expert ({expert_largest} bytes) together: raise budget_bytes to at "
+                         f"least {dense_largest + expert_largest}")
+    dense = min(max(2 * dense_largest, PAGE), budget - expert_largest)
+    return dense, budget - dense
+
+
+class ExpertStreamer:
+    """The expert sets of one streamed model and the cache they are read through."""
+
+    def __init__(self, model: nn.Module, store: Store, sets: list[ExpertSet]) -> None:
+        from deepnvme.offload._doors import PAGE
+
+        self.model, self.store, self.sets = model, store, sets
+        self.owned = {id(t) for s in sets for t in s.tensors()}
+        tensors = store.tensors()
+        self.experts: dict[tuple[int, int], _Expert] = {}
+        for si, s in enumerate(sets):
+            for e in range(s.num_experts):
+                parts = expert_parts(model, s, e, tensors, store.path)
+                infos = list({p.info.name: p.info for p in parts}.values())
+                if all(tensors.get(i.name) is i for i in infos):
+                    blobs = store.blobs([i.name for i in infos])
+                else:  # slices of fused tensors: ranges the store does not list
+                    blobs = runs(infos)
+                self.experts[(si, e)] = _Expert((si, e), parts, blobs, _lease_bytes(blobs, PAGE))
+        self.largest = max(x.lease_bytes for x in self.experts.values())
+        self.cache: ExpertCache | None = None
+        self._saved: list[tuple[nn.Module, str, Any]] = []  # (module, attr in __dict__, previous or None)
+        self._placed: list[tuple[nn.Module, str, bool, Any]] = []  # (module, attr, param, real tensor)
+        self._hook: Any = None
+
+    @staticmethod
+    def for_model(model: nn.Module, store: Store) -> ExpertStreamer | None:
+        """The streamer of `model`'s experts, or None when it has none."""
+        sets = find_expert_sets(model)
+        return ExpertStreamer(model, store, sets) if sets else None
+
+    # ------------------------------------------------------------------------------------------ install
+    def install(self, space: SwapSpace, capacity: int) -> None:
+        """Create the cache (`capacity` bytes of locked memory) and put placeholders and forwards in place."""
+        from deepnvme.offload.stream import Placeholder
+
+        self.cache = ExpertCache(space, capacity)
+        try:
+            for x in self.experts.values():
+                s = self.sets[x.key[0]]
+                x.units = [space.add_external(f"{s.unit_name(x.key[1])}#{j}", b.path, b.offset, b.nbytes,
+                                              pool=self.cache.pool) for j, b in enumerate(x.blobs)]
+                crcs = [(b, u) for b, u in zip(x.blobs, x.units) if b.crc is not None]
+                self.cache.add(x.key, x.units, _crc_check(crcs) if crcs else None)
+        except BaseException:
+            self.cache.close()
+            raise
+        for si, s in enumerate(self.sets):
+            real = s.tensors()
+            if s.kind == FUSED:
+                for p in s.params:
+                    t = s.module._parameters[p]
+                    self._placed.append((s.module, p, True, t))
+                    s.module._parameters[p] = Placeholder(f"{s.name}.{p}", f"{s.name} (its experts)",
+                                                          t.shape, t.dtype, _device(t))
+                self._wrap(s.module, "forward", self._fused_forward(si, s))
+            else:
+                for e, expert in enumerate(s.module.deepspeed_experts):
+                    for slot in s.slots(e):
+                        table = slot.module._parameters if slot.param else slot.module._buffers
+                        t = table[slot.attr]
+                        self._placed.append((slot.module, slot.attr, slot.param, t))
+                        table[slot.attr] = Placeholder(slot.name, s.unit_name(e), t.shape, t.dtype,
+                                                       _device(t))
+                    self._wrap(expert, "forward", self._expert_forward(si, e, expert))
+                self._wrap(s.module, "before_run", self._before_run(si))
+            del real
+        self._hook = self.model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
+
+    def _wrap(self, mod: nn.Module, attr: str, value: Any) -> None:
+        self._saved.append((mod, attr, mod.__dict__.get(attr, _MISSING)))
+        if attr == "before_run":
+            mod.before_run = value
+        else:
+            mod.__dict__[attr] = value
+
+    def _count_tokens(self, _mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            ids = next((a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point()), None)
+        if isinstance(ids, torch.Tensor) and self.cache is not None:
+            self.cache.count_tokens(ids.numel())
+
+    # ------------------------------------------------------------------------------------------ reads
+    def _tensors(self, x: _Expert, lease: Lease) -> dict[str, list[tuple[Part, torch.Tensor]]]:
+        """Expert x's parts as views of the cached bytes, by target tensor name."""
+        where = {}
+        for b, u in zip(x.blobs, x.units):
+            data = lease.view(u)
+            for info in b.tensors:
+                where[info.name] = (b, info, data)
+        out: dict[str, list[tuple[Part, torch.Tensor]]] = {}
+        for p in x.parts:
+            b, info, data = where[p.info.name]
+            out.setdefault(p.target, []).append((p, tensor_in(b, info, data)))
+        return out
+
+    def _before_run(self, si: int) -> Any:
+        def before_run(indices: list[int]) -> None:
+            self.cache.request([(si, e) for e in indices])  # type: ignore[union-attr]
+        return before_run
+
+    def _expert_forward(self, si: int, e: int, expert: nn.Module) -> Any:
+        s, x = self.sets[si], self.experts[(si, e)]
+        slots = s.slots(e)
+        orig = type(expert).forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            cache = self.cache
+            lease = cache.acquire(x.key)  # type: ignore[union-attr]
+            placeholders = []
+            try:
+                views = self._tensors(x, lease)
+                for slot in slots:
+                    table = slot.module._parameters if slot.param else slot.module._buffers
+                    placeholder = table[slot.attr]
+                    placeholders.append((table, slot.attr, placeholder))
+                    v = views[slot.name][0][1]
+                    if v.dtype != placeholder.dtype or v.device != placeholder.device:
+                        v = v.to(placeholder.device, placeholder.dtype)
+                    table[slot.attr] = v
+                return orig(expert, *args, **kwargs)
+            finally:
+                for table, attr, placeholder in placeholders:
+                    table[attr] = placeholder
+                cache.release(x.key)  # type: ignore[union-attr]
+        return forward
+
+    def _fused_forward(self, si: int, s: ExpertSet) -> Any:
+        orig = type(s.module).forward
+        module = s.module
+
+        def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    *args: Any, **kwargs: Any) -> Any:
+            cache = self.cache
+            hit = [e for e in torch.unique(top_k_index).tolist() if 0 <= e < s.num_experts]
+            cache.request([(si, e) for e in hit])  # type: ignore[union-attr]
+            compact = {}
+            for p in s.params:
+                ph = module._parameters[p]
+                compact[p] = torch.empty((len(hit), *ph.shape[1:]), dtype=ph.dtype,
+                                         device=hidden_states.device)
+            for i, e in enumerate(hit):
+                x = self.experts[(si, e)]
+                lease = cache.acquire(x.key)  # type: ignore[union-attr]
+                try:
+                    for p, pieces in self._tensors(x, lease).items():
+                        attr = p.rsplit(".", 1)[1]
+                        for part, v in pieces:
+                            compact[attr][i, part.start:part.stop].copy_(v)
+                finally:
+                    cache.release(x.key)  # type: ignore[union-attr]
+            like = {"dtype": top_k_index.dtype, "device": top_k_index.device}
+            lut = torch.full((s.num_experts + 1,), len(hit), **like)  # type: ignore[arg-type]
+            if hit:
+                lut[torch.tensor(hit, device=top_k_index.device)] = torch.arange(len(hit), **like)
+            index = lut[top_k_index.clamp(0, s.num_experts)]
+            proxy = _Compact(module, num_experts=len(hit), **compact)
+            return orig(proxy, hidden_states, index, top_k_weights, *args, **kwargs)
+        return forward
+
+    # ------------------------------------------------------------------------------------------ undo, report
+    def restore(self) -> None:
+        """Every expert tensor back in memory (read through the cache), the forwards the model's own."""
+        cache = self.cache
+        fused: dict[tuple[int, str], torch.Tensor] = {}
+        values: dict[tuple[int, str], torch.Tensor] = {}
+        for (si, e), x in self.experts.items():
+            s = self.sets[si]
+            lease = cache.acquire(x.key)  # type: ignore[union-attr]
+            try:
+                for target, pieces in self._tensors(x, lease).items():
+                    for part, v in pieces:
+                        if s.kind == FUSED:
+                            attr = target.rsplit(".", 1)[1]
+                            ph = s.module._parameters[attr]
+                            whole = fused.get((si, attr))
+                            if whole is None:
+                                whole = torch.empty(ph.shape, dtype=ph.dtype, device=ph.device)
+                                fused[(si, attr)] = whole
+                            whole[e, part.start:part.stop].copy_(v)
+                        else:
+                            values[(si, target)] = v.clone()
+            finally:
+                cache.release(x.key)  # type: ignore[union-attr]
+        for mod, attr, prev in reversed(self._saved):
+            if prev is _MISSING:
+                mod.__dict__.pop(attr, None)
+            else:
+                mod.__dict__[attr] = prev
+        if any(s.kind != FUSED for s in self.sets):
+            for s in self.sets:
+                if s.kind != FUSED:
+                    s.module.before_run = None
+        names = {}
+        for si, s in enumerate(self.sets):
+            if s.kind == FUSED:
+                for p in s.params:
+                    names[(id(s.module), p)] = (si, p)
+            else:
+                for e in range(s.num_experts):
+                    for slot in s.slots(e):
+                        names[(id(slot.module), slot.attr)] = (si, slot.name)
+        for mod, attr, param, real in self._placed:
+            si, key = names[(id(mod), attr)]
+            table = mod._parameters if param else mod._buffers
+            ph = table[attr]
+            value = fused[(si, key)] if self.sets[si].kind == FUSED else values[(si, key)]
+            value = value.to(ph.device, ph.dtype)
+            table[attr] = nn.Parameter(value, requires_grad=real.requires_grad) if param else value
+        self._placed = []
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def stats(self) -> dict[str, Any]:
+        """The cache's statistics (expert_cache.ExpertCache.stats) and the experts' count and bytes."""
+        out = self.cache.stats() if self.cache is not None else {}
+        out["experts"] = len(self.experts)
+        out["expert_bytes"] = sum(b.nbytes for x in self.experts.values() for b in x.blobs)
+        return out
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.cache is not None:
+            self.cache.close()
+
+
+_MISSING = object()
+
+
+class _Compact:
+    """An experts module seen with some attributes replaced (the few experts' tensors, their count)."""
+
+    def __init__(self, module: nn.Module, **over: Any) -> None:
+        self.__dict__["_module"] = module
+        self.__dict__.update(over)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_module"], name)
+
+
+def _device(t: torch.Tensor) -> torch.device:
+    return torch.device("cpu") if t.is_meta else t.device
+
+
+def _crc_check(crcs: list[tuple[Blob, Any]]) -> Any:
+    def run(lease: Lease) -> None:
+        for b, u in crcs:
+            check(b, lease.view(u))
+    return run
+
+
+__all__ = ["ExpertStreamer", "split_budget"]
