@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+for extra in ("transformers", "accelerate", "safetensors"):  # the offload extras (pyproject.toml)
+    pytest.importorskip(extra)
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
