@@ -38,11 +38,14 @@ every contender must decode the same tokens as the in-memory model. Reported per
 hit rate), the process's peak RSS and the cgroup's peak (page cache included), load seconds.
 
 Also: ``deepnvme.offload.load_safetensors`` of the dense checkpoint beside the raw handle reading the same
-bytes into fresh page-aligned memory and a cold ``safetensors.torch.load_file``, in this process.
+bytes (into fresh page-aligned memory, the target's baseline, and into memory touched beforehand) and a
+cold ``safetensors.torch.load_file``, in this process.
 
-Repeats are interleaved (bench/_harness.py: contenders rotate, heats reverse every repeat), with --rest
-seconds before each. --quick: 1 repeat, 4 tokens. --tiny: tiny models and sizes, to show the bench works
-(tests/bench/test_stream_bench_script.py). Writes Markdown to stdout and <out>.md, every sample to <out>.json.
+Repeats are interleaved (bench/_harness.py: contenders rotate, heats reverse every repeat; the drive's
+bandwidth is measured once in each model's heat), with --rest seconds before each. --quick: 1 repeat, 4
+tokens. --tiny: tiny models and sizes, to show the bench works (tests/bench/test_stream_bench_script.py).
+--build_only: build the models and stores, then stop. Writes Markdown to stdout and <out>.md, every sample
+to <out>.json; both are rewritten after each repeat, so a run stopped early keeps what it measured.
 """
 
 from __future__ import annotations
@@ -204,7 +207,7 @@ class MemoryCgroup:
 
     The page cache a process causes is charged to its cgroup, so a contender that reads through the cache
     (accelerate's memory maps) competes for the same bytes as one that reads with O_DIRECT into locked
-    buffers. There is no swap here; where there is, memory+swap gets the same limit, so nothing escapes to it.
+    buffers. Where the kernel accounts swap, memory+swap gets the same limit, so nothing escapes to it.
     """
 
     def __init__(self, name: str, limit: int | None) -> None:
@@ -293,7 +296,8 @@ def run_child(args: argparse.Namespace, model: Model, contender: str, log: Calla
             "max_memory": args.budget + model.resident_bytes, "batches": list(BATCHES), "tokens": args.tokens,
             "prompt_len": PROMPT, "drop": [str(p) for p in (model.dir, model.store, model.offload) if p]}
     argv = [sys.executable, str(ROOT / "bench" / "stream_child.py"), json.dumps(spec)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    path = [str(ROOT), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}  # the child imports this checkout's deepnvme
     evict_tree(*spec["drop"])
     group = None
     if args.cgroup:
