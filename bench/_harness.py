@@ -1,4 +1,5 @@
-"""What every bench script measures with: one clock, one CPU count, one peak-memory method.
+"""What every bench script measures with: one clock, one CPU count, one peak-memory method, one order of
+interleaved repeats, one way to summarise samples and to start a read from a cold cache.
 
 Importing it also puts this checkout first on ``sys.path``, so a bench run from bench/ measures this tree's
 deepnvme, not an installed one.
@@ -14,19 +15,24 @@ its period and spends a core's share on the sampling itself, which the measured 
 
 from __future__ import annotations
 
+import os
 import re
 import resource
+import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # this checkout's deepnvme, not an installed one
 
-__all__ = ["ROOT", "PeakMemory", "children_cpu", "cpu_self", "status_bytes", "timed", "wall"]
+__all__ = ["ROOT", "PeakMemory", "children_cpu", "cpu_self", "evict_tree", "interleave", "median_range",
+           "spread", "status_bytes", "timed", "wall"]
+
+T = TypeVar("T")
 
 
 def cpu_self() -> float:
@@ -78,3 +84,53 @@ class PeakMemory:
 
     def __exit__(self, *exc: object) -> None:
         self.extra = status_bytes("VmHWM")["VmHWM"] - self.start
+
+
+def interleave(heats: Sequence[Sequence[T]], repeats: int) -> Iterator[tuple[int, int, T]]:
+    """``(repeat, position of its heat in this repeat, contender)`` for every run of an interleaved bench.
+
+    A heat is a group of contenders measured back to back (the same size, the same setting). Within a heat
+    the order rotates by one every repeat, so that nobody always goes first (after a rest, on a cold disk
+    allowance) or always follows the same neighbour; the heats run in an order that reverses every repeat,
+    so that a load which drifts over the run does not always land on the same heat.
+    """
+    for r in range(repeats):
+        order = heats if r % 2 == 0 else heats[::-1]
+        for i, heat in enumerate(order):
+            k = r % len(heat) if heat else 0
+            for contender in [*heat[k:], *heat[:k]]:
+                yield r, i, contender
+
+
+def spread(values: Iterable[float]) -> dict[str, float]:
+    """Median, min and max of the samples (``n`` too): what every table cell shows."""
+    got = sorted(values)
+    if not got:
+        raise ValueError("spread of no samples")
+    return {"median": statistics.median(got), "min": got[0], "max": got[-1], "n": len(got)}
+
+
+def median_range(values: Iterable[float], digits: int = 2) -> str:
+    """``median (min–max)`` of the samples, or ``—`` when there are none."""
+    got = list(values)
+    if not got:
+        return "—"
+    s = spread(got)
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}–{s['max']:.{digits}f})"
+
+
+def evict_tree(*paths: str | os.PathLike[str]) -> int:
+    """Flush and drop from the page cache every file at or under ``paths`` (fdatasync + fadvise, no root
+    needed: deepnvme.tools.pagecache), so the next read comes from the drive. Returns how many pages of them
+    the cache still holds afterwards (mincore): 0 when the eviction worked, which a bench should report."""
+    from deepnvme.tools.pagecache import cached_pages, drop_file_cache
+
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += [f for f in p.rglob("*") if f.is_file() and not f.is_symlink()]
+        elif p.is_file():
+            files.append(p)
+    for f in files:
+        drop_file_cache(str(f))
+    return sum(cached_pages(f) for f in files)

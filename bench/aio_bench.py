@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _harness import ROOT, children_cpu, timed  # first: puts this checkout on sys.path
+from _harness import ROOT, children_cpu, interleave, timed  # first: puts this checkout on sys.path
 from aio_cases import MIB, SMALL_COUNT, SMALL_SIZE, Setting, aio_seq, aio_small, handle_settings
 
 from deepnvme._core.aio_types import AioModule  # noqa: E402
@@ -189,29 +189,25 @@ def baseline_cases(aio: AioModule, size: int, plain: Any, locked: Any, seq: str,
 
 # ---------------------------------------------------------------------------------------- measuring
 def measure(heats: list[list[Case]], repeats: int, rest: float, log: Callable[[str], None]) -> float:
-    """Run every heat `repeats` times: heats in an order that reverses every repeat, the contenders of a
-    heat back to back in an order that rotates every repeat. Returns the seconds it took."""
+    """Run every heat `repeats` times in the harness's interleaved order (heats reversed, contenders rotated
+    every repeat). Returns the seconds it took."""
     started = time.time()
-    for r in range(repeats):
-        order = heats if r % 2 == 0 else heats[::-1]
-        for i, heat in enumerate(order):
-            k = r % len(heat)
-            for c in heat[k:] + heat[:k]:
-                log(f"repeat {r + 1}/{repeats} [{i + 1}/{len(order)}] {c.group} {c.name} {c.op}"
-                    + (f" {c.setting.label()}" if c.setting else "")
-                    + (f" {format_size(c.size)}" if c.size else ""))
-                # Rest first: a virtual disk may run fast until a long stretch of transfers drains a
-                # host-side allowance, then hold a lower plateau until it idles. The rest scales with the
-                # bytes moved, so that small sizes are not mostly rest.
-                time.sleep(rest * min(1.0, c.nbytes / GIB))
-                before = layout_of(c.path) if c.path else None
-                result = c.run()
-                if c.path and layout_of(c.path) != before:
-                    c.layout_changes += 1
-                if result is None:  # a DeepSpeed case that failed: its note says why
-                    continue
-                secs, cpu, *extra = result
-                c.samples.append({"seconds": secs, "cpu": cpu, "repeat": r, **(extra[0] if extra else {})})
+    for r, i, c in interleave(heats, repeats):
+        log(f"repeat {r + 1}/{repeats} [{i + 1}/{len(heats)}] {c.group} {c.name} {c.op}"
+            + (f" {c.setting.label()}" if c.setting else "")
+            + (f" {format_size(c.size)}" if c.size else ""))
+        # Rest first: a virtual disk may run fast until a long stretch of transfers drains a host-side
+        # allowance, then hold a lower plateau until it idles. The rest scales with the bytes moved, so that
+        # small sizes are not mostly rest.
+        time.sleep(rest * min(1.0, c.nbytes / GIB))
+        before = layout_of(c.path) if c.path else None
+        result = c.run()
+        if c.path and layout_of(c.path) != before:
+            c.layout_changes += 1
+        if result is None:  # a DeepSpeed case that failed: its note says why
+            continue
+        secs, cpu, *extra = result
+        c.samples.append({"seconds": secs, "cpu": cpu, "repeat": r, **(extra[0] if extra else {})})
     return time.time() - started
 
 

@@ -43,3 +43,32 @@ def test_timer_counts_every_thread() -> None:
     _, one = _harness.timed(spin)
     assert wall > 0 and cpu > one * 1.5  # two threads' work, whatever the wall time
     assert _harness.wall(spin) > 0
+
+
+def test_interleave_rotates_within_heats_and_reverses_heats() -> None:
+    got = [(r, i, c) for r, i, c in _harness.interleave([["a1", "a2"], ["b1", "b2", "b3"]], 2)]
+    assert got == [(0, 0, "a1"), (0, 0, "a2"), (0, 1, "b1"), (0, 1, "b2"), (0, 1, "b3"),
+                   (1, 0, "b2"), (1, 0, "b3"), (1, 0, "b1"), (1, 1, "a2"), (1, 1, "a1")]
+
+
+def test_spread_and_median_range() -> None:
+    assert _harness.spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert _harness.median_range([1.0, 4.0, 2.0]) == "2.00 (1.00–4.00)"
+    assert _harness.median_range([]) == "—"
+    try:
+        _harness.spread([])
+    except ValueError as exc:
+        assert "no samples" in str(exc)
+    else:
+        raise AssertionError("spread of nothing must raise")
+
+
+def test_evict_tree_leaves_no_page_cached(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    for name in ("a.bin", "d/b.bin"):
+        (tmp_path / name).write_bytes(b"x" * (1 << 20))  # written through the cache: resident now
+    from deepnvme.tools.pagecache import cached_pages
+
+    assert cached_pages(tmp_path / "a.bin") > 0
+    assert _harness.evict_tree(tmp_path, tmp_path / "missing") == 0
+    assert cached_pages(tmp_path / "d" / "b.bin") == 0

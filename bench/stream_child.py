@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""One contender of bench/stream_bench.py in a process of its own: load a causal LM its way, decode, report.
+
+    python3 bench/stream_child.py '<json spec>'
+
+Started by stream_bench.py inside a memory cgroup (the cgroup's limit is its business, not this file's).
+The spec names the contender and the files:
+
+- ``memory``: ``AutoModelForCausalLM.from_pretrained(model_dir)``, every weight in memory;
+- ``accelerate``: the same with ``device_map="auto"``, ``max_memory={"cpu": max_memory}`` and
+  ``offload_folder``: what transformers and accelerate give a user whose model does not fit;
+- ``deepnvme-safetensors`` / ``deepnvme-store``: the model built on the meta device
+  (``accelerate.init_empty_weights``), then ``deepnvme.offload.stream_weights(model, store, budget)`` with the
+  Hugging Face directory itself or deepnvme's own store as the store.
+
+Then, for each batch size: the page cache of every data file dropped, a greedy prefill of a fixed prompt that
+yields the warm-up token (a streamed model records its execution order there), and ``tokens`` timed decode
+steps with the KV cache, each one forward of the last token. Printed as the last stdout line,
+``RESULT <json>``: seconds per step, the tokens (so the parent can check every contender decoded the same),
+bytes the process read from the drive per step (``/proc/self/io``), deepnvme's ``stats()`` over the timed
+steps, load seconds and the process's peak resident memory (``VmHWM``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _harness import evict_tree, status_bytes  # first: puts this checkout on sys.path
+
+CONTENDERS = ("memory", "accelerate", "deepnvme-safetensors", "deepnvme-store")
+
+
+def drive_read_bytes() -> int:
+    """Bytes this process has caused to be fetched from storage (``read_bytes`` of /proc/self/io): page-cache
+    misses and direct reads alike, whoever issued them (accelerate's memory maps, deepnvme's handle)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise RuntimeError("no read_bytes in /proc/self/io")
+
+
+def numeric(d: dict[str, Any]) -> dict[str, float]:
+    """The numeric entries of a stats() dict (nested dicts flattened with '.'), for differences."""
+    out: dict[str, float] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in numeric(v).items()})
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = float(v)
+    return out
+
+
+def load(spec: dict[str, Any]) -> Any:
+    """The model, loaded the contender's way, in eval mode."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kind, model_dir = spec["contender"], spec["model_dir"]
+    if kind == "memory":
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    elif kind == "accelerate":
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, device_map="auto", max_memory={"cpu": spec["max_memory"]},
+            offload_folder=spec["offload_dir"])
+    elif kind in ("deepnvme-safetensors", "deepnvme-store"):
+        from accelerate import init_empty_weights
+
+        from deepnvme.offload import stream_weights
+
+        config = AutoConfig.from_pretrained(model_dir)
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        store = model_dir if kind == "deepnvme-safetensors" else spec["store_dir"]
+        model = stream_weights(model, store, spec["budget"])
+    else:
+        raise ValueError(f"contender {kind!r} is not one of {', '.join(CONTENDERS)}")
+    return model.eval()
+
+
+def prompt(batch: int, length: int, vocab: int) -> Any:
+    """The fixed prompt: the first `batch` rows of 16 rows of seeded random token ids (no tokenizer: the
+    weights are random too), the same in every contender."""
+    import torch
+
+    g = torch.Generator().manual_seed(20)
+    rows = torch.randint(0, vocab, (max(16, batch), length), generator=g)
+    return rows[:batch]
+
+
+def decode(model: Any, batch: int, tokens: int, prompt_len: int, drop: list[str], streamed: bool
+           ) -> dict[str, Any]:
+    """Greedy decoding from a cold page cache: the prefill gives the warm-up token, then `tokens` steps of
+    one token per sequence are timed one by one, with the KV cache, logits of the last position only.
+    `streamed`: deepnvme streams the model (its stats() answers)."""
+    import torch
+
+    stats = None
+    if streamed:
+        from deepnvme.offload import stats
+    left = evict_tree(*drop)
+    ids = prompt(batch, prompt_len, model.config.vocab_size)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        warm = time.perf_counter() - t0
+        cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+        made = [nxt]
+        before = numeric(stats(model)) if stats else {}
+        io0 = drive_read_bytes()
+        steps = []
+        for _ in range(tokens):
+            t0 = time.perf_counter()
+            out = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            steps.append(time.perf_counter() - t0)
+            cache = out.cache
+            made.append(nxt)
+        io1 = drive_read_bytes()
+        after = numeric(stats(model)) if stats else {}
+    return {"batch": batch, "warmup_s": warm, "step_s": steps,
+            "tokens_per_s": batch * len(steps) / sum(steps) if steps else 0.0,
+            "drive_bytes_per_step": (io1 - io0) / max(1, len(steps)),
+            "pages_left_cached": left,
+            "tokens": torch.cat(made, dim=1).tolist(),
+            "stats": {k: after[k] - before.get(k, 0.0) for k in after},
+            "stats_total": after}
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[1])
+    import torch
+
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    io0 = drive_read_bytes()
+    model = load(spec)
+    result: dict[str, Any] = {"contender": spec["contender"], "load_s": time.perf_counter() - t0,
+                              "load_drive_bytes": drive_read_bytes() - io0, "runs": []}
+    if spec["contender"] == "accelerate":
+        result["device_map"] = {k: str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
+    for batch in spec["batches"]:
+        result["runs"].append(decode(model, batch, spec["tokens"], spec["prompt_len"], spec["drop"],
+                                      spec["contender"].startswith("deepnvme")))
+    result["peak_rss"] = status_bytes("VmHWM")["VmHWM"]
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
