@@ -7,8 +7,10 @@
 - :class:`OffloadedOptimizer` (optimizer.py): any torch.optim optimizer with its state on the drive.
 - :func:`stream_weights` / :func:`unstream` / :func:`stats` (stream.py): inference with the weights on the
   drive, each block read in just before it runs, from a store (store.py, the protocol): a safetensors
-  checkpoint read in place (safetensors_store.py, also :func:`load_safetensors`) or deepnvme's own
-  (ownstore.py, :func:`write_store`); bulk.py reads whole tensors through the pool. Mixture-of-Experts
+  checkpoint read in place (safetensors_store.py) or deepnvme's own
+  (ownstore.py, :func:`write_store`), opened by stores.py (the table of store kinds); bulk.py reads whole
+  tensors through the pool (:func:`load_safetensors`); model_map.py says which modules are units and
+  under which names a checkpoint keeps a tensor. Mixture-of-Experts
   experts are units of their own (expert_sets.py finds and maps them, expert_stream.py runs them), read
   only when routed to, through :class:`ExpertCache` (expert_cache.py: least-recently-used, in a locked
   pool of its own, demand before prefetch).
@@ -16,12 +18,15 @@
 
 from __future__ import annotations
 
+from deepnvme.offload.bulk import load_safetensors
 from deepnvme.offload.expert_cache import ExpertCache
 from deepnvme.offload.optimizer import OffloadedOptimizer
 from deepnvme.offload.ownstore import OwnStore, write_store
-from deepnvme.offload.safetensors_store import SafetensorsStore, load_safetensors
-from deepnvme.offload.store import Blob, Store, StoreError, TensorInfo, open_store
-from deepnvme.offload.stream import StreamedWeightError, stats, stream_weights, unstream
+from deepnvme.offload.placeholder import StreamedWeightError
+from deepnvme.offload.safetensors_store import SafetensorsStore
+from deepnvme.offload.store import Blob, Store, StoreError, TensorInfo
+from deepnvme.offload.stores import open_store
+from deepnvme.offload.stream import stats, stream_weights, unstream
 from deepnvme.offload.swap import Lease, ReadAhead, SwapSpace, Unit
 
 __all__ = ["Blob", "ExpertCache", "Lease", "OffloadedOptimizer", "OwnStore", "ReadAhead", "SafetensorsStore",

@@ -11,11 +11,13 @@ bytes pass (store.check). Used by load_safetensors, and by stream_weights for th
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from deepnvme.offload._doors import crc32
+from deepnvme.offload.safetensors_store import SafetensorsStore
 from deepnvme.offload.store import Blob, Store, TensorInfo, crc_error
 from deepnvme.offload.swap import ReadAhead, SwapSpace
 
@@ -112,3 +114,12 @@ def read_store(store: Store, names: list[str], device: torch.device,
     with SwapSpace(None, budget_bytes) as space:
         read_into(space, store, dests)
     return dests
+
+
+def load_safetensors(path: str | os.PathLike, device: str | torch.device = "cpu", *,
+                     budget_bytes: int = 64 << 20) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors checkpoint at `path` (file or directory, sharded or not), as a new
+    tensor on `device`, read at disk speed: large O_DIRECT reads through `budget_bytes` of locked memory
+    (two requests in flight), copied into the destination tensors as each lands; no page cache."""
+    store = SafetensorsStore(path)
+    return read_store(store, list(store.tensors()), torch.device(device), budget_bytes)

@@ -25,11 +25,11 @@ import inspect
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
+from deepnvme.offload.model_map import _conversions, _plain, find_tensor
 from deepnvme.offload.store import StoreError, TensorInfo
 
 MODULES, FUSED = "modules", "fused"
@@ -163,53 +163,9 @@ def split_fused(model: nn.Module,
 
 
 # ---------------------------------------------------------------------------------------------- store mapping
-def _conversions(model: nn.Module) -> list[Any]:
-    """The model's checkpoint conversion table in transformers (none for other models), looked up once per
-    model class and type (transformers hands out a deep copy at each call)."""
-    config = getattr(model, "config", None)
-    if config is None or "transformers" not in type(model).__module__:
-        return []
-    return _conversions_of(type(model), getattr(config, "model_type", None), model)
-
-
-_TABLES: dict[tuple[type, Any], list[Any]] = {}
-
-
-def _conversions_of(cls: type, model_type: Any, model: nn.Module) -> list[Any]:
-    key = (cls, model_type)
-    if key not in _TABLES:
-        try:
-            from transformers.conversion_mapping import extract_weight_conversions_for_model
-
-            _TABLES[key] = list(extract_weight_conversions_for_model(model) or [])
-        except Exception:  # noqa: BLE001 - transformers missing or unable to map this model: no table
-            _TABLES[key] = []
-    return _TABLES[key]
-
-
-def _plain(pattern: str) -> bool:
-    return re.fullmatch(r"[\w.]+", pattern) is not None
-
-
-def checkpoint_names(model: nn.Module, name: str) -> list[str]:
-    """Names a checkpoint may give model tensor `name` (the name itself first), through the renamings in
-    the model's transformers conversion table read backwards (Mixtral's ``.mlp.`` is
-    ``.block_sparse_moe.`` in its checkpoints)."""
-    out = [name]
-    for conv in _conversions(model):
-        if type(conv).__name__ != "WeightRenaming":
-            continue
-        src, dst = conv.source_patterns[0], conv.target_patterns[0]
-        if _plain(src) and _plain(dst):
-            out += [n.replace(dst, src) for n in out if dst in n]
-    return list(dict.fromkeys(out))
-
-
 def _lookup(store_tensors: Mapping[str, TensorInfo], model: nn.Module, name: str) -> TensorInfo | None:
     """Store tensor `name` under any of the names a checkpoint may give it (stream_weights' lookup)."""
-    from deepnvme.offload.stream import _find
-
-    return _find(store_tensors, model, [name])
+    return find_tensor(store_tensors, model, [name])
 
 
 def _per_expert_sources(model: nn.Module, s: ExpertSet, param: str, e: int) -> list[str] | None:

@@ -29,7 +29,8 @@ from torch import nn
 
 from deepnvme.offload.expert_cache import ExpertCache
 from deepnvme.offload.expert_sets import FUSED, ExpertSet, Part, expert_parts, find_expert_sets
-from deepnvme.offload.store import Blob, Store, check, runs, tensor_in
+from deepnvme.offload.placeholder import Placeholder
+from deepnvme.offload.store import Blob, Store, check, lease_bytes, runs, tensor_in
 from deepnvme.offload.swap import Lease, SwapSpace
 
 
@@ -71,8 +72,6 @@ class ExpertStreamer:
     """The expert sets of one streamed model and the cache they are read through."""
 
     def __init__(self, model: nn.Module, store: Store, sets: list[ExpertSet]) -> None:
-        from deepnvme.offload._doors import PAGE
-        from deepnvme.offload.stream import _lease_bytes
 
         self.model, self.store, self.sets = model, store, sets
         self.owned = {id(t) for s in sets for t in s.tensors()}
@@ -86,7 +85,7 @@ class ExpertStreamer:
                     blobs = store.blobs([i.name for i in infos])
                 else:  # slices of fused tensors: ranges the store does not list
                     blobs = runs(infos)
-                self.experts[(si, e)] = _Expert((si, e), parts, blobs, _lease_bytes(blobs, PAGE))
+                self.experts[(si, e)] = _Expert((si, e), parts, blobs, lease_bytes(blobs))
         self.largest = max(x.lease_bytes for x in self.experts.values())
         self.cache: ExpertCache | None = None
         self._saved: list[tuple[nn.Module, str, Any]] = []  # (module, attr in __dict__, previous or None)
@@ -102,7 +101,6 @@ class ExpertStreamer:
     # ------------------------------------------------------------------------------------------ install
     def install(self, space: SwapSpace, capacity: int) -> None:
         """Create the cache (`capacity` bytes of locked memory) and put placeholders and forwards in place."""
-        from deepnvme.offload.stream import Placeholder
 
         self.cache = ExpertCache(space, capacity)
         try:
@@ -148,7 +146,6 @@ class ExpertStreamer:
     def _apply(self, s: ExpertSet) -> Any:
         """`model.to(...)`, `.half()` and the like on an expert set: its placeholders take the new device
         and dtype (reads are converted to them), the rest of the module is moved as usual."""
-        from deepnvme.offload.stream import Placeholder
 
         mod = s.module
 

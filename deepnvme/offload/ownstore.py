@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from deepnvme.offload._doors import atomic_target, crc32, open_regular, write_atomically
+from deepnvme.offload.model_map import tensor_aliases, unit_names
 from deepnvme.offload.pool import round_up
 from deepnvme.offload.store import Blob, StoreError, TensorInfo, runs
 
@@ -55,8 +56,6 @@ def _default_units(names: Iterable[str]) -> list[str]:
 def _named_tensors(obj: nn.Module | Mapping[str, torch.Tensor]) -> list[tuple[list[str], torch.Tensor]]:
     """(names, tensor) of each distinct tensor: tied ones once, under all their names."""
     if isinstance(obj, nn.Module):
-        from deepnvme.offload.stream import tensor_aliases
-
         return [(names, t) for names, t in tensor_aliases(obj)]
     if not isinstance(obj, Mapping):
         raise TypeError(f"write_store takes a torch.nn.Module or a state dict, got {type(obj).__name__}")
@@ -90,8 +89,6 @@ def write_store(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], dir
             raise ValueError(f"tensor {names[0]!r} is on the meta device: it has no values to write")
     if units is None:
         if isinstance(model_or_state_dict, nn.Module):
-            from deepnvme.offload.stream import unit_names
-
             units = unit_names(model_or_state_dict)
         else:
             units = _default_units(n for names, _ in tensors for n in names)

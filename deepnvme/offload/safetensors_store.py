@@ -174,13 +174,3 @@ class SafetensorsStore:
     def __repr__(self) -> str:
         return f"SafetensorsStore({self.path!r}, {len(self._tensors)} tensors)"
 
-
-def load_safetensors(path: str | os.PathLike, device: str | torch.device = "cpu", *,
-                     budget_bytes: int = 64 << 20) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors checkpoint at `path` (file or directory, sharded or not), as a new
-    tensor on `device`, read at disk speed: large O_DIRECT reads through `budget_bytes` of locked memory
-    (two requests in flight), copied into the destination tensors as each lands; no page cache."""
-    from deepnvme.offload.bulk import read_store
-
-    store = SafetensorsStore(path)
-    return read_store(store, list(store.tensors()), torch.device(device), budget_bytes)

@@ -19,7 +19,6 @@ Implementations: `SafetensorsStore` (a Hugging Face checkpoint, one file or shar
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -27,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from deepnvme.offload._doors import PAGE, crc32
+from deepnvme.offload.pool import round_up
 
 # Tensors of one run may be apart by up to this many bytes and still be read in one request (the gap is
 # read and ignored): one request costs more than a page of bandwidth.
@@ -117,13 +117,6 @@ def check(blob: Blob, data: Any) -> None:
         raise crc_error(blob)
 
 
-def open_store(path: str | os.PathLike) -> Store:
-    """The store at `path`: a deepnvme store directory (its manifest), a safetensors file, or a
-    directory holding `model.safetensors` or `model.safetensors.index.json`."""
-    from deepnvme.offload.ownstore import MANIFEST, OwnStore
-    from deepnvme.offload.safetensors_store import SafetensorsStore
-
-    path = os.fspath(path)
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST)):
-        return OwnStore(path)
-    return SafetensorsStore(path)
+def lease_bytes(blobs: list[Blob]) -> int:
+    """Pool bytes a lease of `blobs` takes: each read widened to whole pages around it."""
+    return sum(round_up(round_up(b.offset + b.nbytes) - b.offset // PAGE * PAGE) for b in blobs)

@@ -27,7 +27,6 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,47 +35,13 @@ from torch import nn
 
 from deepnvme.offload.bulk import read_into
 from deepnvme.offload.expert_stream import ExpertStreamer, split_budget
-from deepnvme.offload.pool import round_up
-from deepnvme.offload.store import Blob, Store, StoreError, TensorInfo, check, open_store, tensor_in
+from deepnvme.offload.model_map import _tensor_slots, _unit_modules, find_tensor
+from deepnvme.offload.placeholder import Placeholder
+from deepnvme.offload.store import Blob, Store, StoreError, TensorInfo, check, lease_bytes, tensor_in
+from deepnvme.offload.stores import open_store
 from deepnvme.offload.swap import Lease, ReadAhead, SwapSpace, Unit
 
 _ATTR = "_deepnvme_stream"
-
-
-class StreamedWeightError(RuntimeError):
-    """A streamed tensor was used outside the forward of its unit."""
-
-
-class Placeholder(torch.Tensor):
-    """Stands for a streamed tensor between forwards: shape, dtype and device are the real ones (code that
-    asks `model.device` or `model.dtype` works); any computation raises StreamedWeightError naming it."""
-
-    _name: str
-    _unit: str
-
-    @staticmethod
-    def __new__(cls, name: str, unit: str, shape: Sequence[int], dtype: torch.dtype,
-                device: torch.device) -> Placeholder:
-        t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
-        t._name, t._unit = name, unit
-        return t
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        found = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, Placeholder)]
-        what = found[0] if found else None
-        name = what._name if what is not None else "a streamed tensor"
-        unit = what._unit if what is not None else "?"
-        raise StreamedWeightError(
-            f"{name} is streamed from the drive by deepnvme.offload.stream_weights: its values exist only "
-            f"during the forward of unit {unit!r} ({func} was called outside it); run the model, or call "
-            "deepnvme.offload.unstream(model) to have the weights in memory again")
-
-    def __repr__(self, **_: Any) -> str:  # type: ignore[override]
-        return (f"Placeholder({self._name}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-                f"device={self.device}, streamed by deepnvme.offload)")
 
 
 @dataclass
@@ -307,105 +272,6 @@ class _Streamer:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The ModuleList of repeated blocks holding the most parameters (GPT-2's transformer.h, Llama's
-    model.layers)."""
-    best: tuple[int, str, nn.ModuleList] | None = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({type(c) for c in mod}) == 1:
-            n = sum(p.numel() * p.element_size() for p in mod.parameters())
-            if n > 0 and (best is None or n > best[0]):
-                best = (n, name, mod)
-    if best is None:
-        raise ValueError(f"no ModuleList of repeated blocks with parameters in {type(model).__name__}: pass "
-                         "units= (the name of the module list, or a list of modules or module names)")
-    return best[1], best[2]
-
-
-def _unit_modules(model: nn.Module, units: Any) -> list[tuple[str, nn.Module]]:
-    names = {id(m): n for n, m in model.named_modules()}
-    if units is None:
-        chosen: list[Any] = list(_blocks(model)[1])
-    elif isinstance(units, str):
-        try:
-            container = model.get_submodule(units)
-        except AttributeError:
-            raise ValueError(f"units={units!r}: no such module in {type(model).__name__}") from None
-        chosen = list(container.children())
-        if not chosen:
-            raise ValueError(f"units={units!r}: the module has no children to stream one by one")
-    elif isinstance(units, (list, tuple)) and units:
-        chosen = list(units)
-    else:
-        raise TypeError("units must be None, a module name or a non-empty list of modules or names, "
-                        f"got {units!r}")
-    out = []
-    for c in chosen:
-        if isinstance(c, str):
-            try:
-                c = model.get_submodule(c)
-            except AttributeError:
-                raise ValueError(f"units: no module named {c!r} in {type(model).__name__}") from None
-        if not isinstance(c, nn.Module) or id(c) not in names:
-            raise ValueError(f"units: {c!r} is not a submodule of the model")
-        if c is model:
-            raise ValueError("units: the model itself cannot be a unit (its blocks are)")
-        out.append((names[id(c)], c))
-    seen = [n for n, _ in out]
-    for a in seen:
-        for b in seen:
-            if a != b and b.startswith(a + "."):
-                raise ValueError(f"units: {b!r} lies inside {a!r}; units must not nest")
-    if len(set(seen)) != len(seen):
-        raise ValueError("units: a module is named twice")
-    return out
-
-
-def _tensor_slots(model: nn.Module) -> dict[int, list[tuple[str, str, nn.Module, str, bool]]]:
-    """Every tensor of the model by identity: its (full name, module name, module, attribute, is_param)."""
-    out: dict[int, list[tuple[str, str, nn.Module, str, bool]]] = {}
-    for mname, mod in model.named_modules(remove_duplicate=False):
-        for is_param, tensors in ((True, mod._parameters), (False, mod._buffers)):
-            for attr, t in tensors.items():
-                if t is not None:
-                    full = f"{mname}.{attr}" if mname else attr
-                    out.setdefault(id(t), []).append((full, mname, mod, attr, is_param))
-    return out
-
-
-def tensor_aliases(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
-    """Each distinct tensor of the model (parameters and buffers) with all the names it has (tied weights
-    have several)."""
-    out = []
-    for aliases in _tensor_slots(model).values():
-        mod, attr, p = aliases[0][2], aliases[0][3], aliases[0][4]
-        out.append(([a[0] for a in aliases], (mod._parameters if p else mod._buffers)[attr]))
-    return out
-
-
-def unit_names(model: nn.Module, units: Any = None) -> list[str]:
-    """The qualified names of the modules stream_weights makes units of (same `units` argument)."""
-    return [n for n, _ in _unit_modules(model, units)]
-
-
-def _find(store_tensors: Any, model: nn.Module, names: list[str]) -> TensorInfo | None:
-    from deepnvme.offload.expert_sets import checkpoint_names
-
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    for n in [c for x in names for c in checkpoint_names(model, x)]:
-        candidates = [n]
-        if prefix:
-            candidates += [n[len(prefix) + 1:]] if n.startswith(prefix + ".") else [f"{prefix}.{n}"]
-        for c in candidates:
-            if c in store_tensors:
-                return store_tensors[c]
-    return None
-
-
-def _lease_bytes(blobs: list[Blob], page: int) -> int:
-    return sum(round_up(round_up(b.offset + b.nbytes) - b.offset // page * page) for b in blobs)
-
-
 # ---------------------------------------------------------------------------------------------- the API
 def stream_weights(model: nn.Module, store: Store | str | os.PathLike, budget_bytes: int, *,
                    units: Any = None, prefetch: bool = True) -> nn.Module:
@@ -461,7 +327,7 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
         for _, mname, *_ in aliases:
             home = next((k for p, k in unit_of.items() if mname == p or mname.startswith(p + ".")), None)
             homes.add(home)
-        info = _find(tensors, model, full)
+        info = find_tensor(tensors, model, full)
         if info is None:
             if is_param or t.is_meta:
                 if not is_param and attr0 in mod0._non_persistent_buffers_set:
@@ -488,7 +354,7 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
     for k, (name, mod) in enumerate(chosen):
         names = list(dict.fromkeys(s.info.name for s in slots[k]))
         blobs = store.blobs(names) if names else []
-        need = _lease_bytes(blobs, PAGE)
+        need = lease_bytes(blobs)
         if need > budget // PAGE * PAGE:
             raise ValueError(f"unit {name!r} takes {need} bytes of locked memory, over "
                              f"budget_bytes={budget}: raise budget_bytes to at least {need} (more lets "
@@ -496,7 +362,7 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
         plan.append(_Unit(name, mod, slots[k], blobs))
     expert_bytes = 0
     if experts is not None:
-        budget, expert_bytes = split_budget(budget, [_lease_bytes(u.blobs, PAGE) for u in plan],
+        budget, expert_bytes = split_budget(budget, [lease_bytes(u.blobs) for u in plan],
                                             experts.largest)
     space = SwapSpace(None, budget)
     try:

@@ -27,7 +27,7 @@ from deepnvme.offload import (
     unstream,
     write_store,
 )
-from deepnvme.offload.stream import Placeholder
+from deepnvme.offload.placeholder import Placeholder
 from tests.offload.helpers import open_fds
 from tests.offload.stream_models import PROMPT, build, generate, require_hf, save
 

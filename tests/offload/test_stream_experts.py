@@ -261,7 +261,7 @@ def test_interrupted_forward_leaves_the_model_usable(gpt_ref: dict) -> None:
     hook.remove()
     cache = model._deepnvme_stream.experts.cache
     assert not any(e.in_use for e in cache._entries.values())  # nothing held; the next request resets
-    from deepnvme.offload.stream import Placeholder
+    from deepnvme.offload.placeholder import Placeholder
 
     assert all(isinstance(p, Placeholder) for p in victim.parameters())
     tokens, logits = gpt_generate(model)
