@@ -612,8 +612,7 @@ class _Prefetched:
 
     The file is cut at the page-aligned interior ("body") of every large storage payload: each body is
     read into a storage of the payload's size whose memory lies at the payload's offset from a page, so
-    the handle reads it O_DIRECT straight into place (all these storages in one mapping, each freeing
-    its own pages); the gaps between bodies (headers, small members,
+    the handle reads it O_DIRECT straight into place; the gaps between bodies (headers, small members,
     the payloads' partial first and last pages, the directory) are read into one page-aligned scratch
     buffer. The reads go in batches of about BATCH_BYTES, alternating between the handles: while one
     batch is read, the one before it is finished (its payloads' partial pages copied in from the gaps,
@@ -628,17 +627,16 @@ class _Prefetched:
         self._by_name = {r.name.partition("/")[2]: r for r in records.values()}
         ordered = sorted(records.values(), key=lambda r: r.offset)
         large = [r for r in ordered if r.is_storage and r.size >= PREFETCH_OWN_BYTES]
-        # All in one mapping (each storage still frees its own pages): their first touch, which is the
-        # reads into them, then costs the kernel less than in a mapping per storage.
-        own = aio_module().empty_at_residues([r.size for r in large], [r.offset % PAGE for r in large])
+        empty_at_residue = aio_module().empty_at_residue
         self._tensors: dict[int, Any] = {}  # offset -> uint8 tensor over the payload's own storage
         pieces: list[_Piece] = []
         gaps: list[tuple[int, int]] = []  # file ranges read into scratch
         at = 0
-        for r, tensor in zip(large, own, strict=True):
+        for r in large:
             body_start, body_end = round_up(r.offset), r.end // PAGE * PAGE
             if body_start > at:
                 gaps.append((at, body_start))
+            tensor = empty_at_residue(r.size, r.offset % PAGE)
             self._tensors[r.offset] = tensor
             pieces.append(_Piece(body_start, tensor[body_start - r.offset:body_end - r.offset]))
             at = body_end

@@ -6,18 +6,11 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
-#include <vector>
 
 namespace dnv {
 
 // A uint8 tensor of `nbytes` whose first byte lies `residue` bytes past a page boundary (0 <= residue <
 // page size). Its storage owns the memory and, like those torch.load makes, is not resizable. Throws ArgError for bad sizes, std::bad_alloc without memory.
 at::Tensor empty_at_residue(int64_t nbytes, int64_t residue);
-
-// One such tensor per (nbytes, residue) pair, all in one anonymous mapping: each owns whole pages of it
-// and unmaps them when its storage dies, so their lifetimes stay independent. Throws ArgError for bad
-// sizes or lists of different lengths, std::bad_alloc without memory.
-std::vector<at::Tensor> empty_at_residues(const std::vector<int64_t>& nbytes,
-                                          const std::vector<int64_t>& residues);
 
 }  // namespace dnv

@@ -79,8 +79,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("dest"), py::arg("src"));
     m.def("empty_at_residue", &empty_at_residue, py::arg("nbytes"), py::arg("residue"),
           "A uint8 CPU tensor whose memory starts `residue` bytes past a page boundary (deepnvme.load).");
-    m.def("empty_at_residues", &empty_at_residues, py::arg("nbytes"), py::arg("residues"),
-          "Such tensors for each (nbytes, residue) pair, in one mapping, each freeing its own pages.");
     m.def("staging_pool_stats", [] {
         StagingArena::Stats s = StagingArena::shared().stats();
         py::dict d;

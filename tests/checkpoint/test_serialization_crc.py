@@ -163,29 +163,6 @@ def test_empty_at_residue_checks_its_arguments(aio_module: ModuleType) -> None:
             aio_module.empty_at_residue(nbytes, residue)
 
 
-def test_empty_at_residues_gives_each_tensor_its_own_pages(aio_module: ModuleType) -> None:
-    """One mapping for all, yet each tensor at its residue, the right size, and alive on its own: the
-    others stay usable (and keep their bytes) after some are freed."""
-    sizes, residues = [3 * PAGE + 5, 0, 100, 2 * PAGE], [64, 0, PAGE - 1, 0]
-    ts = aio_module.empty_at_residues(sizes, residues)
-    assert [t.numel() for t in ts] == sizes
-    assert [t.data_ptr() % PAGE for t in ts] == residues
-    assert all(not t.untyped_storage().resizable() for t in ts)
-    for i, t in enumerate(ts):
-        t.fill_(i + 1)
-    del ts[0], ts[1]  # the first and the third: the empty one and the last remain
-    assert [t.numel() for t in ts] == [0, 2 * PAGE] and bool((ts[1] == 4).all())
-    ts[1].fill_(9)
-    assert int(ts[1].sum()) == 9 * 2 * PAGE
-    assert aio_module.empty_at_residues([], []) == []
-
-
-def test_empty_at_residues_checks_its_arguments(aio_module: ModuleType) -> None:
-    for nbytes, residues in (([1, 2], [0]), ([-1], [0]), ([10], [-1]), ([10], [PAGE])):
-        with pytest.raises(ValueError, match="nbytes|residue"):
-            aio_module.empty_at_residues(nbytes, residues)
-
-
 def test_replacing_a_file_frees_it_after_the_rename(tmp_path: Path, handle: Any) -> None:
     """The replaced file is held open across the rename and closed on another thread: no descriptor
     stays open once that is done, the new content is there, and no other file is left."""
