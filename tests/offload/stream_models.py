@@ -18,6 +18,7 @@ def require_hf() -> None:
 
 PROMPT = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
 NEW_TOKENS = 32
+BUDGET = 512 << 10  # two of the four blocks: reads run ahead, units are read again each forward
 
 
 def config(kind: str) -> Any:

@@ -16,11 +16,9 @@ from deepnvme.offload import (
     unstream,
     write_store,
 )
-from tests.offload.stream_models import NEW_TOKENS, PROMPT, build, generate, require_hf, save
+from tests.offload.stream_models import BUDGET, NEW_TOKENS, PROMPT, build, generate, require_hf, save
 
 require_hf()
-
-BUDGET = 512 << 10  # two of the four blocks: reads run ahead, units are read again each forward
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])

@@ -29,11 +29,10 @@ from deepnvme.offload import (
 )
 from deepnvme.offload.placeholder import Placeholder
 from tests.offload.helpers import open_fds
-from tests.offload.stream_models import PROMPT, build, generate, require_hf, save
+from tests.offload.stream_models import BUDGET, PROMPT, build, generate, require_hf, save
+from tests.support.thread_helpers import run_threads
 
 require_hf()
-
-BUDGET = 512 << 10  # two of the four blocks: reads run ahead, units are read again each forward
 
 
 @pytest.fixture(scope="module")
@@ -236,20 +235,11 @@ def test_two_threads_are_serialized(gpt2: dict) -> None:
     for i, block in enumerate(model.transformer.h):
         block.attn.register_forward_hook(lambda *_, i=i: seen.append((threading.get_ident(), i)))
     results: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
 
     def run(k: int) -> None:
-        try:
-            results[k] = generate(model)[0]
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
+        results[k] = generate(model)[0]
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_threads([lambda k=k: run(k) for k in range(2)])
     assert all(torch.equal(results[k], gpt2["tokens"]) for k in range(2))
     for start in range(0, len(seen), 4):  # each forward: blocks 0..3, all from one thread
         run4 = seen[start:start + 4]
