@@ -146,10 +146,17 @@ def write_store(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], dir
 
 
 def _old_weights(directory: str) -> str | None:
+    """The weights file the store in `directory` names, to remove once replaced (None: no store there, or
+    an unreadable manifest that is simply replaced). A manifest path that is not a regular file (a FIFO)
+    is refused, naming it, rather than waited on or replaced."""
     try:
-        with open(os.path.join(directory, MANIFEST)) as f:
-            name = json.load(f).get("file")
-    except (OSError, ValueError, AttributeError):
+        fd = open_regular(os.path.join(directory, MANIFEST))
+    except FileNotFoundError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            name = json.loads(f.read()).get("file")
+    except (ValueError, AttributeError):
         return None
     return name if isinstance(name, str) and "/" not in name else None
 
@@ -172,9 +179,13 @@ class OwnStore:
             raise StoreError(f"{manifest_path}: 'file' must name the weights file in the store directory")
         self.file = os.path.join(self.path, file)
         try:
-            size = os.stat(self.file).st_size
+            fd = open_regular(self.file)  # a FIFO is refused, not waited on by the reads later
         except FileNotFoundError:
             raise FileNotFoundError(2, "the store's weights file is missing", self.file) from None
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
         self._tensors: dict[str, TensorInfo] = {}
         self._blobs: list[Blob] = []
         self._crc: dict[str, int] = {}

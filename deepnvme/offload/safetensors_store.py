@@ -126,10 +126,13 @@ def shard_files(path: str) -> list[str]:
 
 
 def _weight_map(index: str) -> dict[str, str]:
+    """The index's tensor -> shard map. A FIFO or device named like the index is refused (OSError naming
+    it), never waited on."""
+    with os.fdopen(open_regular(index), "rb") as f:
+        raw = f.read()
     try:
-        with open(index) as f:
-            wm = json.load(f).get("weight_map")
-    except (OSError, ValueError, AttributeError) as exc:
+        wm = json.loads(raw).get("weight_map")
+    except (ValueError, AttributeError) as exc:
         raise StoreError(f"{index}: not a readable safetensors index ({exc})") from None
     if not isinstance(wm, dict) or not all(isinstance(v, str) and "/" not in v for v in wm.values()):
         raise StoreError(f"{index}: 'weight_map' must map tensor names to shard file names")

@@ -330,6 +330,37 @@ def test_fifo_or_directory_instead_of_a_checkpoint(tmp_path: Path) -> None:
         SafetensorsStore(tmp_path)  # the directory's model.safetensors is that FIFO
 
 
+@pytest.mark.timeout(60)  # the defect was a hang: fail fast instead
+def test_fifo_index_or_manifest_is_refused_not_waited_on(gpt2: dict, tmp_path: Path) -> None:
+    """A FIFO named like the sharded index, the store manifest or its weights file: every entry point
+    refuses it at once with an OSError naming it."""
+    from deepnvme.offload import load_safetensors, open_store
+
+    d = _copy(gpt2["sharded"], tmp_path / "sharded")
+    index = d / "model.safetensors.index.json"
+    index.unlink()
+    os.mkfifo(index)
+    for call in (lambda: open_store(d), lambda: SafetensorsStore(d), lambda: load_safetensors(d),
+                 lambda: stream_weights(build("gpt2", empty=True), d, BUDGET)):
+        with pytest.raises(OSError, match="not a regular file") as err:
+            call()
+        assert err.value.filename == str(index)
+    target = tmp_path / "target"
+    target.mkdir()
+    os.mkfifo(target / "manifest.json")
+    with pytest.raises(OSError, match="not a regular file") as err:
+        write_store(gpt2["model"], target)
+    assert err.value.filename == str(target / "manifest.json")
+    assert os.listdir(target) == ["manifest.json"]  # nothing written beside it
+    own = _copy(gpt2["own"], tmp_path / "own")
+    weights = own / json.loads((own / "manifest.json").read_text())["file"]
+    weights.unlink()
+    os.mkfifo(weights)
+    with pytest.raises(OSError, match="not a regular file") as err:
+        open_store(own)
+    assert err.value.filename == str(weights)
+
+
 def test_own_store_with_a_bad_manifest_or_a_cut_file(gpt2: dict, tmp_path: Path) -> None:
     from deepnvme.offload import OwnStore
 
