@@ -161,6 +161,22 @@ def _old_weights(directory: str) -> str | None:
     return name if isinstance(name, str) and "/" not in name else None
 
 
+def _count(entry: dict, key: str, where: str) -> int:
+    """entry[key] as a non-negative int (a byte offset, a length, a CRC), else a StoreError naming it."""
+    v = entry.get(key)
+    if type(v) is not int or v < 0:
+        raise StoreError(f"{where}: {key!r} is {v!r}, not a non-negative integer")
+    return v
+
+
+def _no_overlap(spans: list[tuple[int, int, str]], manifest_path: str, what: str) -> None:
+    """Refuse (start, end, name) byte ranges, sorted, of which two overlap: two tensors (or blobs) read
+    from the same bytes would give wrong values silently."""
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise StoreError(f"{manifest_path}: {what} {a} and {b} overlap in the weights file")
+
+
 class OwnStore:
     """The store written by write_store in `path` (see the module and store.py)."""
 
@@ -189,36 +205,71 @@ class OwnStore:
         self._tensors: dict[str, TensorInfo] = {}
         self._blobs: list[Blob] = []
         self._crc: dict[str, int] = {}
-        for b in m.get("blobs", []):
-            infos = []
-            for e in b["tensors"]:
-                infos.extend(self._entry(e, size))
-            blob_end = b["offset"] + b["nbytes"]
-            if blob_end > size:
-                raise StoreError(f"unit {b.get('unit')!r}: its blob ends at byte {blob_end} but {self.file} "
-                                 f"has {size}: the file is truncated")
-            self._blobs.append(Blob(self.file, b["offset"], b["nbytes"], tuple(infos), b["crc"]))
+        blobs = m.get("blobs", [])
+        if not isinstance(blobs, list):
+            raise StoreError(f"{manifest_path}: 'blobs' is a {type(blobs).__name__}, not a list")
+        spans: list[tuple[int, int, str]] = []
+        for i, b in enumerate(blobs):
+            unit = b.get("unit") if isinstance(b, dict) else None
+            where = f"{manifest_path}: blob {i} (unit {unit!r})"
+            if not isinstance(b, dict):
+                raise StoreError(f"{where}: is a {type(b).__name__}, not an object")
+            offset, nbytes = _count(b, "offset", where), _count(b, "nbytes", where)
+            crc = _count(b, "crc", where)
+            entries = b.get("tensors")
+            if not isinstance(entries, list):
+                raise StoreError(f"{where}: 'tensors' is missing or not a list")
+            infos: list[TensorInfo] = []
+            inside: list[tuple[int, int, str]] = []
+            for e in entries:
+                aliases = self._entry(e, offset, nbytes, manifest_path, where)
+                infos.extend(aliases)
+                t = aliases[0]  # the names of one entry are one tensor (tied weights)
+                if t.nbytes:
+                    inside.append((t.offset, t.offset + t.nbytes, repr(t.name)))
+            _no_overlap(sorted(inside), manifest_path, "tensors")
+            if offset + nbytes > size:
+                cut = next((t.name for t in infos if t.offset + t.nbytes > size), None)
+                what = f"tensor {cut!r}'s data" if cut is not None else "its blob"
+                raise StoreError(f"{where}: {what} ends past byte {size}, the end of {self.file}: the file "
+                                 "is truncated")
+            spans.append((offset, offset + nbytes, f"unit {unit!r}"))
+            self._blobs.append(Blob(self.file, offset, nbytes, tuple(infos), crc))
+        _no_overlap(sorted(s for s in spans if s[0] < s[1]), manifest_path, "blobs")
 
-    def _entry(self, e: dict[str, Any], size: int) -> list[TensorInfo]:
-        names = e.get("names") or ["?"]
-        where = f"tensor {names[0]!r} in {self.file}"
-        dtype = _DTYPES.get(e.get("dtype"))  # type: ignore[arg-type]
+    def _entry(self, e: Any, blob_offset: int, blob_nbytes: int, manifest_path: str,
+               blob_where: str) -> list[TensorInfo]:
+        """The TensorInfo of each name of manifest entry `e` (of the blob at `blob_offset`), every claim
+        checked: names, dtype, shape, offset and nbytes inside the blob, nbytes = numel * itemsize."""
+        if not isinstance(e, dict):
+            raise StoreError(f"{blob_where}: a tensor entry is a {type(e).__name__}, not an object")
+        names = e.get("names")
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            raise StoreError(f"{blob_where}: a tensor entry's 'names' {names!r} is not a list of names")
+        where = f"tensor {names[0]!r} in {manifest_path}"
+        dtype = _DTYPES.get(e.get("dtype")) if isinstance(e.get("dtype"), str) else None
         if dtype is None:
             raise StoreError(f"{where}: unknown dtype {e.get('dtype')!r} in the manifest")
-        shape = tuple(e["shape"])
+        shape = e.get("shape")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise StoreError(f"{where}: 'shape' {shape!r} is not a list of non-negative integers")
+        offset, nbytes, crc = _count(e, "offset", where), _count(e, "nbytes", where), _count(e, "crc", where)
         numel = 1
         for d in shape:
             numel *= d
-        if numel * dtype.itemsize != e["nbytes"]:
-            raise StoreError(f"{where}: the manifest gives {e['nbytes']} bytes for {e['dtype']} {shape}")
-        if e["offset"] + e["nbytes"] > size:
-            raise StoreError(f"{where}: its data ends at byte {e['offset'] + e['nbytes']} but the file has "
-                             f"{size}: the file is truncated")
+        if numel * dtype.itemsize != nbytes:
+            raise StoreError(f"{where}: the manifest gives {nbytes} bytes for {e['dtype']} {tuple(shape)}, "
+                             f"which takes {numel * dtype.itemsize}")
+        if not blob_offset <= offset <= offset + nbytes <= blob_offset + blob_nbytes:
+            raise StoreError(f"{where}: bytes {offset}..{offset + nbytes} lie outside its blob (bytes "
+                             f"{blob_offset}..{blob_offset + blob_nbytes} of {self.file})")
         out = []
         for n in names:
-            info = TensorInfo(n, self.file, e["offset"], e["nbytes"], dtype, shape)
+            if n in self._tensors:
+                raise StoreError(f"tensor {n!r} is listed twice in {manifest_path}")
+            info = TensorInfo(n, self.file, offset, nbytes, dtype, tuple(shape))
             self._tensors[n] = info
-            self._crc[n] = e["crc"]
+            self._crc[n] = crc
             out.append(info)
         return out
 

@@ -369,7 +369,8 @@ def test_own_store_with_a_bad_manifest_or_a_cut_file(gpt2: dict, tmp_path: Path)
     good = manifest.read_text()
     weights = d / json.loads(good)["file"]
     os.truncate(weights, weights.stat().st_size - 8192)
-    with pytest.raises(StoreError, match=rf"in {weights}: its data ends .* the file is truncated"):
+    with pytest.raises(StoreError, match=rf"tensor .*'s data ends past byte \d+, the end of {weights}: "
+                       "the file is truncated"):
         OwnStore(d)
     weights.unlink()
     with pytest.raises(FileNotFoundError) as err:
@@ -381,3 +382,99 @@ def test_own_store_with_a_bad_manifest_or_a_cut_file(gpt2: dict, tmp_path: Path)
     manifest.write_text(json.dumps({"format": "something else"}))
     with pytest.raises(StoreError, match="not a deepnvme store manifest of version 1"):
         OwnStore(d)
+
+
+def _edited_store(gpt2: dict, tmp_path: Path, edit: object) -> tuple[Path, Path]:
+    """A copy of the own store whose manifest is edit(manifest); returns (directory, manifest path)."""
+    d = _copy(gpt2["own"], tmp_path / "edited")
+    manifest = d / "manifest.json"
+    m = json.loads(manifest.read_text())
+    edit(m)  # type: ignore[operator]
+    manifest.write_text(json.dumps(m))
+    return d, manifest
+
+
+def _block_blob(m: dict) -> dict:
+    return next(b for b in m["blobs"] if b["unit"] == "transformer.h.1")
+
+
+def _same_offset(m: dict) -> None:
+    first, second = _block_blob(m)["tensors"][:2]
+    second["offset"] = first["offset"]
+
+
+def _outside_blob(m: dict) -> None:
+    b = _block_blob(m)
+    b["tensors"][-1]["offset"] = b["offset"] + b["nbytes"]
+
+
+def _wrong_nbytes(m: dict) -> None:
+    t = _block_blob(m)["tensors"][0]
+    t["nbytes"] -= 4
+
+
+def _negative_offset(m: dict) -> None:
+    _block_blob(m)["tensors"][0]["offset"] = -64
+
+
+def _overlapping_blobs(m: dict) -> None:
+    b = _block_blob(m)
+    shift = b["offset"] - m["blobs"][0]["offset"]
+    b["offset"] -= shift
+    for t in b["tensors"]:
+        t["offset"] -= shift
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (_same_offset, r"tensors 'transformer\.h\.1\..*' and 'transformer\.h\.1\..*' overlap"),
+    (_outside_blob, r"tensor 'transformer\.h\.1\..*' in .*manifest\.json: bytes .* lie outside its blob"),
+    (_wrong_nbytes, r"tensor 'transformer\.h\.1\..*' in .*manifest\.json: the manifest gives \d+ bytes"),
+    (_negative_offset, r"tensor 'transformer\.h\.1\..*' in .*manifest\.json: 'offset' is -64"),
+    (_overlapping_blobs, r"manifest\.json: blobs unit .* and unit .* overlap"),
+])
+def test_own_store_manifest_claims_are_checked_when_opened(gpt2: dict, tmp_path: Path, edit: object,
+                                                           match: str) -> None:
+    """Every claim of the manifest is checked when the store opens: two tensors on the same bytes, a
+    tensor outside its blob or with the wrong length never reach a forward (the CRCs are each tensor's
+    own and would not catch two tensors read from one place)."""
+    d, _ = _edited_store(gpt2, tmp_path, edit)
+    with pytest.raises(StoreError, match=match):
+        stream_weights(build("gpt2", empty=True), d, BUDGET)
+
+
+def _pop(key: str) -> object:
+    def edit(m: dict) -> None:
+        t = _block_blob(m)["tensors"][0]
+        (t if key in t else _block_blob(m)).pop(key)
+    return edit
+
+
+def _set(where: str, key: str, value: object) -> object:
+    def edit(m: dict) -> None:
+        target = {"manifest": m, "blob": _block_blob(m), "tensor": _block_blob(m)["tensors"][0]}[where]
+        target[key] = value
+    return edit
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (_pop("shape"), r"tensor '.*' in .*manifest\.json: 'shape' None is not a list"),
+    (_pop("crc"), r"tensor '.*' in .*manifest\.json: 'crc' is None"),
+    (_pop("tensors"), r"manifest\.json: blob \d+ \(unit 'transformer\.h\.1'\): 'tensors' is missing"),
+    (_pop("names"), r"manifest\.json: blob \d+ \(unit 'transformer\.h\.1'\): .*'names' None"),
+    (_set("tensor", "shape", "abc"), r"tensor '.*' in .*manifest\.json: 'shape' 'abc' is not a list"),
+    (_set("tensor", "offset", "12"), r"tensor '.*' in .*manifest\.json: 'offset' is '12'"),
+    (_set("tensor", "dtype", 7), r"tensor '.*' in .*manifest\.json: unknown dtype 7"),
+    (_set("blob", "nbytes", 1.5), r"manifest\.json: blob \d+ \(unit 'transformer\.h\.1'\): 'nbytes' is 1\.5"),
+    (_set("blob", "tensors", [5]), r"manifest\.json: blob \d+ .*: a tensor entry is a int"),
+    (_set("manifest", "blobs", 5), r"manifest\.json: 'blobs' is a int, not a list"),
+    (_set("manifest", "blobs", ["x"]), r"manifest\.json: blob 0 \(unit None\): is a str"),
+])
+def test_own_store_malformed_manifest_is_a_store_error(gpt2: dict, tmp_path: Path, edit: object,
+                                                       match: str) -> None:
+    """A key missing or of the wrong type is a StoreError naming the manifest and the entry, never a raw
+    KeyError or TypeError."""
+    from deepnvme.offload import open_store
+
+    d, _ = _edited_store(gpt2, tmp_path, edit)
+    with pytest.raises(StoreError, match=match):
+        open_store(d)
