@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from deepnvme.offload.model_map import _conversions, _plain, find_tensor
-from deepnvme.offload.store import StoreError, TensorInfo
+from deepnvme.offload.store import StoreError, TensorInfo, check_kind
 
 MODULES, FUSED = "modules", "fused"
 
@@ -216,6 +216,9 @@ def expert_parts(model: nn.Module, s: ExpertSet, e: int, store_tensors: Mapping[
             parts.append(Part(slot.name, 0, slot.shape[0] if slot.shape else 1, info))
             continue
         parts.extend(_fused_parts(model, s, e, slot, store_tensors, store_path))
+    dtypes = {slot.name: slot.dtype for slot in s.slots(e)}
+    for part in parts:
+        check_kind(part.info, dtypes[part.target], part.target)
     return parts
 
 

@@ -81,6 +81,25 @@ class Store(Protocol):
         ...
 
 
+def dtype_kind(dtype: torch.dtype) -> str:
+    """"bool", "complex", "floating" or "integer": values of one kind convert meaningfully (bf16 to fp32),
+    of two kinds they do not (I32 bytes read as F32 weights are garbage)."""
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "floating" if dtype.is_floating_point else "integer"
+
+
+def check_kind(info: TensorInfo, dtype: torch.dtype, model_name: str) -> None:
+    """Refuse store tensor `info` for model tensor `model_name` of `dtype` when the two dtypes are of
+    different kinds (conversions within a kind, such as bf16 to fp32, are done after each read)."""
+    if dtype_kind(info.dtype) != dtype_kind(dtype):
+        raise StoreError(f"tensor {info.name!r} in {info.path}: {info.dtype} ({dtype_kind(info.dtype)}) in "
+                         f"the store, {dtype} ({dtype_kind(dtype)}) for {model_name!r} in the model: not "
+                         "converted between kinds (a store for another model, or a damaged header?)")
+
+
 def runs(infos: Iterable[TensorInfo], gap: int = MERGE_GAP) -> list[Blob]:
     """The tensors grouped into blobs of neighbours in a file (apart by at most `gap` bytes), by file and
     offset: the fewest requests that read them in place."""

@@ -18,7 +18,9 @@ Decisions: threads running one streamed model are serialized (a lock held for ea
 model: the pool and the read order are the model's, not the thread's); a backward through streamed
 weights raises (the views are marked modified when their memory goes back to the pool, so autograd
 refuses instead of reading reused memory): streaming is for inference. Tensors whose dtype differs from
-the store's (`model.half()` after streaming) are converted after each read.
+the store's (`model.half()` after streaming, a bf16 checkpoint for an fp32 model) are converted after each
+read, within a kind only: a store tensor of another kind (integer, floating, bool, complex) than the
+model's tensor is refused when streaming starts (store.check_kind).
 """
 
 from __future__ import annotations
@@ -37,7 +39,16 @@ from deepnvme.offload.bulk import read_into
 from deepnvme.offload.expert_stream import ExpertStreamer, split_budget
 from deepnvme.offload.model_map import _tensor_slots, _unit_modules, find_tensor
 from deepnvme.offload.placeholder import Placeholder
-from deepnvme.offload.store import Blob, Store, StoreError, TensorInfo, check, lease_bytes, tensor_in
+from deepnvme.offload.store import (
+    Blob,
+    Store,
+    StoreError,
+    TensorInfo,
+    check,
+    check_kind,
+    lease_bytes,
+    tensor_in,
+)
 from deepnvme.offload.stores import open_store
 from deepnvme.offload.swap import Lease, ReadAhead, SwapSpace, Unit
 
@@ -339,6 +350,7 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
         if tuple(t.shape) != info.shape:
             raise StoreError(f"tensor {info.name!r} in {info.path}: shape {info.shape} in the store, "
                              f"{tuple(t.shape)} in the model (a store for another model?)")
+        check_kind(info, t.dtype, full[0])
         device = torch.device("cpu") if t.is_meta else t.device
         if len(homes) == 1 and None not in homes:
             k = homes.pop()

@@ -478,3 +478,34 @@ def test_own_store_malformed_manifest_is_a_store_error(gpt2: dict, tmp_path: Pat
     d, _ = _edited_store(gpt2, tmp_path, edit)
     with pytest.raises(StoreError, match=match):
         open_store(d)
+
+
+@pytest.mark.parametrize("which", ["block", "resident"])
+def test_store_dtype_of_another_kind_is_refused(gpt2: dict, tmp_path: Path, which: str) -> None:
+    """An I32 header entry for an F32 parameter (same size, so every length check passes) is refused,
+    naming the tensor and the file, for a streamed block tensor and a resident one alike; a float
+    conversion (bf16 checkpoint, fp32 model) stays allowed."""
+    from deepnvme.offload import load_safetensors
+
+    d = _copy(gpt2["single"], tmp_path / "c")
+    file = d / "model.safetensors"
+    name = ""
+
+    def edit(header: dict) -> None:
+        nonlocal name
+        name = _name_of_block_weight(header) if which == "block" else "transformer.wte.weight"
+        header[name]["dtype"] = "I32"
+    _rewrite_header(file, edit)
+    with pytest.raises(StoreError, match=rf"tensor '{name}' in {file}: torch.int32 \(integer\) in the store, "
+                       r"torch.float32 \(floating\)"):
+        stream_weights(build("gpt2", empty=True), d, BUDGET)
+    half = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_safetensors(
+        gpt2["single"]).items()}
+    import safetensors.torch
+
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    safetensors.torch.save_file(half, bf16 / "model.safetensors")
+    model = stream_weights(build("gpt2", empty=True), bf16, BUDGET)
+    with torch.inference_mode():
+        assert model(PROMPT).logits.dtype == torch.float32
