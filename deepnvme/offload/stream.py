@@ -29,6 +29,7 @@ import functools
 import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,6 +314,23 @@ def stream_weights(model: nn.Module, store: Store | str | os.PathLike, budget_by
         raise
 
 
+def _warn_unused(store: Store, used: list[TensorInfo]) -> None:
+    """Warn, naming a few, when store tensors fill nothing in the model: a checkpoint of a larger model
+    (six blocks for a model of four) streams without an error, since checkpoints legitimately carry
+    tensors a model ignores (a head the base model lacks, a saved attention mask). A tensor whose bytes a
+    used one shares (tied weights listed under both names) is used; so is a fused expert tensor whose
+    slices (named `<tensor>[<expert>]`, expert_sets.py) are."""
+    tensors = store.tensors()
+    names = {i.name if i.name in tensors else i.name.rsplit("[", 1)[0] for i in used}
+    places = {(i.path, i.offset, i.nbytes) for i in used}
+    unused = [n for n, i in tensors.items() if n not in names and (i.path, i.offset, i.nbytes) not in places]
+    if unused:
+        more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+        warnings.warn(f"{len(unused)} tensors of the store {store.path} fill nothing in the model and are "
+                      f"not read: {', '.join(repr(n) for n in unused[:5])}{more} (a store for a larger or "
+                      "another model?)", UserWarning, stacklevel=4)
+
+
 def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any, prefetch: bool) -> nn.Module:
     from deepnvme.offload._doors import PAGE
 
@@ -362,6 +380,10 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise StoreError(f"{len(missing)} tensors of the model are not in the store {store.path}: "
                          f"{', '.join(repr(n) for n in missing[:5])}{more} (a store for another model?)")
+    used = [s.info for k in slots for s in slots[k]] + [info for _, info, _ in residents]
+    if experts is not None:
+        used += [p.info for x in experts.experts.values() for p in x.parts]
+    _warn_unused(store, used)
     plan = []
     for k, (name, mod) in enumerate(chosen):
         names = list(dict.fromkeys(s.info.name for s in slots[k]))

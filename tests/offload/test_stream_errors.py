@@ -509,3 +509,25 @@ def test_store_dtype_of_another_kind_is_refused(gpt2: dict, tmp_path: Path, whic
     model = stream_weights(build("gpt2", empty=True), bf16, BUDGET)
     with torch.inference_mode():
         assert model(PROMPT).logits.dtype == torch.float32
+
+
+def test_store_of_a_larger_model_warns_naming_the_unused_tensors(gpt2: dict, tmp_path: Path) -> None:
+    """A 6-block checkpoint for a 4-block model streams (the first four blocks are the model's), with a
+    warning counting the store tensors that fill nothing and naming a few; a matching store warns not."""
+    import transformers as tf
+
+    from tests.offload.stream_models import config
+
+    torch.manual_seed(1)
+    big = tf.GPT2LMHeadModel(tf.GPT2Config(**{**config("gpt2").to_dict(), "n_layer": 6})).eval()
+    d = save(big, tmp_path / "big")
+    extra = [n for n in big.state_dict() if n.startswith(("transformer.h.4.", "transformer.h.5."))]
+    with pytest.warns(UserWarning, match=rf"{len(extra)} tensors of the store {d} fill nothing in the model "
+                      r"and are not read: 'transformer\.h\.4\..*' and \d+ more"):
+        stream_weights(build("gpt2", empty=True), d, BUDGET)
+    import warnings
+
+    for store in ("single", "sharded", "own"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            unstream(stream_weights(build("gpt2", empty=True), gpt2[store], BUDGET))
