@@ -18,7 +18,7 @@ import torch
 
 from deepnvme.offload._doors import crc32
 from deepnvme.offload.safetensors_store import SafetensorsStore
-from deepnvme.offload.store import Blob, Store, TensorInfo, crc_error
+from deepnvme.offload.store import Blob, Store, TensorInfo, crc_error, lease_bytes
 from deepnvme.offload.swap import ReadAhead, SwapSpace
 
 _names = itertools.count()
@@ -66,6 +66,13 @@ def read_into(space: SwapSpace, store: Store, dests: dict[str, torch.Tensor]) ->
     with its bytes from `store`; returns the bytes read."""
     blobs = store.blobs(list(dests))
     chunks = _chunks(blobs, dests, max(space.pool.capacity // 4, 1 << 12))
+    for c in chunks:  # a chunk at an unaligned offset is read as whole pages around it
+        need = lease_bytes([Blob(c.path, c.offset, c.nbytes)]) if c.nbytes else 0
+        if need > space.pool.capacity:
+            t = next((t for t in c.blob.tensors if t.offset + t.nbytes > c.offset), c.blob.tensors[0])
+            raise ValueError(f"tensor {t.name!r} in {c.path} is read in pieces of whole pages taking up to "
+                             f"{need} bytes, over budget_bytes={space.pool.capacity}: raise budget_bytes to "
+                             f"at least {need}")
     units = [[space.add_external(f"bulk-{next(_names)}", c.path, c.offset, c.nbytes)] if c.nbytes else []
              for c in chunks]
     reader = ReadAhead(space, units)

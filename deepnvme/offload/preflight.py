@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import errno
+import operator
 import os
 import resource
 import warnings
@@ -28,6 +29,26 @@ def has_cap_ipc_lock() -> bool:
     except (OSError, ValueError, IndexError):
         pass
     return False
+
+
+def budget_arg(budget_bytes: object) -> int:
+    """`budget_bytes` as an int: any integral (numpy's too, through operator.index; not a bool), from a
+    page to the machine's memory (locked memory cannot be more; past a size_t the C++ pool could not even
+    be asked), else TypeError or ValueError naming budget_bytes."""
+    if isinstance(budget_bytes, bool):
+        raise TypeError("budget_bytes must be an int, got bool")
+    try:
+        budget = operator.index(budget_bytes)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}") from None
+    if budget < PAGE:
+        raise ValueError(f"budget_bytes={budget} is below a page ({PAGE} bytes): pass the bytes of "
+                         "locked memory offload may use, at least the largest unit")
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if budget > memory:
+        raise ValueError(f"budget_bytes={budget} is more than this machine's memory ({memory} bytes): "
+                         "pass the bytes of locked memory offload may use")
+    return budget
 
 
 def check_memlock(budget_bytes: int, already_locked: int = 0, *, limit: int | None = None,

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from deepnvme.offload._doors import open_regular
+from deepnvme.offload.ownstore import MANIFEST
 from deepnvme.offload.store import Blob, StoreError, TensorInfo, runs
 
 INDEX = "model.safetensors.index.json"
@@ -122,6 +123,10 @@ def shard_files(path: str) -> list[str]:
     single = os.path.join(path, SINGLE)
     if os.path.exists(single):
         return [single]
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        raise FileNotFoundError(2, f"no {SINGLE} or {INDEX} in this directory: it is a deepnvme store "
+                                f"(write_store's {MANIFEST}): stream it with stream_weights(model, path, "
+                                "budget_bytes) or open it with open_store(path), not as safetensors", path)
     raise FileNotFoundError(2, f"no {SINGLE}, {INDEX} or deepnvme store manifest in this directory", path)
 
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepnvme.offload import preflight
 from deepnvme.offload.bulk import read_into
 from deepnvme.offload.expert_stream import ExpertStreamer, split_budget
 from deepnvme.offload.model_map import _tensor_slots, _unit_modules, find_tensor
@@ -297,8 +298,7 @@ def stream_weights(model: nn.Module, store: Store | str | os.PathLike, budget_by
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
-        raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}")
+    budget_bytes = preflight.budget_arg(budget_bytes)
     if getattr(model, _ATTR, None) is not None:
         raise RuntimeError("this model is streamed already: call deepnvme.offload.unstream(model) first")
     owns = not isinstance(store, Store)

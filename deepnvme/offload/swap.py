@@ -171,14 +171,10 @@ class SwapSpace(Closing):
 
     def __init__(self, directory: str | os.PathLike | None, budget_bytes: int, *, handle: Any = None,
                  expected_bytes: int = 0, requests_in_flight: int = 1) -> None:
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
-            raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}")
+        budget_bytes = preflight.budget_arg(budget_bytes)
         if (isinstance(requests_in_flight, bool) or not isinstance(requests_in_flight, int)
                 or not 1 <= requests_in_flight <= 16):
             raise ValueError(f"requests_in_flight must be an int from 1 to 16, got {requests_in_flight!r}")
-        if budget_bytes < PAGE:
-            raise ValueError(f"budget_bytes={budget_bytes} is below a page ({PAGE} bytes): pass the bytes of "
-                             "locked memory offload may use, at least the largest unit")
         preflight.check_memlock(budget_bytes, locked_bytes())
         if directory is not None:
             directory = os.path.abspath(os.fspath(directory))

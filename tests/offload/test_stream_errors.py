@@ -531,3 +531,38 @@ def test_store_of_a_larger_model_warns_naming_the_unused_tensors(gpt2: dict, tmp
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             unstream(stream_weights(build("gpt2", empty=True), gpt2[store], BUDGET))
+
+
+def test_budget_bytes_bounds_and_integral_types(gpt2: dict) -> None:
+    """An absurd budget is refused naming budget_bytes (not a pybind TypeError); numpy integers are taken
+    as ints, a bool is not."""
+    import numpy as np
+
+    from deepnvme.offload import load_safetensors
+
+    model = build("gpt2", empty=True)
+    for call in (lambda b: stream_weights(model, gpt2["own"], b), lambda b: load_safetensors(gpt2["single"],
+                                                                                           budget_bytes=b)):
+        with pytest.raises(ValueError, match=r"budget_bytes=1180591620717411303424 is more than this "
+                                             r"machine's memory"):
+            call(2**70)
+        with pytest.raises(TypeError, match="budget_bytes must be an int, got bool"):
+            call(True)
+    want = load_safetensors(gpt2["single"])
+    got = load_safetensors(gpt2["single"], budget_bytes=np.int64(BUDGET))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    streamed = stream_weights(model, gpt2["own"], np.int64(BUDGET))
+    assert torch.equal(generate(streamed)[0], gpt2["tokens"])
+
+
+def test_load_safetensors_messages(gpt2: dict) -> None:
+    """A budget of one page cannot hold an unaligned piece: the error names a tensor, its file and the
+    bytes to ask for. A deepnvme store directory is named as one, with the calls that read it."""
+    from deepnvme.offload import load_safetensors
+
+    file = gpt2["single"] / "model.safetensors"
+    with pytest.raises(ValueError, match=rf"tensor '.*' in {file} is read in pieces .* over "
+                                         r"budget_bytes=4096: raise budget_bytes to at least 8192"):
+        load_safetensors(gpt2["single"], budget_bytes=4096)
+    with pytest.raises(FileNotFoundError, match="it is a deepnvme store .*stream_weights.*open_store"):
+        load_safetensors(gpt2["own"])
