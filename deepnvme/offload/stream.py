@@ -5,10 +5,11 @@ How: the tensors of each unit module are replaced by placeholders (tensors witho
 clear error when computed with); the unit's `forward` is wrapped so that its tensors are views of pool
 memory while it runs and placeholders again after, whatever way it ends (an exception, Ctrl-C). Tensors
 outside units (embeddings, head, final norm) are read from the store once into tensors of their own, so
-a model built on the meta device runs from the store alone. The first forward records the order in which
-units run; from then on a cyclic ReadAhead keeps reads of the next units (wrapping into the next
-forward) in flight as far as the budget allows, so the drive reads while the CPU or GPU computes. A unit
-run out of the recorded order (an interrupted forward, a caller running one block) restarts the read
+a model built on the meta device runs from the store alone. The first forward of the whole model records
+the order in which units run (a unit called on its own is not recorded); from then on a cyclic ReadAhead
+keeps reads of the next units (wrapping into the next forward) in flight as far as the budget allows, so
+the drive reads while the CPU or GPU computes. A unit run out of the recorded order (an interrupted
+forward, a caller running one block) restarts the read
 ahead from it: never wrong, only slower.
 
 On CUDA (the model moved with `.to("cuda")`, before or after streaming), each unit's bytes are copied
@@ -110,6 +111,7 @@ class _Streamer:
         self.recycled: set[int] = set()  # positions whose lease is a recycled one (no read)
         self.root_forward: Any = None
         self.root_had_forward = False
+        self.root_depth = 0  # forwards of the whole model in progress (the order is recorded only there)
         self.experts: ExpertStreamer | None = None
         self._blob_of = {x.name: b for u in units for b, x in zip(u.blobs, u.units) if b.crc is not None}
         self.check = self._check_crcs if self._blob_of else None
@@ -127,7 +129,7 @@ class _Streamer:
         u = self.units[i]
         t0 = time.perf_counter()
         if self.reader is None or i not in self.order:  # type: ignore[operator]
-            if self.reader is None:
+            if self.reader is None and self.root_depth:  # a block called on its own is no model order
                 self.recording.append(i)
             lease = self.space.read(u.units, demand=True, check=self.check) if u.units else None
             hit = False
@@ -485,11 +487,13 @@ def _wrap_root(streamer: _Streamer, model: nn.Module) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         with streamer.lock:
             ok = False
+            streamer.root_depth += 1
             try:
                 out = streamer.root_forward(*args, **kwargs)
                 ok = True
                 return out
             finally:
+                streamer.root_depth -= 1
                 streamer.end_forward(ok)
 
     model.forward = forward

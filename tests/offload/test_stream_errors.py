@@ -566,3 +566,15 @@ def test_load_safetensors_messages(gpt2: dict) -> None:
         load_safetensors(gpt2["single"], budget_bytes=4096)
     with pytest.raises(FileNotFoundError, match="it is a deepnvme store .*stream_weights.*open_store"):
         load_safetensors(gpt2["own"])
+
+
+def test_a_block_called_alone_before_the_first_forward_is_not_recorded(gpt2: dict) -> None:
+    """The read order is recorded inside a forward of the whole model only: a block run on its own first
+    (a caller probing one layer) does not become part of it, so the read-ahead follows 0, 1, 2, 3."""
+    model = stream_weights(build("gpt2", empty=True), gpt2["own"], BUDGET)
+    with torch.inference_mode():
+        model.transformer.h[3](torch.zeros(1, len(PROMPT[0]), 64))
+        model(PROMPT)
+    assert model._deepnvme_stream.order == [0, 1, 2, 3]
+    assert torch.equal(generate(model)[0], gpt2["tokens"])
+    assert stats(model)["resyncs"] == 0
