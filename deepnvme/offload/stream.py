@@ -9,8 +9,7 @@ a model built on the meta device runs from the store alone. The first forward of
 the order in which units run (a unit called on its own is not recorded); from then on a cyclic ReadAhead
 keeps reads of the next units (wrapping into the next forward) in flight as far as the budget allows, so
 the drive reads while the CPU or GPU computes. A unit run out of the recorded order (an interrupted
-forward, a caller running one block) restarts the read
-ahead from it: never wrong, only slower.
+forward, a caller running one block) restarts the read ahead from it: never wrong, only slower.
 
 On CUDA (the model moved with `.to("cuda")`, before or after streaming), each unit's bytes are copied
 from the locked pool to the device on a side stream; the compute stream waits on that copy only.
