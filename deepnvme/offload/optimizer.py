@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from deepnvme.offload import preflight
 from deepnvme.offload._doors import PAGE, save_streamed
 from deepnvme.offload.closing import Closing
 from deepnvme.offload.pool import round_up
@@ -123,19 +124,18 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
                  tile_bytes: int | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OffloadedOptimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        budget = DEFAULT_BUDGET if budget_bytes is None else budget_bytes
+        budget = preflight.budget_arg(DEFAULT_BUDGET if budget_bytes is None else budget_bytes)
         self._closed = True  # until the swap space exists
         self.optimizer = optimizer
         self.master_weights = bool(master_weights)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         for i, p in enumerate(params):
             self._check_param(p, f"parameter {i}")
-        if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
-            biggest = max((p for p in params), key=lambda p: p.numel(), default=None)
-            if biggest is not None and round_up(biggest.numel() * 4) > budget:
-                raise ValueError(f"budget_bytes={budget} is smaller than a fp32 state tensor of the largest "
-                                 f"parameter ({tuple(biggest.shape)}, {biggest.numel() * 4} bytes): raise "
-                                 "budget_bytes to a few times that")
+        biggest = max(params, key=lambda p: p.numel(), default=None)
+        if biggest is not None and round_up(biggest.numel() * 4) > budget:
+            raise ValueError(f"budget_bytes={budget} is smaller than a fp32 state tensor of the largest "
+                             f"parameter ({tuple(biggest.shape)}, {biggest.numel() * 4} bytes): raise "
+                             "budget_bytes to a few times that")
         state_estimate = sum(round_up(p.numel() * 4) for p in params) * (2 if master_weights else 1)
         self.swap = SwapSpace(directory, budget, handle=handle, expected_bytes=state_estimate,
                               requests_in_flight=REQUESTS_IN_FLIGHT)

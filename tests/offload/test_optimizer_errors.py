@@ -33,6 +33,18 @@ def test_budget_zero_or_below_a_parameter(workdir: Path) -> None:
     assert os.listdir(workdir) == []
 
 
+def test_budget_takes_any_integral_but_not_a_bool(workdir: Path) -> None:
+    """The optimizer checks its budget as the swap space and stream_weights do (preflight.budget_arg)."""
+    import numpy as np
+
+    with _opt(model(), workdir, budget=np.int64(BUDGET)) as opt:
+        assert opt.budget_bytes == BUDGET
+    with pytest.raises(TypeError, match="budget_bytes must be an int, got bool"):
+        _opt(model(), workdir, budget=True)
+    with pytest.raises(TypeError, match="budget_bytes must be an int, got float"):
+        _opt(model(), workdir, budget=1.5e6)
+
+
 def test_budget_below_a_parameters_whole_state(workdir: Path) -> None:
     """One state tensor fits the budget but Adam's two do not. How much state a parameter has is known only
     once the wrapped optimizer made it, during the first step: that step raises, naming the sizes, and the
