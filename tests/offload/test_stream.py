@@ -53,7 +53,7 @@ def test_same_tokens_and_logits_as_in_memory(kind: str, reference: dict, where: 
     assert s["units"] == 4 and s["order_recorded"] and s["forwards"] == NEW_TOKENS + 1
     assert s["unit_reads"] == 4 * s["forwards"]
     assert s["streamed_bytes"] * s["forwards"] <= s["bytes_read"] <= (block + 2 * 4096 * 4) * s["unit_reads"]
-    assert s["hits"] + s["stalls"] == s["unit_reads"] and s["hits"] > 0, s
+    assert s["hits"] + s["stalls"] == s["unit_reads"], s  # hits > 0: test_stream_plain
     assert 0 < s["pool_peak_bytes"] <= s["budget_bytes"] == BUDGET
     assert s["resident_bytes"] > 0 and s["wait_s"] >= 0
 
