@@ -18,6 +18,14 @@ Load destinations:
   one_storage  one new storage for all tensors (fewer, larger mappings), the tensors views of it;
   ring         a reused ring of 4 locked tensor-sized buffers on two handles, each copied out into a new
                storage while the next reads run;
+  ahead        fresh storages, each faulted in by a thread running ahead of the reads (MADV_POPULATE_WRITE,
+               its chunks split over two threads) and read only once faulted, so faulting and reading
+               overlap as a pipeline instead of the reads faulting their own pages;
+  ahead_fill   the same, faulted by writing zeros with torch's fill_ (its intra-op threads);
+  huge_ahead   "ahead" with each storage advised for transparent huge pages first;
+  bounced      fresh storages 64 bytes past a page (as torch's allocator places them), so the handle reads
+               through its locked staging buffers and its worker threads copy into them: the copies fault
+               the new pages in user space, on every worker at once, beside the reads;
   locked       one locked buffer whose pages exist before the clock starts: the bound's destination.
 Save sources:
   staged       tensors as torch allocates them (64 bytes past a page: the handle stages their bytes);
@@ -52,7 +60,8 @@ from deepnvme.tools.pagecache import drop_file_cache
 from deepnvme.tools.resident import touch_pages
 from deepnvme.tools.sizes import parse_size
 
-LOADS = ["fresh", "populate", "huge", "one_storage", "ring", "locked"]
+LOADS = ["fresh", "populate", "huge", "one_storage", "ring", "ahead", "ahead_fill", "huge_ahead", "bounced",
+         "locked"]
 SAVES = ["staged", "congruent", "aligned"]
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23
@@ -80,6 +89,28 @@ def populate(tensors: list[torch.Tensor], failed: list[OSError]) -> None:
         failed.append(exc)
 
 
+def fault_ahead(tensors: list[torch.Tensor], ready: list[threading.Event], how: str,
+                failed: list[OSError]) -> None:
+    """Fault in each tensor's pages in order, setting its event once done: the reads follow behind."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for t, event in zip(tensors, ready):
+                if how == "fill":
+                    t.fill_(0)
+                else:
+                    half = t.numel() // 2 // PAGE * PAGE
+                    parts = [(0, half), (half, t.numel() - half)]
+                    list(pool.map(lambda p, t=t: madvise(t, MADV_POPULATE_WRITE, *p), parts))
+                event.set()
+    except OSError as exc:
+        failed.append(exc)
+    finally:
+        for event in ready:  # a failure must not leave the reader waiting
+            event.set()
+
+
 def load(variant: str, path: str, count: int, per: int) -> tuple[float, float]:
     """Read the file into the variant's destination; wall and CPU seconds."""
     h = checkpoint_handle(os.path.dirname(path))
@@ -102,14 +133,23 @@ def load(variant: str, path: str, count: int, per: int) -> tuple[float, float]:
             whole = new(count * per, 0)
             tensors = [whole[i * per:(i + 1) * per] for i in range(count)]
         else:
-            tensors = [new(per, 0) for _ in range(count)]
-        if variant == "huge":
+            tensors = [new(per, 64 if variant == "bounced" else 0) for _ in range(count)]
+        if variant in ("huge", "huge_ahead"):
             for t in tensors:
                 madvise(t, MADV_HUGEPAGE)
-        helper = threading.Thread(target=populate, args=(tensors, failed)) if variant == "populate" else None
+        ready = [threading.Event() for _ in tensors]
+        helper = None
+        if variant == "populate":
+            helper = threading.Thread(target=populate, args=(tensors, failed))
+        elif variant.endswith("ahead") or variant == "ahead_fill":
+            how = "fill" if variant == "ahead_fill" else "populate"
+            helper = threading.Thread(target=fault_ahead, args=(tensors, ready, how, failed))
         if helper:
             helper.start()
+        gated = helper is not None and variant != "populate"
         for i, t in enumerate(tensors):
+            if gated:
+                ready[i].wait()
             h.async_pread(t, fd, i * per)
         h.wait()
         if helper:
@@ -207,6 +247,7 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="0.5 GB, 3 repeats")
+    ap.add_argument("--variants", help="comma-separated variants to run (default: all)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
@@ -221,6 +262,11 @@ def main() -> None:
             f.write(chunk)
         os.fsync(f.fileno())
     variants = LOADS + SAVES
+    if args.variants:
+        variants = [v for v in args.variants.split(",") if v]
+        unknown = set(variants) - set(LOADS + SAVES)
+        if unknown:
+            ap.error(f"unknown variants {sorted(unknown)} (known: {', '.join(LOADS + SAVES)})")
     samples: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     failed: dict[str, str] = {}
     try:
