@@ -15,17 +15,24 @@ Contenders, each saving and then loading the same state dict, in an order rotate
     to a new file and one sync_pread back into that buffer, at every point of a grid of handle settings
     (block 1/4/8 MiB x queue depth 32/128 x 1/2 threads); the bound of each operation is the grid point
     with the best median;
-  * for reference, not a bound: one sync_pread of that file into fresh page-aligned memory at the
-    checkpoint default (what any load that returns new tensors pays: the memory's first-touch faults);
+  * for reference, not bounds: one sync_pread of that file into fresh memory at the checkpoint default
+    (what any load that returns new tensors pays: the memory's first-touch faults), page-aligned (read
+    O_DIRECT into it, the pages faulted by the reads) and 64 bytes past a page (where torch's allocator
+    puts a tensor: the handle reads into its locked staging pool and its worker threads copy out, faulting
+    the pages as they copy); the better of the two is the best a load into new memory can do here;
+  * for reference: deepnvme.load with its large payloads' memory placed 64 bytes off the file's page
+    residue, so that the handle stages them (serialization.STAGE_PAYLOADS), beside the default;
 --all adds torch.load(mmap=True) with every page touched, safetensors (when installed), DCP
 FileSystemWriter/Reader and AioStorageWriter/Reader in 2 processes (gloo).
 Loads start from a cold cache: every file of the checkpoint is evicted (fdatasync + fadvise) before it.
-Every load includes making its tensors (DCP loads into empty ones made inside the timing), and the first
-repeat checks every loaded tensor against the saved one. For each in-process operation: wall seconds, CPU
-seconds of this process (all threads), and the peak extra resident memory (the kernel's high-water mark,
-bench/_harness.py; a load's includes the state it returns, less any memory the allocator reuses). GB = 10^9
-bytes; cells are median (min-max). Writes markdown to stdout and <out>.md, every sample to <out>.json (default
-bench/results/ckpt).
+Every load of a whole file includes making its tensors. DCP loads into tensors the caller already has (a
+model's initialized state dict), so its destinations are made and written to (every page touched) before
+the timing, as a model's would be: timing fresh torch.empty destinations would charge DCP the first-touch
+faults of memory no real DCP load makes. The first repeat checks every loaded tensor against the saved one.
+For each in-process operation: wall seconds, CPU seconds of this process (all threads), and the peak extra
+resident memory (the kernel's high-water mark, bench/_harness.py; a load's includes the state it returns,
+less any memory the allocator reuses). GB = 10^9 bytes; cells are median (min-max). Writes markdown to
+stdout and <out>.md, every sample to <out>.json (default bench/results/ckpt).
 """
 
 from __future__ import annotations
@@ -176,17 +183,19 @@ class Contender:
 
     name: str
     save: Callable[[dict[str, torch.Tensor], Path], Any] | None  # out of process: returns its seconds
-    load: Callable[[Path, Shapes], Any] | None
+    load: Callable[[Path, Any], Any] | None  # given the path and prepare(shapes), or the shapes
     kind: str  # which checkpoint the load reads: its own save's, or that of the contender of this kind
     group: str = "main"  # "main" (the table), "grid" (the bound's candidates), "reference"
     samples: dict[str, list[float]] = field(default_factory=lambda: {
         "save": [], "load": [], "save_cpu": [], "load_cpu": [], "save_rss": [], "load_rss": []})
     in_process: bool = True
+    # What the load is given, made before the timing (DCP: the caller's existing state dict).
+    prepare: Callable[[Shapes], Any] | None = None
 
 
-def empty_like_shapes(shapes: Shapes) -> dict[str, torch.Tensor]:
-    """Fresh tensors to load into (made inside the timing: every load starts from nothing)."""
-    return {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes}
+def initialized_like_shapes(shapes: Shapes) -> dict[str, torch.Tensor]:
+    """Tensors to load into as a model holds them: allocated and written (every page exists)."""
+    return {name: torch.empty(shape, dtype=torch.float32).fill_(0.5) for name, shape in shapes}
 
 
 def torch_save(sd: dict[str, torch.Tensor], path: Path) -> None:
@@ -234,7 +243,9 @@ def raw_contenders(source: LockedBytes) -> list[Contender]:
     default = f"raw-{CHECKPOINT['block_size'] >> 20}M-{CHECKPOINT['queue_depth']}-" \
               f"{CHECKPOINT['intra_op_parallelism']}"
     out.append(Contender("raw read into fresh page-aligned memory (checkpoint default settings)", None,
-                         raw_read_fresh(source), default, group="reference"))
+                         raw_read_fresh(source, 0), default, group="reference"))
+    out.append(Contender("raw read into fresh memory 64 bytes past a page, staged (checkpoint default "
+                         "settings)", None, raw_read_fresh(source, 64), default, group="reference"))
     return out
 
 
@@ -253,12 +264,13 @@ def raw_read(h: AioHandle, source: LockedBytes) -> Callable[[Path, Shapes], None
     return load
 
 
-def raw_read_fresh(source: LockedBytes) -> Callable[[Path, Shapes], None]:
-    """One sync_pread of the whole file into page-aligned memory made for it (never touched before)."""
+def raw_read_fresh(source: LockedBytes, residue: int) -> Callable[[Path, Shapes], None]:
+    """One sync_pread of the whole file into memory made for it (never touched before), starting `residue`
+    bytes past a page."""
     from deepnvme._core.op import aio_module
 
     def load(path: Path, shapes: Shapes) -> None:
-        fresh = aio_module().empty_at_residue(source.nbytes, 0)
+        fresh = aio_module().empty_at_residue(source.nbytes, residue)
         source.handle.sync_pread(fresh, str(path))
     return load
 
@@ -270,12 +282,20 @@ def contenders(pool: RankPool | None, every: bool) -> list[Contender]:
     import deepnvme
     from deepnvme.checkpoint import AioStorageReader, AioStorageWriter
 
-    def dcp_load(reader_cls: Any) -> Callable[[Path, list], dict[str, Any]]:
-        def load(path: Path, shapes: list) -> dict[str, Any]:
-            out = empty_like_shapes(shapes)
+    def dcp_load(reader_cls: Any) -> Callable[[Path, dict[str, Any]], dict[str, Any]]:
+        def load(path: Path, out: dict[str, Any]) -> dict[str, Any]:
             dcp.load(out, storage_reader=reader_cls(path))
             return out
         return load
+
+    def staged_load(path: Path, shapes: list) -> Any:
+        from deepnvme import serialization
+
+        serialization.STAGE_PAYLOADS = True
+        try:
+            return deepnvme.load(path)
+        finally:
+            serialization.STAGE_PAYLOADS = False
 
     def mmap_load(path: Path, shapes: list) -> dict[str, Any]:
         sd = torch.load(path, mmap=True, weights_only=True)
@@ -300,12 +320,14 @@ def contenders(pool: RankPool | None, every: bool) -> list[Contender]:
         out.append(Contender("DCP FileSystemWriter (2 threads) / FileSystemReader",
                              lambda sd, p: dcp.save(sd, storage_writer=dcp.FileSystemWriter(p,
                                                                                           thread_count=2)),
-                             dcp_load(dcp.FileSystemReader), "dcp-fs"))
+                             dcp_load(dcp.FileSystemReader), "dcp-fs", prepare=initialized_like_shapes))
     out += [Contender("deepnvme.save / deepnvme.load", lambda sd, p: deepnvme.save(sd, p),
                       lambda p, s: deepnvme.load(p), "deepnvme"),
             Contender("DCP AioStorageWriter / AioStorageReader, 1 process",
                       lambda sd, p: dcp.save(sd, storage_writer=AioStorageWriter(p)),
-                      dcp_load(AioStorageReader), "dcp-aio")]
+                      dcp_load(AioStorageReader), "dcp-aio", prepare=initialized_like_shapes),
+            Contender("deepnvme.load, large payloads staged through the handle's pool", None, staged_load,
+                      "deepnvme", group="reference")]
     if pool is not None:
         out.append(Contender("DCP AioStorageWriter / AioStorageReader, 2 processes (gloo)",
                              pool.save, pool.load, "dcp-aio-2p", in_process=False))
@@ -340,9 +362,9 @@ def rank_main(rank: int, port: int, conn: Any, root: str) -> None:
                 conn.send(time.perf_counter() - t0)
                 del sd
             else:
+                sd = initialized_like_shapes(mine)  # the caller's state dict, as for the 1-process contender
                 dist.barrier()
                 t0 = time.perf_counter()
-                sd = empty_like_shapes(mine)
                 dcp.load(sd, storage_reader=AioStorageReader(path))
                 dist.barrier()
                 took = time.perf_counter() - t0
@@ -442,8 +464,10 @@ def measure(c: Contender, sd: dict[str, torch.Tensor], shapes: list, workdir: Pa
             c.samples["load"].append(c.load(path, shapes))
             return
         loaded: list[Any] = []
+        given = shapes if c.prepare is None else c.prepare(shapes)
         with PeakMemory() as peak:
-            took, cpu = timed(lambda: loaded.append(c.load(path, shapes)))
+            took, cpu = timed(lambda: loaded.append(c.load(path, given)))
+        del given
         c.samples["load"].append(took)
         c.samples["load_cpu"].append(cpu)
         c.samples["load_rss"].append(peak.extra)
@@ -520,7 +544,12 @@ def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: in
               f"{median_rate(nbytes, c.samples['load']):.2f} |" for c in grid]
     by = {c.kind: c for c in cs if c.group == "main"}
     by["bound-save"], by["bound-load"] = w, r
-    by["fresh"] = next((c for c in cs if c.group == "reference"), None)  # type: ignore[assignment]
+    fresh = [c for c in cs if c.name.startswith("raw read into fresh") and c.samples["load"]]
+    if fresh:
+        by["fresh"] = max(fresh, key=lambda c: median_rate(nbytes, c.samples["load"]))
+    staged = [c for c in cs if c.group == "reference" and c.kind == "deepnvme"]
+    if staged:
+        by["deepnvme-staged"] = staged[0]
     found: dict[str, float] = {}
 
     def ratio(kind: str, base: str, op: str, target: float | None, what: str) -> str | None:
@@ -539,7 +568,10 @@ def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: in
             ratio("deepnvme", "bound-load", "load", 0.9, "deepnvme.load / bound read"),
             ratio("dcp-aio", "bound-save", "save", 0.85, "AioStorageWriter 1 proc / bound write"),
             ratio("dcp-aio", "bound-load", "load", 0.85, "AioStorageReader 1 proc / bound read"),
-            ratio("fresh", "bound-load", "load", None, "raw read into fresh memory / bound read"),
+            ratio("fresh", "bound-load", "load", None, "best raw read into fresh memory / bound read"),
+            ratio("deepnvme", "fresh", "load", None, "deepnvme.load / best raw read into fresh memory"),
+            ratio("deepnvme-staged", "deepnvme", "load", None,
+                  "deepnvme.load with payloads staged / deepnvme.load"),
             ratio("deepnvme", "torch", "save", None, "deepnvme.save / torch.save + fsync"),
             ratio("deepnvme", "torch", "load", None, "deepnvme.load / cold torch.load"),
             ratio("dcp-aio", "dcp-fs", "save", None, "AioStorageWriter / FileSystemWriter"),

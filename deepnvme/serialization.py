@@ -73,6 +73,14 @@ PREFETCH_OWN_BYTES = 64 << 10
 # batches read slower (each hand-over between the two handles thins the disk's queue), larger ones leave
 # more CRC work after the last read; of 64 MiB to 512 MiB, this size came closest to the raw read.
 BATCH_BYTES = 256 << 20
+# Whether load places each large payload's memory off its file offset's page residue (by STAGED_SHIFT
+# bytes), so that the handle reads it through its locked staging pool and its worker threads copy it into
+# place, rather than O_DIRECT straight into it. A fresh storage's pages are made by whoever touches them
+# first: the O_DIRECT read (in the kernel, one request at a time) or the staging copy (in user space, on
+# every worker thread at once, beside the reads). Which is faster depends on the spare cores;
+# bench/ckpt_bench.py measures both in the same run.
+STAGE_PAYLOADS = False
+STAGED_SHIFT = 64
 # Re-exported: the names users and tests have imported from here.
 __all__ = ["TEMP_SUFFIX", "CheckpointFormatError", "load", "save"]
 
@@ -636,7 +644,7 @@ class _Prefetched:
             body_start, body_end = round_up(r.offset), r.end // PAGE * PAGE
             if body_start > at:
                 gaps.append((at, body_start))
-            tensor = empty_at_residue(r.size, r.offset % PAGE)
+            tensor = empty_at_residue(r.size, (r.offset + STAGED_SHIFT * STAGE_PAYLOADS) % PAGE)
             self._tensors[r.offset] = tensor
             pieces.append(_Piece(body_start, tensor[body_start - r.offset:body_end - r.offset]))
             at = body_end

@@ -124,6 +124,29 @@ def test_loaded_storages_match_torch_loads_and_sit_at_their_file_offset(tmp_path
                 assert g.data_ptr() % PAGE == offset % PAGE, (saver, k)
 
 
+@pytest.mark.parametrize("saver", [deepnvme.save, torch.save])
+def test_staged_payloads_load_the_same_bytes_and_still_catch_damage(tmp_path: Path, handle: Any, saver: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """With STAGE_PAYLOADS each large payload's memory lies STAGED_SHIFT bytes off its file offset's page
+    residue (so the handle copies it through its staging pool rather than reading it O_DIRECT): the tensors
+    are still right, and a byte damaged inside a payload's body is still found by its CRC."""
+    monkeypatch.setattr(serialization, "STAGE_PAYLOADS", True)
+    obj = {"a": torch.randn(BIG // 4), "b": torch.randn(BIG // 8 + 3).to(torch.float64),
+           "small": torch.arange(9, dtype=torch.int32)}
+    path = tmp_path / "staged.pt"
+    saver(obj, path)
+    got = deepnvme.load(path, handle=handle)
+    assert all(torch.equal(got[k], obj[k]) for k in obj)
+    data = bytearray(path.read_bytes())
+    at = data.find(obj["a"].numpy().tobytes())
+    assert at >= 0
+    assert got["a"].data_ptr() % PAGE == (at + serialization.STAGED_SHIFT) % PAGE
+    data[at + BIG // 2] ^= 0x40  # inside the page-aligned body, which the handle reads
+    path.write_bytes(bytes(data))
+    with pytest.raises(deepnvme.CheckpointFormatError, match="CRC-32"):
+        deepnvme.load(path, handle=handle)
+
+
 def test_a_layout_other_than_torchs_is_read_exactly(tmp_path: Path, handle: Any,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the inferred data offsets are wrong (an archive laid out differently), load notices it on the
