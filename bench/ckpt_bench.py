@@ -15,6 +15,8 @@ Contenders, each saving and then loading the same state dict, in an order rotate
     to a new file and one sync_pread back into that buffer, at every point of a grid of handle settings
     (block 1/4/8 MiB x queue depth 32/128 x 1/2 threads); the bound of each operation is the grid point
     with the best median;
+  * for reference: the raw write at the checkpoint default, under a temporary name, fsynced and committed
+    as deepnvme.save commits (rename over the name, fsync of the directory): what atomicity adds to a save;
   * for reference, not bounds: one sync_pread of that file into fresh memory at the checkpoint default
     (what any load that returns new tensors pays: the memory's first-touch faults), page-aligned (read
     O_DIRECT into it, the pages faulted by the reads) and 64 bytes past a page (where torch's allocator
@@ -242,6 +244,11 @@ def raw_contenders(source: LockedBytes) -> list[Contender]:
                                      f"raw-{block >> 20}M-{depth}-{threads}", group="grid"))
     default = f"raw-{CHECKPOINT['block_size'] >> 20}M-{CHECKPOINT['queue_depth']}-" \
               f"{CHECKPOINT['intra_op_parallelism']}"
+    h = new_handle(**handle_settings(engine, CHECKPOINT["queue_depth"], CHECKPOINT["intra_op_parallelism"],
+                                     CHECKPOINT["block_size"]))
+    out.append(Contender("raw write + fsync, then the atomic commit: rename over the name, fsync of the "
+                         "directory (checkpoint default settings)", raw_write(h, source, atomic=True), None,
+                         "raw-atomic", group="reference"))
     out.append(Contender("raw read into fresh page-aligned memory (checkpoint default settings)", None,
                          raw_read_fresh(source, 0), default, group="reference"))
     out.append(Contender("raw read into fresh memory 64 bytes past a page, staged (checkpoint default "
@@ -249,11 +256,19 @@ def raw_contenders(source: LockedBytes) -> list[Contender]:
     return out
 
 
-def raw_write(h: AioHandle, source: LockedBytes) -> Callable[[dict[str, torch.Tensor], Path], None]:
-    """One sync_pwrite of the locked buffer to a new file, then fsync."""
+def raw_write(h: AioHandle, source: LockedBytes, atomic: bool = False
+              ) -> Callable[[dict[str, torch.Tensor], Path], None]:
+    """One sync_pwrite of the locked buffer to a new file, then fsync; `atomic`: written under a temporary
+    name and committed as deepnvme.save commits (rename, fsync of the directory), the cost of atomicity that
+    the bound does not pay."""
+    from op_builder.atomic_file import commit
+
     def save(sd: dict[str, torch.Tensor], path: Path) -> None:
-        h.sync_pwrite(source.buffer, str(path))
-        fsync_file(path)
+        target = path.with_name(path.name + ".tmp") if atomic else path
+        h.sync_pwrite(source.buffer, str(target))
+        fsync_file(target)
+        if atomic:
+            commit(str(target), str(path))
     return save
 
 
@@ -550,6 +565,9 @@ def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: in
     staged = [c for c in cs if c.group == "reference" and c.kind == "deepnvme"]
     if staged:
         by["deepnvme-staged"] = staged[0]
+    atomic = [c for c in cs if c.kind == "raw-atomic"]
+    if atomic:
+        by["raw-atomic"] = atomic[0]
     found: dict[str, float] = {}
 
     def ratio(kind: str, base: str, op: str, target: float | None, what: str) -> str | None:
@@ -568,6 +586,8 @@ def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: in
             ratio("deepnvme", "bound-load", "load", 0.9, "deepnvme.load / bound read"),
             ratio("dcp-aio", "bound-save", "save", 0.85, "AioStorageWriter 1 proc / bound write"),
             ratio("dcp-aio", "bound-load", "load", 0.85, "AioStorageReader 1 proc / bound read"),
+            ratio("raw-atomic", "bound-save", "save", None, "raw write committed atomically / bound write"),
+            ratio("deepnvme", "raw-atomic", "save", None, "deepnvme.save / raw write committed atomically"),
             ratio("fresh", "bound-load", "load", None, "best raw read into fresh memory / bound read"),
             ratio("deepnvme", "fresh", "load", None, "deepnvme.load / best raw read into fresh memory"),
             ratio("deepnvme-staged", "deepnvme", "load", None,
