@@ -673,6 +673,7 @@ class AioStorageReader(FileSystemReader):
             _finish(handle, [], planner, path)
             in_flight = 0
             pending: list[_PendingRead] = []
+            parses: dict[Any, tuple[torch.Tensor, int | None]] = {}  # by structure key (_queue_tensor)
             for i, req in enumerate(reqs):
                 info = self.storage_data[req.storage_index]
                 if req.type == LoadItemType.BYTE_IO:
@@ -687,7 +688,7 @@ class AioStorageReader(FileSystemReader):
                                                     f"{exc})") from exc
                     continue
                 job, temp = self._queue_tensor(handle, path, meta_fd, data_fd, info, req, planner,
-                                               edges.pop(i))
+                                               edges.pop(i), parses)
                 pending.append(job)
                 in_flight += temp
                 if in_flight > COPY_AHEAD:
@@ -706,24 +707,29 @@ class AioStorageReader(FileSystemReader):
                 os.close(data_fd)
 
     def _queue_tensor(self, handle: AioHandle, path: str, meta_fd: int, data_fd: int, info: _StorageInfo,
-                      req: ReadItem, planner: LoadPlanner, edges: _Edges) -> tuple[_PendingRead, int]:
+                      req: ReadItem, planner: LoadPlanner, edges: _Edges,
+                      parses: dict[Any, tuple[torch.Tensor, int | None]]) -> tuple[_PendingRead, int]:
         """Queue the read of one tensor item's payload; returns the job and its temporary's bytes."""
         try:
-            # A meta-device load reads only the archive's small records and tells where the payload lies.
-            saved = torch.load(_FileView(meta_fd, info.offset, info.length, edges), map_location="meta",
-                               weights_only=True)
-        except Exception as exc:
-            raise CheckpointFormatError(path, f"item {req.storage_index.fqn!r} at offset {info.offset} is "
-                                        f"not a readable torch.save archive (damaged file?): {exc}") from exc
-        if not isinstance(saved, torch.Tensor):
-            raise CheckpointFormatError(path, f"item {req.storage_index.fqn!r} holds a "
-                                        f"{type(saved).__name__}, not a tensor")
-        storage = saved.untyped_storage()
-        start = getattr(storage, "_checkpoint_offset", None)
-        nbytes = storage.nbytes()
+            (_, record_at, record_size), key = _storage_record(meta_fd, path, info.offset, info.length, edges)
+        except CheckpointFormatError:
+            _parse_item(meta_fd, path, info, req, edges)  # torch's own complaint, naming the item, first
+            raise
+        # Items of one shape and dtype hold the same pickle and records: torch.load parses one of them
+        # (it costs as much as reading megabytes), the others take its result; their payload offsets are
+        # their own records'.
+        parsed = parses.get(key) if key is not None else None
+        if parsed is None:
+            parsed = _parse_item(meta_fd, path, info, req, edges)
+            if key is not None:
+                parses[key] = parsed
+            start = parsed[1]
+        else:
+            start = record_at
+        saved = parsed[0]
+        nbytes = saved.untyped_storage().nbytes()
         # The meta load sizes the storage by the pickle and never reads the record, so check the record
         # the archive's own directory assigns it: bytes past it belong to the directory or the next item.
-        _, record_at, record_size = _storage_record(meta_fd, path, info.offset, info.length, edges)
         if start is None or start != record_at or nbytes != record_size:
             raise CheckpointFormatError(path, f"item {req.storage_index.fqn!r}: the pickle asks for {nbytes} "
                                         f"bytes at {start}, its record holds {record_size} at {record_at}")
@@ -742,9 +748,28 @@ class AioStorageReader(FileSystemReader):
         return _PendingRead(req, target, layout), nbytes
 
 
-def _storage_record(fd: int, path: str, offset: int, length: int, edges: _Edges) -> tuple[str, int, int]:
+def _parse_item(fd: int, path: str, info: _StorageInfo, req: ReadItem, edges: _Edges
+                ) -> tuple[torch.Tensor, int | None]:
+    """The item's tensor on the meta device as torch.load makes it, and where torch says its payload
+    starts; CheckpointFormatError when torch cannot read it or it holds no tensor."""
+    try:
+        # A meta-device load reads only the archive's small records and tells where the payload lies.
+        saved = torch.load(_FileView(fd, info.offset, info.length, edges), map_location="meta",
+                           weights_only=True)
+    except Exception as exc:
+        raise CheckpointFormatError(path, f"item {req.storage_index.fqn!r} at offset {info.offset} is "
+                                    f"not a readable torch.save archive (damaged file?): {exc}") from exc
+    if not isinstance(saved, torch.Tensor):
+        raise CheckpointFormatError(path, f"item {req.storage_index.fqn!r} holds a "
+                                    f"{type(saved).__name__}, not a tensor")
+    return saved, getattr(saved.untyped_storage(), "_checkpoint_offset", None)
+
+
+def _storage_record(fd: int, path: str, offset: int, length: int,
+                    edges: _Edges) -> tuple[tuple[str, int, int], Any]:
     """(key, offset, size) within the item of its archive's one storage record, from the archive's
-    directory and local header (both in the edges read ahead, as a rule)."""
+    directory and local header (both in the edges read ahead, as a rule), and the archive's structure key
+    (zipformat.storage_record)."""
     view = _FileView(fd, offset, length, edges)
 
     def read_at(at: int, n: int) -> bytes:
@@ -752,7 +777,7 @@ def _storage_record(fd: int, path: str, offset: int, length: int, edges: _Edges)
         return view.read(n) or b""
 
     try:
-        return zipformat.storage_record(view, path, read_at)
+        return zipformat.storage_record(view, path, read_at, key=True)  # type: ignore[return-value]
     except CheckpointFormatError as exc:
         raise CheckpointFormatError(path, f"the item at offset {offset}: {exc}") from exc
 

@@ -149,9 +149,24 @@ def _inferred_offset(m: zipfile.ZipInfo, following: int | None) -> int | None:
     return offset if offset >= m.header_offset + LOCAL_HEADER_BYTES + len(m.orig_filename.encode()) else None
 
 
-def storage_record(f: BinaryIO, path: str, read_at: Callable[[int, int], bytes]) -> tuple[str, int, int]:
+# The most bytes of small members (the pickle, byteorder, versions) that structure_key reads to name an
+# archive; an item with more is not named (its structure is parsed every time).
+STRUCTURE_KEY_BYTES = 64 << 10
+# The member each torch.save writes with a new random id: no reader's result depends on it.
+_SERIALIZATION_ID = ".data/serialization_id"
+
+
+def storage_record(f: BinaryIO, path: str, read_at: Callable[[int, int], bytes],
+                   key: bool = False) -> tuple[str, int, int] | tuple[tuple[str, int, int], Any]:
     """(key, data offset, size) of the one storage record of a single-tensor archive (a DCP item),
-    reading its directory through `f` and its local header through `read_at(offset, n)`."""
+    reading its directory through `f` and its local headers through `read_at(offset, n)`.
+
+    With `key`, returns that and a structure key: every member's name and size, and every other member's
+    CRC-32 and bytes, except the storage payload and torch.save's random serialization id. Two items with
+    equal keys hold the same pickle, records and versions, so torch.load's parse of one (everything but the
+    payload's bytes and its offset) is the other's. None where the small members exceed
+    STRUCTURE_KEY_BYTES or a local header is damaged (then the item is parsed on its own).
+    """
     members, _ = _members(f, path)
     storages = [m for m in members if m.filename.partition("/")[2].startswith("data/")]
     if len(storages) != 1:
@@ -162,7 +177,25 @@ def storage_record(f: BinaryIO, path: str, read_at: Callable[[int, int], bytes])
     offset = data_offset(read_at(m.header_offset, LOCAL_HEADER_BYTES), m.header_offset)
     if offset is None:
         raise CheckpointFormatError(path, f"truncated or damaged: bad local header of {m.filename}")
-    return m.filename.partition("/")[2][len("data/"):], offset, m.file_size
+    record = (m.filename.partition("/")[2][len("data/"):], offset, m.file_size)
+    if not key:
+        return record
+    return record, _structure_key(members, m, read_at)
+
+
+def _structure_key(members: list[zipfile.ZipInfo], storage: zipfile.ZipInfo,
+                   read_at: Callable[[int, int], bytes]) -> Any:
+    """See storage_record's `key`."""
+    small = [x for x in members if x is not storage and not x.filename.endswith("/" + _SERIALIZATION_ID)]
+    if sum(x.file_size for x in small) > STRUCTURE_KEY_BYTES:
+        return None
+    parts: list[Any] = [(x.filename, x.file_size) for x in members]
+    for x in small:
+        at = data_offset(read_at(x.header_offset, LOCAL_HEADER_BYTES), x.header_offset)
+        if at is None or x.compress_type != zipfile.ZIP_STORED:
+            return None
+        parts.append((x.filename, x.CRC, read_at(at, x.file_size)))
+    return tuple(parts)
 
 
 def is_descriptor(view: memoryview, data_len: int) -> bool:

@@ -265,6 +265,64 @@ def test_corrupted_archive_names_it(tmp_path: Path) -> None:
         _load(tmp_path / "c", AioStorageReader, sd)
 
 
+def _repeated_structures() -> dict[str, torch.Tensor]:
+    """Five tensors of one shape and dtype, one of them non-contiguous, and two of another dtype."""
+    g = torch.Generator().manual_seed(1)
+    sd = {f"w{i}": torch.randn(96, 160, generator=g) for i in range(4)}
+    sd["wt"] = torch.randn(160, 96, generator=g).t()  # same shape, other strides: another pickle
+    sd |= {f"h{i}": torch.randn(96, 160, generator=g).half() for i in range(2)}
+    return sd
+
+
+@pytest.mark.parametrize("writer", [AioStorageWriter, FileSystemWriter])
+def test_items_of_one_structure_are_parsed_once(tmp_path: Path, writer: type,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.load parses one item per structure (pickle, records); the others take its result and their own
+    payload offsets, and every tensor still loads right (its strides included)."""
+    import deepnvme.checkpoint as backend
+
+    sd = _repeated_structures()
+    dcp.save(sd, storage_writer=writer(tmp_path / "c"))
+    parsed = []
+    real = backend._parse_item
+
+    def counting(*args: Any) -> Any:
+        parsed.append(args[3].storage_index.fqn)
+        return real(*args)
+
+    monkeypatch.setattr(backend, "_parse_item", counting)
+    got = _load(tmp_path / "c", AioStorageReader, sd)
+    _check(got, sd)
+    assert len(parsed) == 3, parsed  # float32 contiguous, float32 transposed, float16
+
+
+def test_a_damaged_pickle_among_repeated_structures_is_refused(tmp_path: Path) -> None:
+    """An item whose pickle differs from the others of its shape is parsed on its own: its damage is found."""
+    import io
+    import struct
+    import zipfile
+
+    sd = _repeated_structures()
+    dcp.save(sd, storage_writer=AioStorageWriter(tmp_path / "c"))
+    with open(tmp_path / "c" / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    infos = sorted((v for k, v in md.storage_data.items() if k.fqn.startswith("w") and k.fqn != "wt"),
+                   key=lambda v: v.offset)
+    info = infos[-1]  # parsed after the others of its structure
+    data = tmp_path / "c" / info.relative_path
+    raw = bytearray(data.read_bytes())
+    item = bytes(raw[info.offset:info.offset + info.length])
+    with zipfile.ZipFile(io.BytesIO(item)) as z:
+        member = next(m for m in z.infolist() if m.filename.endswith("/data.pkl"))
+    name_len, extra_len = struct.unpack_from("<HH", item, member.header_offset + 26)
+    at = info.offset + member.header_offset + 30 + name_len + extra_len
+    raw[at] ^= 0xFF  # the pickle's first opcode
+    data.write_bytes(bytes(raw))
+    fqn = next(k.fqn for k, v in md.storage_data.items() if v is info)
+    with pytest.raises(CheckpointException, match=f"item '{fqn}' .* not a readable torch.save archive"):
+        _load(tmp_path / "c", AioStorageReader, sd)
+
+
 def test_garbage_metadata_names_it(tmp_path: Path) -> None:
     dcp.save({"x": torch.ones(3)}, storage_writer=AioStorageWriter(tmp_path / "c"))
     (tmp_path / "c" / ".metadata").write_bytes(b"not a pickle")
