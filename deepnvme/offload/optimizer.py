@@ -13,7 +13,9 @@ copy of its live group, so hyperparameters, LR schedules and `param_groups` edit
 tile's write-back, which gives the memory back to the pool once written. The arithmetic is therefore the
 wrapped optimizer's own, on the same values: results are bit-identical to the optimizer kept in memory.
 Each direction keeps two requests in flight (REQUESTS_IN_FLIGHT), so the drive is not left idle at the
-tail of every tile's request. `last_step` (a StepProfile) says what the last step moved and when.
+tail of every tile's request; the first tile's read and the last tile's read and write are cut into as many
+requests (END_REQUESTS), so every queue thread serves the ends of the walk. The swap's handles move 4 MiB
+blocks (handles.SWAP). `last_step` (a StepProfile) says what the last step moved and when.
 
 With `master_weights=True` the model's parameters may be bf16/fp16: the wrapped optimizer steps fp32
 masters (kept on the drive with the state), given the gradients cast to fp32, and the rounded result is
