@@ -157,8 +157,10 @@ class RawIO:
 
 
 def pipeline(profile: StepProfile) -> dict:
-    """What one offloaded step's profile says: requests, the time it waited for reads, and the share of
-    the step during which the drive was reading, writing, either, and the optimizer updating."""
+    """What one offloaded step's profile says: requests, the time it waited for reads, the fill (until
+    the first tile's update began: its read, with nothing to overlap) and the drain (after the last
+    update: its write-back), and the share of the step during which the drive was reading, writing,
+    either, and the optimizer updating."""
     wall = profile.ended - profile.began
 
     def busy(spans: list[tuple[float, float, int]]) -> float:
@@ -171,6 +173,8 @@ def pipeline(profile: StepProfile) -> dict:
 
     return {"s": wall, "read_requests": len(profile.reads), "write_requests": len(profile.writes),
             "tiles": len(profile.updates), "read_wait_s": profile.read_wait_s,
+            "fill_s": profile.updates[0][0] - profile.began if profile.updates else wall,
+            "drain_s": profile.ended - profile.updates[-1][1] if profile.updates else 0.0,
             "reading": busy(profile.reads), "writing": busy(profile.writes),
             "io": busy(profile.reads + profile.writes), "updating": busy(profile.updates)}
 
@@ -359,13 +363,14 @@ def render(results: list[dict], meta: dict) -> str:
     lines += ["", "Raw settings chosen: " + "; ".join(
         f"{r['state_bytes'] / GB:.2f} GB: {r['raw_settings'] or 'recommended'}" for r in results) + ".",
               "", "The offloaded step's pipeline (its median repeat; shares of the step's time):", "",
-              "| state | tiles | read / write requests | waited for reads | drive reading | writing | "
-              "either | updating |", "|---|---|---|---|---|---|---|---|"]
+              "| state | tiles | read / write requests | waited for reads | fill / drain | drive reading | "
+              "writing | either | updating |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         p = r.get("pipeline")
         if p:
             lines.append(f"| {r['state_bytes'] / GB:.2f} GB | {p['tiles']} | {p['read_requests']} / "
-                         f"{p['write_requests']} | {p['read_wait_s']:.3f} s | {p['reading']:.0%} | "
+                         f"{p['write_requests']} | {p['read_wait_s']:.3f} s | {p['fill_s'] * 1e3:.0f} / "
+                         f"{p['drain_s'] * 1e3:.0f} ms | {p['reading']:.0%} | "
                          f"{p['writing']:.0%} | {p['io']:.0%} | {p['updating']:.0%} |")
     return "\n".join(lines) + "\n"
 

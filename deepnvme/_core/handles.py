@@ -26,7 +26,7 @@ from deepnvme._core.aio_types import AioHandle
 from deepnvme._core.checks import check_int, check_type
 from deepnvme._core.op import aio_module
 
-__all__ = ["CHECKPOINT", "LIMITS", "RECOMMENDED", "TUNED_ENV", "TUNED_FILE", "check_settings",
+__all__ = ["CHECKPOINT", "LIMITS", "RECOMMENDED", "SWAP", "TUNED_ENV", "TUNED_FILE", "check_settings",
            "checkpoint_handle", "checkpoint_settings", "default_handle", "new_handle"]
 
 # One thread per slice of a request with two slices in flight keeps a drive busy from a plain tensor too;
@@ -38,6 +38,12 @@ RECOMMENDED: dict[str, Any] = {"block_size": 1 << 20, "queue_depth": 32, "single
 # large as a drive takes in one command, and 32 of them per thread keep it busy (bench/ckpt_bench.py's grid
 # measures the alternatives beside it).
 CHECKPOINT: dict[str, Any] = {**RECOMMENDED, "block_size": 8 << 20}
+
+# An offloaded optimizer's swap moves tiles of tens of MiB from and into locked memory, both ways at once:
+# blocks as large as a drive usually takes in one command (a common max_sectors_kb) halve the commands
+# per byte against 1 MiB without leaving fewer requests in flight than the tiles already give, and
+# bench/offload_bench.py's raw bound chooses them too.
+SWAP: dict[str, Any] = {**RECOMMENDED, "block_size": 4 << 20}
 
 # A directory's tuned checkpoint settings: this file in it (or in the directory above it).
 TUNED_FILE = "deepnvme-handle.json"

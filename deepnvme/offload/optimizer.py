@@ -13,7 +13,9 @@ copy of its live group, so hyperparameters, LR schedules and `param_groups` edit
 tile's write-back, which gives the memory back to the pool once written. The arithmetic is therefore the
 wrapped optimizer's own, on the same values: results are bit-identical to the optimizer kept in memory.
 Each direction keeps two requests in flight (REQUESTS_IN_FLIGHT), so the drive is not left idle at the
-tail of every tile's request. `last_step` (a StepProfile) says what the last step moved and when.
+tail of every tile's request; the first tile's read and the last tile's read and write are cut into as many
+requests (END_REQUESTS), so every queue thread serves the ends of the walk. The swap's handles move 4 MiB
+blocks (handles.SWAP). `last_step` (a StepProfile) says what the last step moved and when.
 
 With `master_weights=True` the model's parameters may be bf16/fp16: the wrapped optimizer steps fp32
 masters (kept on the drive with the state), given the gradients cast to fp32, and the rounded result is
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 
 from deepnvme.offload import preflight
-from deepnvme.offload._doors import PAGE, save_streamed
+from deepnvme.offload._doors import PAGE, SWAP, save_streamed
 from deepnvme.offload.closing import Closing
 from deepnvme.offload.pool import round_up
 from deepnvme.offload.queues import Ticket
@@ -52,6 +54,9 @@ DEFAULT_BUDGET = 256 << 20
 # Requests each direction serves at once: with one, the drive idles while each request's last blocks
 # complete and the queue thread picks the next; with two, the next is already in the drive.
 REQUESTS_IN_FLIGHT = 2
+# Requests the first and the last tile move in (each way): every queue thread serves the tile that starts
+# the pipeline and the one that ends it, where nothing else is left to overlap with (see ReadAhead).
+END_REQUESTS = REQUESTS_IN_FLIGHT
 _MADV_DONTNEED = 4
 
 
@@ -108,7 +113,8 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
     `budget_bytes` is the locked memory offload uses: the pool every read and write goes through
     (default 256 MiB). It sizes the tiles (`tile_bytes`, default a quarter of it) and how far reads run
     ahead; it must hold the largest parameter's unit (its state tensors, and its master). `handle` is an
-    aio handle for reads (default: a new one with the project's settings).
+    aio handle for reads (default: a new one with the swap's settings, deepnvme._core.handles.SWAP, as
+    every other handle of the swap space has).
 
     Use it as the optimizer: `param_groups` are the wrapped optimizer's live groups (LR schedulers attach
     here), `zero_grad`, `add_param_group` work as usual. `state` is a read-only outline: for each parameter
@@ -138,7 +144,7 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
                              "budget_bytes to a few times that")
         state_estimate = sum(round_up(p.numel() * 4) for p in params) * (2 if master_weights else 1)
         self.swap = SwapSpace(directory, budget, handle=handle, expected_bytes=state_estimate,
-                              requests_in_flight=REQUESTS_IN_FLIGHT)
+                              requests_in_flight=REQUESTS_IN_FLIGHT, handle_settings=SWAP)
         self._closed = False
         self.tile_bytes = max(self.swap.pool.capacity // 4, PAGE) if tile_bytes is None else int(tile_bytes)
         self._records: dict[torch.Tensor, _Record] = {}
@@ -178,7 +184,7 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
         tiles = self._tiles(work)
         ahead = all(p in self._records for _, p in work)  # new state is allocated mid-step: no read-ahead
         reader = ReadAhead(self.swap, [[self._records[p].unit for _, p in t if p in self._records]
-                                       for t in tiles], ahead=ahead)
+                                       for t in tiles], ahead=ahead, end_parts=END_REQUESTS)
         self._broken = "a step() was interrupted"
         profile = StepProfile(time.perf_counter())
         writes: list[Ticket] = []
@@ -199,7 +205,7 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
                 profile.updates.append((began, time.perf_counter(),
                                         sum(p.numel() * p.element_size() for _, p in tile)))
                 if lease is not None:
-                    writes += lease.write_back()
+                    writes += lease.write_back(END_REQUESTS if i == len(tiles) - 1 else 1)
             self.swap.wait_writes()
             profile.add_requests(writes)
             profile.ended = time.perf_counter()

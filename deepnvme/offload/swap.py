@@ -21,12 +21,12 @@ import errno
 import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from deepnvme.offload import preflight, swapdir
-from deepnvme.offload._doors import PAGE, locked_bytes, new_handle
+from deepnvme.offload._doors import PAGE, check_settings, locked_bytes, new_handle
 from deepnvme.offload.closing import Closing
 from deepnvme.offload.pool import Buffer, BufferPool, round_up
 from deepnvme.offload.queues import DEMAND, PREFETCH, IOQueue, Ticket
@@ -91,10 +91,11 @@ class Lease:
         at = self._slot[unit.name]
         return self.buffer.tensor[at:at + unit.io_nbytes]
 
-    def runs(self, units: Sequence[Unit]) -> list[tuple[Any, int, str]]:
+    def runs(self, units: Sequence[Unit], parts: int = 1) -> list[tuple[Any, int, str]]:
         """(pool view, file offset, path) of one request per run of units that lie back to back both in the
         pool and in one file (the parameters of a tile, written in order, do): one request per tile
-        rather than one per tensor."""
+        rather than one per tensor. With `parts` > 1 each run is cut into that many requests (whole pages
+        each), so that several queue threads can serve one lease at once."""
         out: list[list[Any]] = []  # [slot, io_start, io_end, path]
         for u in units:
             slot = self._slot[u.name]
@@ -104,7 +105,12 @@ class Lease:
                 last[2] = u.io_end
             else:
                 out.append([slot, u.io_start, u.io_end, u.path])
-        return [(self.buffer.tensor[slot:slot + end - start], start, path) for slot, start, end, path in out]
+        requests = []
+        for slot, start, end, path in out:
+            piece = round_up(-(-(end - start) // max(1, parts)))
+            requests += [(self.buffer.tensor[slot + at:slot + min(at + piece, end - start)], start + at, path)
+                         for at in range(0, end - start, piece)]
+        return requests
 
     def view(self, unit: Unit | str) -> Any:
         """A uint8 tensor over the unit's true bytes in the pool (valid until the lease is released)."""
@@ -125,14 +131,15 @@ class Lease:
             if t.error is not None:
                 raise t.error
 
-    def write_back(self) -> list[Ticket]:
-        """Queue writes of every owned unit from the pool; memory goes back to the pool once written."""
+    def write_back(self, parts: int = 1) -> list[Ticket]:
+        """Queue writes of every owned unit from the pool; memory goes back to the pool once written.
+        `parts` cuts each run into that many requests (see runs())."""
         self.wait()
         owned = [u for u in self.units if u.owned]
         if not owned:
             self.buffer.release()
             return []
-        runs = self.runs(owned)
+        runs = self.runs(owned, parts)
         self._writes_left = len(runs)
         self.tickets = [Ticket(view, self.space._fd, start, path, True, self._written)
                         for view, start, path in runs]
@@ -165,13 +172,18 @@ class SwapSpace(Closing):
     `handle`, if given, is the pool's and the first reader's). One keeps requests strictly one after
     another; two keep the drive busy across each request's tail, which is what a stream of tiles needs.
 
+    `handle_settings` are the aio_handle settings of every handle the space makes (over the project's
+    recommended ones; checked first, a bad one raising ValueError/TypeError naming it).
+
     `directory=None` makes a read-only space: no swap file and no write queue, only external units (the
     weights streamed for inference are read in place from their checkpoint; nothing is written).
     """
 
     def __init__(self, directory: str | os.PathLike | None, budget_bytes: int, *, handle: Any = None,
-                 expected_bytes: int = 0, requests_in_flight: int = 1) -> None:
+                 expected_bytes: int = 0, requests_in_flight: int = 1,
+                 handle_settings: Mapping[str, Any] | None = None) -> None:
         budget_bytes = preflight.budget_arg(budget_bytes)
+        settings = check_settings(handle_settings or {})  # a bad value fails here, before anything is made
         if (isinstance(requests_in_flight, bool) or not isinstance(requests_in_flight, int)
                 or not 1 <= requests_in_flight <= 16):
             raise ValueError(f"requests_in_flight must be an int from 1 to 16, got {requests_in_flight!r}")
@@ -183,6 +195,7 @@ class SwapSpace(Closing):
             if expected_bytes:
                 preflight.check_free_space(directory, expected_bytes)
         self.directory = directory
+        self.handle_settings = settings
         self.path = None if directory is None else swapdir.make_own(directory)
         self.file = None if self.path is None else os.path.join(self.path, SWAP_FILE)
         self._fd = -1
@@ -196,12 +209,13 @@ class SwapSpace(Closing):
         try:
             if self.file is not None:
                 self._fd, self.direct = preflight.open_direct(self.file, os.O_RDWR | os.O_CREAT | os.O_EXCL)
-            self.pool = BufferPool(budget_bytes, handle if handle is not None else new_handle())
+            self.pool = BufferPool(budget_bytes, handle if handle is not None else new_handle(**settings))
             more = requests_in_flight - 1
-            self.reads = IOQueue(handle if handle is not None else new_handle(), "read",
-                                 [new_handle() for _ in range(more)])
+            self.reads = IOQueue(handle if handle is not None else new_handle(**settings), "read",
+                                 [new_handle(**settings) for _ in range(more)])
             if self.file is not None:
-                self.writes = IOQueue(new_handle(), "write", [new_handle() for _ in range(more)])
+                self.writes = IOQueue(new_handle(**settings), "write",
+                                      [new_handle(**settings) for _ in range(more)])
         except BaseException:
             self.close()
             raise
@@ -302,9 +316,9 @@ class SwapSpace(Closing):
 
     def read(self, units: Sequence[Unit], *, block: bool = True, demand: bool = False,
              check: Callable[[Lease], None] | None = None,
-             pool: BufferPool | None = None) -> Lease | None:
+             pool: BufferPool | None = None, parts: int = 1) -> Lease | None:
         """Queue reads of `units` into pool memory (`pool`'s when given); None when `block` is False and
-        the pool has no room.
+        the pool has no room. `parts` cuts each run of units into that many requests (see Lease.runs).
 
         `check(lease)` runs on the read thread once every read of the lease has succeeded (a checksum
         computed there overlaps the caller's work); what it raises is what `lease.wait()` raises."""
@@ -312,7 +326,7 @@ class SwapSpace(Closing):
         if lease is None:
             return None
         priority = DEMAND if demand else PREFETCH
-        runs = lease.runs(lease.units)
+        runs = lease.runs(lease.units, parts)
         left = [len(runs)]
 
         def done(ticket: Ticket) -> None:  # only the read thread runs this
@@ -372,7 +386,10 @@ class ReadAhead:
     (None for an empty group). The caller writes back or releases each lease; `close()` releases those
     issued but never taken.
 
-    `check` is handed to every read (SwapSpace.read). With `cyclic`, the sequence repeats without end:
+    `end_parts` cuts the reads of the first and the last group into that many requests, so that every
+    read thread serves them (a walk that is a pipeline starts sooner on the first group, and the last one
+    no longer completes together with the one before it, behind which its update and write-back would
+    wait). `check` is handed to every read (SwapSpace.read). With `cyclic`, the sequence repeats without end:
     position i is group i % len(groups) (the layers of a model, forward after forward), so reads for the
     next pass start while the last groups of this one are in use; at most one pass is in flight, and
     `recycle(i, lease)` hands a used lease back for position i + len(groups) (same units, bytes still in
@@ -382,9 +399,11 @@ class ReadAhead:
     """
 
     def __init__(self, space: SwapSpace, groups: Sequence[Sequence[Unit]], ahead: bool = True, *,
-                 cyclic: bool = False, check: Callable[[Lease], None] | None = None) -> None:
+                 cyclic: bool = False, check: Callable[[Lease], None] | None = None,
+                 end_parts: int = 1) -> None:
         self.space, self.groups, self.ahead, self.cyclic = space, list(groups), ahead, cyclic
         self.check = check
+        self.end_parts = end_parts
         if cyclic and not self.groups:
             raise ValueError("a cyclic ReadAhead needs at least one group")
         self._issued: dict[int, Lease | None] = {}
@@ -393,6 +412,10 @@ class ReadAhead:
 
     def _group(self, i: int) -> Sequence[Unit]:
         return self.groups[i % len(self.groups)] if self.cyclic else self.groups[i]
+
+    def _parts(self, i: int) -> int:
+        """Requests for the reads of position i: `end_parts` for the first and last groups of a walk."""
+        return self.end_parts if not self.cyclic and i in (0, len(self.groups) - 1) else 1
 
     def ready(self, i: int) -> bool:
         """Whether position i was issued and every read of it has finished (take(i) would not wait)."""
@@ -404,7 +427,8 @@ class ReadAhead:
         while self.ahead and (self._next < self._low + len(self.groups) - 1 if self.cyclic
                               else self._next < len(self.groups)):
             units = self._group(self._next)
-            lease = self.space.read(units, block=False, check=self.check) if units else None
+            lease = (self.space.read(units, block=False, check=self.check, parts=self._parts(self._next))
+                     if units else None)
             if units and lease is None:
                 return
             self._issued[self._next] = lease
@@ -415,7 +439,8 @@ class ReadAhead:
             if i != self._next:
                 raise ValueError(f"ReadAhead.take({i}) out of order (next is {self._next})")
             units = self._group(i)
-            self._issued[i] = self.space.read(units, demand=True, check=self.check) if units else None
+            self._issued[i] = (self.space.read(units, demand=True, check=self.check, parts=self._parts(i))
+                               if units else None)
             self._next += 1
         lease = self._issued.pop(i)
         self._low = i + 1

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from deepnvme.offload import OffloadedOptimizer
+from deepnvme.offload._doors import SWAP
+from deepnvme.offload.optimizer import END_REQUESTS
 from tests.offload.optim_cases import BASE, OPTIMIZERS, model, train
 
 STEPS = 20
@@ -125,13 +127,18 @@ def test_master_weights_carried_by_checkpoints(workdir: Path, tmp_path: Path) ->
 
 def test_last_step_profiles_the_pipeline(workdir: Path) -> None:
     """last_step: every swapped byte read once and written once, one read and one write request per tile
-    (its units lie back to back), spans inside the step and updates one after another."""
+    (its units lie back to back) but END_REQUESTS for the first tile's read and the last tile's read and
+    write (every queue thread serves the ends of the walk), spans inside the step and updates one after
+    another."""
     m = model()
     with OffloadedOptimizer(torch.optim.Adam(m.parameters(), lr=1e-3, fused=True), workdir, BUDGET) as opt:
         train(m, opt, range(3))
         prof = opt.last_step
         assert prof is not None and len(prof.updates) >= 3
-        assert len(prof.reads) == len(prof.writes) == len(prof.updates)
+        extra = END_REQUESTS - 1  # every tile here is at least END_REQUESTS pages
+        assert len(prof.reads) == len(prof.updates) + 2 * extra
+        assert len(prof.writes) == len(prof.updates) + extra
+        assert opt.swap.handle_settings["block_size"] == SWAP["block_size"]
         assert sum(n for *_, n in prof.reads) == sum(n for *_, n in prof.writes) == opt.swap.reserved_bytes
         assert sum(n for *_, n in prof.updates) == sum(p.numel() * 4 for p in m.parameters())
         for a, b, _ in prof.reads + prof.updates + prof.writes:

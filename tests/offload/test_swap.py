@@ -161,6 +161,70 @@ def test_two_requests_in_flight_each_way(workdir: Path) -> None:
             lease.release()
 
 
+@pytest.mark.parametrize("parts", [2, 3, 64])
+def test_requests_cut_into_parts(workdir: Path, parts: int) -> None:
+    """Reads and writes cut into `parts` requests: page-aligned pieces that cover each run exactly once (a
+    run shorter than `parts` pages moves in fewer), on two threads each way; the bytes round trip, and a
+    lease's memory goes back once, after its last piece is written."""
+    sizes = [3 * PAGE + 17, 5, 9 * PAGE, 100_000]
+    with SwapSpace(workdir, 1 << 20, requests_in_flight=2,
+                   handle_settings={"block_size": 2 * PAGE, "queue_depth": 2}) as space:
+        assert space.handle_settings["block_size"] == 2 * PAGE
+        data = _fill(space, sizes)
+        units = [space.unit(f"u{i}") for i in range(len(sizes))]
+        total = sum(u.io_nbytes for u in units)
+        for _ in range(5):
+            lease = space.read(units, demand=True, parts=parts)
+            pieces = sorted((t.offset, t.tensor.numel()) for t in lease.tickets)
+            assert len(pieces) == min(parts, total // PAGE)
+            assert all(off % PAGE == 0 and n % PAGE == 0 for off, n in pieces)
+            assert [off for off, _ in pieces] == [0] + [sum(n for _, n in pieces[:i]) for i in
+                                                       range(1, len(pieces))]
+            assert sum(n for _, n in pieces) == total
+            lease.wait()
+            for u, x in zip(units, data):
+                assert torch.equal(lease.view(u), x)
+                lease.view(u).add_(1)
+            data = [x + 1 for x in data]
+            assert len(lease.write_back(parts)) == len(pieces)
+            space.wait_writes()
+            assert space.pool.in_use == 0
+        lease = space.read(units, demand=True)
+        lease.wait()
+        assert all(torch.equal(lease.view(u), x) for u, x in zip(units, data))
+        lease.release()
+
+
+def test_read_ahead_cuts_the_ends_of_a_walk(workdir: Path) -> None:
+    """end_parts: the first and the last group's reads in that many requests, the others in one; a cyclic
+    walk has no ends."""
+    with SwapSpace(workdir, 1 << 20, requests_in_flight=2) as space:
+        data = _fill(space, [4 * PAGE] * 5)
+        groups = [[space.unit(f"u{i}")] for i in range(5)]
+        reader = ReadAhead(space, groups, end_parts=2)
+        for i in range(5):
+            lease = reader.take(i)
+            assert len(lease.tickets) == (2 if i in (0, 4) else 1), i
+            assert torch.equal(lease.view(f"u{i}"), data[i])
+            lease.release()
+        reader.close()
+        cyclic = ReadAhead(space, groups, cyclic=True, end_parts=2)
+        for i in range(7):
+            lease = cyclic.take(i)
+            assert len(lease.tickets) == 1
+            lease.release()
+        cyclic.close()
+
+
+@pytest.mark.parametrize(("settings", "error"), [({"block_size": 0}, ValueError),
+                                                 ({"queue_depth": "8"}, TypeError),
+                                                 ({"blocksize": 4096}, ValueError)])
+def test_handle_settings_checked(workdir: Path, settings: dict, error: type) -> None:
+    with pytest.raises(error, match=next(iter(settings))):
+        SwapSpace(workdir, 1 << 20, handle_settings=settings)
+    assert os.listdir(workdir) == []
+
+
 @pytest.mark.parametrize("bad", [0, 17, True, 1.5, "2"])
 def test_requests_in_flight_checked(workdir: Path, bad: object) -> None:
     with pytest.raises(ValueError, match="requests_in_flight"):
