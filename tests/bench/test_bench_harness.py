@@ -40,7 +40,9 @@ def test_timer_counts_every_thread() -> None:
             t.join()
 
     wall, cpu = _harness.timed(two_threads)
-    _, one = _harness.timed(spin)
+    # The cheapest of three: on a busy machine one measurement of the same work may cost more CPU than usual
+    # (caches, a shared core), which must not pass for a timer that misses a thread.
+    one = min(_harness.timed(spin)[1] for _ in range(3))
     assert wall > 0 and cpu > one * 1.5  # two threads' work, whatever the wall time
     assert _harness.wall(spin) > 0
 
