@@ -120,7 +120,7 @@ def test_file_rewritten_during_read(workdir: Path) -> None:
         stop.set()
         t.join()
         print(seen)
-    """)
+    """, timeout=240)  # room for the 120 s the child may go on for a success, and its start
     assert "'ok'" in out, out
 
 

@@ -243,20 +243,17 @@ def test_async_io_jit_build_and_fast_warm_load(aio_ext_dir):
     ninja_file = (aio_ext_dir / "build.ninja").read_text()
     assert "-O3" in ninja_file and "-O0" not in ninja_file
     out = run_python("""
-        import time
-        t0 = time.perf_counter()
         import torch
-        t1 = time.perf_counter()
         from op_builder import AsyncIOBuilder
         b = AsyncIOBuilder()
         m = b.load()
-        t2 = time.perf_counter()
-        result = {"beyond_torch": t2 - t1, "name": m.__name__, "warm_miss": b.warm_miss}
+        result = {"name": m.__name__, "warm_miss": b.warm_miss}
     """)
     # What made it probe or build, when it did: the cache's own account of what changed since the stamp.
     assert out["result"]["warm_miss"] is None, f"not warm: {out['result']['warm_miss']}; ran {out['calls']}"
     assert out["calls"] == [], f"the warm path ran {out['calls']}"
     assert out["cpp_extension"] is False
     assert out["result"]["name"] == "deepnvme_async_io"
-    # The target is 0.3 s; allow slack for a loaded CI machine (bench/build_bench.py measures it properly).
-    assert out["result"]["beyond_torch"] < 1.0
+    # How fast the warm load is (target: 0.3 s beyond `import torch`) is bench/build_bench.py's to measure: a
+    # time asserted here fails on a busy machine. What makes it fast is checked above: no probe, no compiler,
+    # no subprocess, no torch.utils.cpp_extension.

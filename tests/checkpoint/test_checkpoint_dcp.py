@@ -187,7 +187,7 @@ def test_temporaries_of_a_killed_save_are_removed(tmp_path: Path) -> None:
              for name in ("__0_0.distcp", ".metadata")]
     for p in stale:
         p.write_bytes(b"half a file")
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])  # killed below
     try:
         other_rank = directory / f".__0_0.distcp.{_HOST}.{live.pid}.0badf00d{TEMP_SUFFIX}"
         other_rank.write_bytes(b"not ours to remove")

@@ -47,11 +47,26 @@ def _equal(a: dict, b: dict) -> bool:
     return a["i"] == b["i"] and torch.equal(a["w"], b["w"]) and torch.equal(a["b"], b["b"])
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of `pid` is stopped: kill() returns before a thread running on another CPU, or
+    inside a system call (a rename, an fsync), has stopped, and until then it may still change the folder."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that has just ended
+            continue
+    return all(state in ("T", "t") for state in states)
+
+
 def _stop_inside_a_save(child: subprocess.Popen, folder: Path, rng: random.Random) -> None:
     """Freeze the child (SIGSTOP) at random moments until one finds it inside save(): its temporary exists."""
+    from thread_helpers import wait_until  # here: the child imports this module without tests/support
+
     for _ in range(500):
         time.sleep(rng.uniform(0.0, 0.03))
         child.send_signal(signal.SIGSTOP)
+        wait_until(lambda: _stopped(child.pid), "the child stopped by SIGSTOP")
         if any(p.name.endswith(TEMP_SUFFIX) for p in folder.iterdir()):
             return
         child.send_signal(signal.SIGCONT)
@@ -94,7 +109,7 @@ def test_stale_temporary_of_a_live_process_is_left_alone(tmp_path: Path) -> None
     """Another live process may be saving the same name: its temporary must survive our save."""
     from op_builder.atomic_file import _HOST
 
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])  # killed below
     try:
         theirs = tmp_path / f".c.pt.{_HOST}.{live.pid}.abcd{TEMP_SUFFIX}"
         theirs.write_bytes(b"in progress")
