@@ -164,3 +164,36 @@ def test_fork_while_a_thread_is_inside_a_forward(net: tuple[Path, torch.Tensor, 
     with torch.no_grad():
         assert torch.equal(model(x), want)
     unstream(model)
+
+
+def test_streamed_experts_refuse_in_a_forked_child(tmp_path: Path) -> None:
+    """A model whose experts are streamed raises RuntimeError in a forked child, saying what to do; the
+    parent goes on."""
+    pytest.importorskip("transformers", reason="transformers is needed for a Mixtral-style model")
+    pytest.importorskip("accelerate", reason="accelerate is needed for streaming tests (the offload extra)")
+    from tests.offload.test_stream_experts import BUDGET as EXPERT_BUDGET
+    from tests.offload.test_stream_experts import mixtral
+
+    ids = torch.tensor([[1, 5, 9, 2]])
+    ref = mixtral("eager")
+    with torch.no_grad():
+        want = ref(ids).logits
+    store = write_store(ref, tmp_path / "store")
+    model = stream_weights(mixtral("eager", empty=True), store, EXPERT_BUDGET)
+
+    def child() -> None:
+        try:
+            with torch.no_grad():
+                model(ids)
+        except RuntimeError as exc:
+            if "experts were streamed by process" not in str(exc) or "spawn" not in str(exc):
+                raise
+        else:
+            raise AssertionError("the child ran a model with streamed experts")
+
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+    assert in_forked_child(child) == "ok"
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+    unstream(model)
