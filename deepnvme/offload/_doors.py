@@ -10,7 +10,7 @@ from deepnvme._core.crc import crc32  # noqa: F401 - re-exported
 from deepnvme._core.files import atomic_target, open_regular, write_atomically  # noqa: F401 - re-exported
 from deepnvme._core.handles import SWAP, check_settings, new_handle  # noqa: F401 - re-exported
 from deepnvme._core.memory import PAGE  # noqa: F401 - re-exported
-from deepnvme._core.op import aio_module, pin_memory_module
+from deepnvme._core.op import aio_module, pin_memory_module  # noqa: F401 - aio_module re-exported
 
 
 def locked_bytes() -> int:

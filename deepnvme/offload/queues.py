@@ -8,7 +8,7 @@ separate threads and handles, a write-back never delays the next read. A queue g
 serves as many requests at once, one per handle: the next request is already in the drive while the last
 blocks of the previous one complete, instead of the drive idling at each request's tail. A request not yet
 started can be promoted: demanded reads are served before queued prefetches (the heap orders by priority,
-then by submission).
+then by submission). Checks of the bytes read (CRC-32s) run on a CheckThread of their own, beside the reads.
 """
 
 from __future__ import annotations
@@ -140,3 +140,65 @@ class IOQueue:
             self._cond.notify_all()
         for t in self._threads:
             t.join()
+
+
+class Check:
+    """A check of the bytes a lease read (`fn(lease)`, a CRC-32 comparison), run on a CheckThread: `done` is
+    set once it has run (or will never run: a read failed), `error` is what it raised."""
+
+    __slots__ = ("done", "error", "fn", "lease")
+
+    def __init__(self, lease: Any, fn: Callable[[Any], None]) -> None:
+        self.lease, self.fn = lease, fn
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+
+class CheckThread:
+    """One thread running Checks in the order they are submitted.
+
+    Why not on the read thread that completed the reads: a CRC-32 of a 50 MB unit takes milliseconds of
+    CPU, and a read thread computing it starts no request meanwhile, so the drive idles for every check;
+    here the next read is in flight while the last one is checked.
+    """
+
+    def __init__(self) -> None:
+        self._todo: list[Check] = []
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, name="deepnvme-offload-check", daemon=True)
+        self._thread.start()
+
+    def submit(self, check: Check) -> None:
+        with self._cond:
+            if self._stop:  # closing: run it here rather than leave a waiter hanging
+                self._run(check)
+                return
+            self._todo.append(check)
+            self._cond.notify()
+
+    @staticmethod
+    def _run(check: Check) -> None:
+        try:
+            check.fn(check.lease)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter, never lost in this thread
+            check.error = exc
+        finally:
+            check.done.set()
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._todo and not self._stop:
+                    self._cond.wait()
+                if not self._todo:
+                    return
+                check = self._todo.pop(0)
+            self._run(check)
+
+    def close(self) -> None:
+        """Run what is submitted, then stop the thread."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()

@@ -21,6 +21,12 @@ refuses instead of reading reused memory): streaming is for inference. Tensors w
 the store's (`model.half()` after streaming, a bf16 checkpoint for an fp32 model) are converted after each
 read, within a kind only: a store tensor of another kind (integer, floating, bool, complex) than the
 model's tensor is refused when streaming starts (store.check_kind).
+
+fork(): the parent goes on as before. A forked child (os.fork, multiprocessing's "fork" start method) that
+runs or unstreams the model makes its own swap space on its first forward (another `budget_bytes` of
+locked memory, in the child) and reads from there, with the read order already recorded; the inherited
+space, whose I/O threads stayed in the parent, is left alone. A model with streamed experts, or on CUDA,
+raises RuntimeError in the child instead. Forking from inside a forward is not supported.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +62,18 @@ from deepnvme.offload.stores import open_store
 from deepnvme.offload.swap import Lease, ReadAhead, SwapSpace, Unit
 
 _ATTR = "_deepnvme_stream"
+# Streamed models of this process, for the fork hook below.
+_LIVE: weakref.WeakSet[_Streamer] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child starts with only the thread that forked: a model's lock held by another thread of
+    the parent (a forward in progress there) would stay held in the child for good."""
+    for st in list(_LIVE):
+        st.lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass
@@ -114,9 +133,46 @@ class _Streamer:
         self.experts: ExpertStreamer | None = None
         self._blob_of = {x.name: b for u in units for b, x in zip(u.blobs, u.units) if b.crc is not None}
         self.check = self._check_crcs if self._blob_of else None
+        self.pid = os.getpid()  # the process whose swap space this is (adopt())
+        _LIVE.add(self)
+
+    def adopt(self) -> None:
+        """In a process forked from the one that streamed the model (called first thing, under the lock):
+        the inherited swap space's I/O threads stayed in the parent, so the child makes a space of its own
+        (same budget, same units; the read order recorded is kept) and leaves the inherited one, and the
+        state of any forward the parent had in progress, untouched. Models with streamed experts and models
+        on CUDA (which cannot be used in a forked child at all) raise RuntimeError instead."""
+        if self.pid == os.getpid():
+            return
+        if self.experts is not None:
+            raise RuntimeError(f"this model's experts were streamed by process {self.pid}, before fork(): "
+                               "a model with streamed experts runs only there; call stream_weights in this "
+                               "process (or start it with the 'spawn' method)")
+        if self.registered is not None or any(s.device.type != "cpu" for u in self.units for s in u.slots):
+            raise RuntimeError(f"this streamed model was on a device in process {self.pid}, before fork(): "
+                               "CUDA cannot be used in a forked child; start it with the 'spawn' method")
+        for u in self.units:  # a forward the parent's threads had in progress does not go on here
+            if u.depth:
+                self._restore(u)
+            u.depth, u.lease, u.views, u.copied, u.position = 0, None, [], None, None
+        space = SwapSpace(None, self.space.pool.capacity)
+        try:
+            for u in self.units:
+                u.units = [space.add_external(x.name, x.path, x.offset, x.nbytes) for x in u.units]
+        except BaseException:
+            space.close()
+            raise
+        self.space.close()  # in the child: only marked closed (SwapSpace.close)
+        self.space, self.pid, self.root_depth, self.pos = space, os.getpid(), 0, 0
+        self.recycled.clear()
+        self.reader = None  # the inherited one's reads were never to finish here: left, not waited for
+        if self.order is not None:
+            groups = [self.units[i].units for i in self.order]
+            self.reader = ReadAhead(space, groups, ahead=self.prefetch, cyclic=True, check=self.check)
 
     def _check_crcs(self, lease: Lease) -> None:
-        """The store's CRC-32s of a unit's blobs, checked on the read thread as the reads finish."""
+        """The store's CRC-32s of a unit's blobs, checked on the swap space's check thread as the reads
+        finish (SwapSpace.read), beside the next reads."""
         for x in lease.units:
             b = self._blob_of.get(x.name)
             if b is not None:
@@ -451,6 +507,7 @@ def _wrap_unit(streamer: _Streamer, i: int, u: _Unit) -> None:
     @functools.wraps(u.orig_forward)  # the signature stays visible (generate() inspects it)
     def forward(*args: Any, **kwargs: Any) -> Any:
         with streamer.lock:
+            streamer.adopt()
             streamer.enter(i)
             try:
                 return u.orig_forward(*args, **kwargs)
@@ -485,6 +542,7 @@ def _wrap_root(streamer: _Streamer, model: nn.Module) -> None:
     @functools.wraps(streamer.root_forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
         with streamer.lock:
+            streamer.adopt()
             ok = False
             streamer.root_depth += 1
             try:
@@ -510,6 +568,7 @@ def unstream(model: nn.Module) -> nn.Module:
     its placeholder had), the forwards are the model's own again, the pool and files are released."""
     st = _streamer(model)
     with st.lock:
+        st.adopt()
         if st.reader is not None:
             st.reader.close()
         dests: dict[str, torch.Tensor] = {}

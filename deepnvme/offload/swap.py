@@ -29,7 +29,7 @@ from deepnvme.offload import preflight, swapdir
 from deepnvme.offload._doors import PAGE, check_settings, locked_bytes, new_handle
 from deepnvme.offload.closing import Closing
 from deepnvme.offload.pool import Buffer, BufferPool, round_up
-from deepnvme.offload.queues import DEMAND, PREFETCH, IOQueue, Ticket
+from deepnvme.offload.queues import DEMAND, PREFETCH, Check, CheckThread, IOQueue, Ticket
 
 SWAP_FILE = "swap.bin"
 # Spaces still open when the interpreter exits are closed first: a read still in flight on a handle's
@@ -74,6 +74,7 @@ class Lease:
     def __init__(self, space: SwapSpace, units: Sequence[Unit], buffer: Buffer) -> None:
         self.space, self.units, self.buffer = space, list(units), buffer
         self.tickets: list[Ticket] = []
+        self.checked: Check | None = None  # the check of the read bytes (SwapSpace.read), when one is made
         self._slot: dict[str, int] = {}
         at = 0
         for u in self.units:
@@ -123,13 +124,23 @@ class Lease:
         for t in self.tickets:
             self.space.reads.demand(t)
 
+    def done(self) -> bool:
+        """Whether every request of this lease, and the check of its bytes, has finished (wait() would not
+        block)."""
+        return all(t.done() for t in self.tickets) and (self.checked is None or self.checked.done.is_set())
+
     def wait(self) -> None:
-        """Wait for this lease's requests only; raise the first error once all of them have finished."""
+        """Wait for this lease's requests only, then for the check of their bytes; raise the first error
+        once all of them have finished."""
         for t in self.tickets:
             t.settle()
         for t in self.tickets:
             if t.error is not None:
                 raise t.error
+        if self.checked is not None:
+            self.checked.done.wait()
+            if self.checked.error is not None:
+                raise self.checked.error
 
     def write_back(self, parts: int = 1) -> list[Ticket]:
         """Queue writes of every owned unit from the pool; memory goes back to the pool once written.
@@ -155,9 +166,12 @@ class Lease:
             self.buffer.release()
 
     def release(self) -> None:
-        """Give the memory back without writing (requests in flight finish first)."""
+        """Give the memory back without writing (requests in flight, and a check reading the bytes, finish
+        first)."""
         for t in self.tickets:
             t.settle()
+        if self.checked is not None:
+            self.checked.done.wait()
         self.buffer.release()
 
 
@@ -177,6 +191,10 @@ class SwapSpace(Closing):
 
     `directory=None` makes a read-only space: no swap file and no write queue, only external units (the
     weights streamed for inference are read in place from their checkpoint; nothing is written).
+
+    fork(): a space belongs to the process that made it. In a forked child its reads and writes would wait
+    for threads that are not there; `close()` there only marks it closed (the parent's files, directory
+    and memory are left alone), so a child makes a space of its own.
     """
 
     def __init__(self, directory: str | os.PathLike | None, budget_bytes: int, *, handle: Any = None,
@@ -204,6 +222,9 @@ class SwapSpace(Closing):
         self._reserved = 0
         self._pending_writes: list[Ticket] = []
         self.reads = self.writes = None
+        self.pid = os.getpid()  # a forked child leaves this space to the process that made it (close())
+        self._checks: CheckThread | None = None
+        self._checks_lock = threading.Lock()
         self.pool = None
         self.closed = False
         try:
@@ -320,19 +341,29 @@ class SwapSpace(Closing):
         """Queue reads of `units` into pool memory (`pool`'s when given); None when `block` is False and
         the pool has no room. `parts` cuts each run of units into that many requests (see Lease.runs).
 
-        `check(lease)` runs on the read thread once every read of the lease has succeeded (a checksum
-        computed there overlaps the caller's work); what it raises is what `lease.wait()` raises."""
+        `check(lease)` runs on the space's check thread once every read of the lease has succeeded: a
+        checksum computed there overlaps the caller's work and the next reads (run on the read thread, the
+        drive would idle while it is computed); `lease.wait()` returns once it has, and raises what it
+        raises."""
         lease = self.allocate(units, block, pool=pool)
         if lease is None:
             return None
         priority = DEMAND if demand else PREFETCH
         runs = lease.runs(lease.units, parts)
         left = [len(runs)]
+        count = threading.Lock()  # a queue with several threads completes the runs on any of them
+        if check is not None:
+            lease.checked = Check(lease, check)
 
-        def done(ticket: Ticket) -> None:  # only the read thread runs this
-            left[0] -= 1
-            if left[0] == 0 and check is not None and all(t.error is None for t in lease.tickets):
-                check(lease)
+        def done(ticket: Ticket) -> None:
+            with count:
+                left[0] -= 1
+                last = left[0] == 0
+            if last and lease.checked is not None:
+                if all(t.error is None for t in lease.tickets):
+                    self._checker().submit(lease.checked)
+                else:
+                    lease.checked.done.set()  # nothing to check: wait() raises the read's error
 
         for view, start, path in runs:
             fd = self._fd if path == self.file else self._ext[path]
@@ -340,6 +371,13 @@ class SwapSpace(Closing):
         for t in lease.tickets:
             self.reads.submit(t, priority)
         return lease
+
+    def _checker(self) -> CheckThread:
+        """The thread checks of read bytes run on, started on first use."""
+        with self._checks_lock:
+            if self._checks is None:
+                self._checks = CheckThread()
+            return self._checks
 
     def _track_write(self, ticket: Ticket) -> None:
         self._pending_writes = [t for t in self._pending_writes if not t.done() or t.error is not None]
@@ -355,6 +393,9 @@ class SwapSpace(Closing):
                 raise t.error
 
     def _check_open(self) -> None:
+        if self.pid != os.getpid():
+            raise RuntimeError(f"this swap space was made by process {self.pid}, before fork(): its I/O "
+                               "threads stayed there; make a new one in this process")
         if self.closed:
             raise RuntimeError(f"the swap space in {self.directory or '(read-only)'} is closed")
 
@@ -363,9 +404,15 @@ class SwapSpace(Closing):
         if getattr(self, "closed", True):  # closed, or __init__ failed before there was anything to close
             return
         self.closed = True
+        if self.pid != os.getpid():
+            # A forked child's copy: its threads stayed in the parent (their locks may be held for good), its
+            # handles refuse work, and its directory and files are the parent's, still in use there.
+            return
         for q in (self.reads, self.writes):
             if q is not None:
                 q.close()
+        if self._checks is not None:  # after the reads: their completions hand it checks
+            self._checks.close()
         if self.pool is not None:
             self.pool.close()
         for fd in [self._fd, *self._ext.values()]:
@@ -420,7 +467,7 @@ class ReadAhead:
     def ready(self, i: int) -> bool:
         """Whether position i was issued and every read of it has finished (take(i) would not wait)."""
         lease = self._issued.get(i)
-        return i in self._issued and (lease is None or all(t.done() for t in lease.tickets))
+        return i in self._issued and (lease is None or lease.done())
 
     def pump(self) -> None:
         """Issue the next groups while the pool has room (never waits)."""

@@ -1,12 +1,19 @@
-"""Helpers of the offload tests: small mounts of a chosen kind, open descriptors."""
+"""Helpers of the offload tests: small mounts of a chosen kind, open descriptors, a forked child."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from mounts import mounted
+
+HANG = 60.0  # seconds: far beyond what a test's child does; reaching it means a hang
 
 
 def tmpfs(path: Path, options: str) -> contextlib.AbstractContextManager[Path]:
@@ -21,3 +28,34 @@ def open_fds() -> set[str]:
         with contextlib.suppress(OSError):
             out.add(os.readlink(f"/proc/self/fd/{fd}"))
     return out
+
+
+def in_forked_child(body: Callable[[], None]) -> str:
+    """Run `body` in an os.fork() child (torch limited to one thread there: its pool does not survive fork);
+    "ok" or the child's error as text. A child still running after HANG seconds is killed and fails."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running the parent's atexit handlers
+        os.close(r)
+        try:
+            torch.set_num_threads(1)
+            body()
+            msg = "ok"
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            msg = traceback.format_exc()
+        os.write(w, msg.encode()[-4000:])
+        os._exit(0)
+    os.close(w)
+    deadline = time.monotonic() + HANG
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+        raise AssertionError("the forked child hung")
+    with os.fdopen(r, "rb") as f:
+        return f.read().decode() or f"the child exited with status {status} and said nothing"

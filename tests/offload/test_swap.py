@@ -15,7 +15,7 @@ import torch
 from deepnvme.offload import ReadAhead, SwapSpace, preflight, swapdir
 from deepnvme.offload._doors import PAGE, locked_bytes
 from deepnvme.offload.queues import DEMAND, Ticket
-from tests.offload.helpers import open_fds, tmpfs
+from tests.offload.helpers import in_forked_child, open_fds, tmpfs
 
 SIZES = [1, 511, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17, 100_000]
 
@@ -420,3 +420,74 @@ def test_directory_refusing_o_direct_goes_buffered_with_a_warning(tmp_path: Path
             assert torch.equal(lease.view("u0"), data[0]) and torch.equal(lease.view("u1"), data[1])
             lease.release()
         assert os.listdir(mnt) == []
+
+
+def test_a_check_never_holds_up_the_next_read(workdir: Path) -> None:
+    """Checks run on a thread of their own: while the check of one lease is still running, the next lease's
+    read completes (the drive never idles for a checksum); each lease's wait() returns only once its own
+    check has run, release() waits for a running check (it reads the memory), and a failed read's lease
+    raises the read's error without a check."""
+    gen = torch.Generator().manual_seed(5)
+    blob = torch.randint(0, 256, (4 * PAGE,), dtype=torch.uint8, generator=gen)
+    path = workdir / "weights.bin"
+    path.write_bytes(blob.numpy().tobytes())
+    started, go = threading.Event(), threading.Event()
+    checked: list[str] = []
+
+    def check(lease: object) -> None:
+        name = lease.units[0].name  # type: ignore[attr-defined]
+        if name == "a":
+            started.set()
+            if not go.wait(60):
+                raise RuntimeError("the test never released the check")
+        checked.append(name)
+
+    with SwapSpace(None, 4 * PAGE) as space:
+        a, b = (space.add_external(n, path, i * PAGE, PAGE) for i, n in enumerate("ab"))
+        first = space.read([a], check=check)
+        assert started.wait(60), "the first lease's check never started"
+        second = space.read([b], check=check)
+        for t in second.tickets:
+            assert t._done.wait(60), "the second read waited for the first lease's check"
+        assert not first.done() and checked == []
+        go.set()
+        first.wait()
+        second.wait()
+        assert checked == ["a", "b"] and first.done() and second.done()
+        assert torch.equal(second.view(b), blob[PAGE:2 * PAGE])
+        first.release()
+        second.release()
+        late = space.add_external("late", path, 3 * PAGE, PAGE)
+        os.truncate(path, PAGE)  # cut short after the unit was added: its read fails
+        failed = space.read([late], check=check)
+        with pytest.raises(OSError) as err:
+            failed.wait()
+        assert err.value.filename == str(path) and failed.done()
+        failed.release()
+        assert checked == ["a", "b"] and space.pool.in_use == 0
+
+
+def test_a_forked_child_leaves_the_parents_space_alone(workdir: Path) -> None:
+    """In a forked child the inherited space refuses work (its I/O threads stayed in the parent: a read
+    would never complete) with an error saying so, and closing it there removes nothing of the parent's;
+    the parent's space goes on working."""
+    with SwapSpace(workdir, 4 * PAGE) as space:
+        data = _fill(space, [PAGE, 100])
+        units = [space.unit("u0"), space.unit("u1")]
+
+        def child() -> None:
+            try:
+                space.read(units)
+            except RuntimeError as exc:
+                if "before fork()" not in str(exc):
+                    raise
+            else:
+                raise AssertionError("the inherited space read in the child")
+            space.close()
+
+        assert in_forked_child(child) == "ok"
+        assert space.path is not None and os.path.isdir(space.path) and os.path.exists(space.file)
+        lease = space.read(units)
+        lease.wait()
+        assert torch.equal(lease.view(units[0]), data[0]) and torch.equal(lease.view(units[1]), data[1])
+        lease.release()
