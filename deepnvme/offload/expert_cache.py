@@ -179,11 +179,11 @@ class ExpertCache(Closing):
 
     def prefetch(self, keys: Sequence[Hashable], keep: Sequence[Hashable] = ()) -> bool:
         """Guess that `keys` will be requested soon: queue reads of those not in memory, in that order,
-        behind every read queued so far, while room is free or can be made by evicting an expert of the same
-        group (layer) that no layer holds, requested or was guessed to need (stops at the first that does
-        not fit). Nothing is read while
-        the running layer still waits for room for its own. True when every key is in memory or queued,
-        False when some found no room."""
+        behind every read queued so far, while room is free or can be made by evicting an expert of the
+        same group (layer) that no layer holds, requested or was guessed to need, and that is not among
+        `keys` or `keep` (likely needed too: not worth a read). Nothing is read while the running layer
+        still waits for room for its own. True when every key is in memory or queued, False when one
+        found no room (the rest are not tried)."""
         with self._lock:
             self._check_open()
             if self._waiting:

@@ -13,8 +13,8 @@ it, and stays cached (least recently used evicted) for the next tokens:
   The results are those of the whole tensors bit for bit (each expert's rows are computed alike, in the
   same order). When the experts fit the cache together and lie in the pool in expert order at one stride
   (the cache places a layer's reads so), those tensors are views of the cached bytes: nothing is copied;
-  else they are assembled for the call, the only expert memory outside the budget (on a GPU they are the
-  device copy that would be made anyway).
+  else they are copied into a buffer kept from call to call, the only expert memory outside the budget
+  (on a GPU it is the device copy that would be made anyway).
 * Pre-gating (`lookahead` > 0, fused sets whose router is found beside them): each layer applies the next
   layers' routers to its own input and reads the experts they pick behind its own (ExpertCache.prefetch),
   so the drive reads while the CPU computes; a guess changes no result, and its bytes are counted.
@@ -99,6 +99,7 @@ class ExpertStreamer:
         self.router_weights: dict[int, torch.Tensor] = {}  # set -> a copy of its router's weight
         self._hooks: list[Any] = []
         self.assembled = {"viewed": 0, "copied": 0}  # fused tensors passed as views of the cache, or copied
+        self._scratch_mem: dict[tuple, torch.Tensor] = {}  # copies' memory, kept (see _scratch)
         self.cache: ExpertCache | None = None
         self._saved: list[tuple[nn.Module, str, Any]] = []  # (module, attr in __dict__, previous or None)
         self._placed: list[tuple[nn.Module, str, bool, Any]] = []  # (module, attr, param, real tensor)
@@ -295,7 +296,7 @@ class ExpertStreamer:
             self.assembled["viewed" if stacked is not None else "copied"] += 1
             if stacked is None:
                 ph = s.module._parameters[p]
-                stacked = torch.empty((len(keys), *ph.shape[1:]), dtype=ph.dtype, device=device)
+                stacked = self._scratch(p, len(keys), ph, device)
                 for i, key in enumerate(keys):
                     for part, v in views[key][f"{s.unit_name(key[1])}.{p}"]:
                         stacked[i, part.start:part.stop].copy_(v)
@@ -310,7 +311,7 @@ class ExpertStreamer:
         out = {}
         for p in s.params:
             ph = s.module._parameters[p]
-            out[p] = torch.empty((len(keys), *ph.shape[1:]), dtype=ph.dtype, device=device)
+            out[p] = self._scratch(p, len(keys), ph, device)
             self.assembled["copied"] += 1
         for i, key in enumerate(keys):
             lease = cache.acquire(key)  # type: ignore[union-attr]
@@ -322,6 +323,19 @@ class ExpertStreamer:
             finally:
                 cache.release(key)  # type: ignore[union-attr]
         return out
+
+    def _scratch(self, p: str, n: int, ph: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Memory for n experts' copies of parameter `p`, kept from call to call (grown when a call needs
+        more): a fresh tensor of this size each layer would be new pages each time, faulted in and zeroed
+        by the kernel, which costs about as much as the copy. Layers run one at a time (the model's lock)
+        and the experts' forward keeps nothing of its weights, so one buffer per parameter serves all."""
+        shape = tuple(ph.shape[1:])
+        key = (p, shape, ph.dtype, device)
+        have = self._scratch_mem.get(key)
+        if have is None or have.shape[0] < n:
+            self._scratch_mem.pop(key, None)  # the old one goes before the larger one is made
+            have = self._scratch_mem[key] = torch.empty((n, *shape), dtype=ph.dtype, device=device)
+        return have[:n]
 
     # ------------------------------------------------------------------------------------------ guesses
     def _find_routers(self) -> None:
@@ -441,6 +455,7 @@ class ExpertStreamer:
         return out
 
     def _unhook(self) -> None:
+        self._scratch_mem.clear()
         for h in [self._hook, *self._hooks]:
             if h is not None:
                 h.remove()
