@@ -221,7 +221,7 @@ class ExpertCache(Closing):
             lease = self.space.read(entry.units, block=False, pool=self.pool, within=within)
             if lease is not None:
                 break
-            if (not self._evict_one(entry, reserved=False, spare_guesses=guess, within=within)
+            if (not self._evict_one(entry, reserved=False, spare_guesses=guess)
                     and not (hard and self._evict_one(entry, reserved=True))):
                 if not hard:
                     return False
@@ -247,7 +247,9 @@ class ExpertCache(Closing):
     def _between(self, key: Hashable, entry: _Entry) -> tuple[int, int] | None:
         """Where in the pool a requested expert's read should go: after the layer's resident experts of
         lower keys and before those of higher keys, so that the layer's experts lie in key order (a
-        fused experts module then takes them as one strided view instead of a copy)."""
+        fused experts module then takes them as one strided view instead of a copy). Only a preference
+        for free room: eviction never deviates from its policy for it (tried: steering the victim to the
+        right place cost more cache hits than the copies it saved)."""
         lo, hi = 0, self.pool.capacity
         try:
             for k in self._requested:
@@ -263,8 +265,7 @@ class ExpertCache(Closing):
             return None
         return (lo, hi) if lo < hi else None
 
-    def _evict_one(self, incoming: _Entry, reserved: bool, spare_guesses: bool = False,
-                   within: tuple[int, int] | None = None) -> bool:
+    def _evict_one(self, incoming: _Entry, reserved: bool, spare_guesses: bool = False) -> bool:
         """Evict one expert to make room for `incoming` (see the class docstring); False if none can go.
         Unused guesses go only when nothing else can. With `spare_guesses` (room for a guess) never a
         guess, and only an expert of the guessed layer's own group: the others are this cache's hits
@@ -279,7 +280,7 @@ class ExpertCache(Closing):
             candidates = free
         if not candidates:
             return False
-        pick = candidates
+        victim = candidates[0]
         if len(self._groups) > 1 and incoming.group is not None:
             share = self.pool.capacity / len(self._groups)
             held: dict[Hashable, int] = {}
@@ -288,15 +289,9 @@ class ExpertCache(Closing):
             own = [k for k in candidates if self._entries[k].group == incoming.group]
             over = [k for k in candidates if held[self._entries[k].group] > share]
             if own and held[incoming.group] + incoming.nbytes > share:
-                pick = own
+                victim = own[0]
             elif over:
-                pick = over
-        victim = pick[0]
-        if within is not None and pick is not candidates:
-            # Among the incoming layer's own (or another over its share): the least recently used whose
-            # room lies where the read should go, which keeps the layer's experts in address order.
-            victim = next((k for k in pick if within[0] <= self._entries[k].lease.buffer.start  # type: ignore[union-attr]
-                           < within[1]), victim)
+                victim = over[0]
         entry = self._entries[victim]
         self._drop(victim, entry)
         if reserved and victim not in self._waiting:  # read again at its acquire
