@@ -294,6 +294,7 @@ def run_child(args: argparse.Namespace, model: Model, contender: str, log: Calla
     limit = None if contender == "memory" else args.budget + args.overhead
     spec = {"contender": contender, "model_dir": str(model.dir), "store_dir": str(model.store or ""),
             "offload_dir": str(model.offload), "budget": args.budget,
+            "expert_lookahead": args.expert_lookahead,
             "max_memory": args.budget + model.resident_bytes, "batches": list(BATCHES), "tokens": args.tokens,
             "prompt_len": PROMPT, "drop": [str(p) for p in (model.dir, model.store, model.offload) if p]}
     argv = [sys.executable, str(ROOT / "bench" / "stream_child.py"), json.dumps(spec)]
@@ -499,6 +500,16 @@ def bytes_per_step(run: dict) -> float | None:
     return (st["bytes_read"] + st.get("experts.bytes_read", 0.0)) / len(run["step_s"])
 
 
+def needed_per_step(run: dict) -> float | None:
+    """Like bytes_per_step, with the expert cache's ``needed_bytes`` (reads a use needed: on demand, or
+    guessed and used) for the experts: what reading more on a guess must not be credited for."""
+    st = run.get("stats", {})
+    if "bytes_read" not in st or not run["step_s"]:
+        return None
+    experts = st.get("experts.needed_bytes", st.get("experts.bytes_read", 0.0))
+    return (st["bytes_read"] + experts) / len(run["step_s"])
+
+
 def hit_rate(run: dict) -> float | None:
     """The expert cache's hit rate over the timed steps (its hits and misses in stats()["experts"])."""
     st = run.get("stats", {})
@@ -516,6 +527,7 @@ def analyse(model: Model, bound_gbps: float) -> dict:
             tps = tokens_per_s(samples, b)
             row[name] = {"tokens_per_s": spread(tps) if tps else None,
                          "bytes_per_step": per_step(samples, b, bytes_per_step),
+                         "needed_per_step": per_step(samples, b, needed_per_step),
                          "drive_bytes_per_step": per_step(samples, b, lambda r: r["drive_bytes_per_step"]),
                          "hit_rate": per_step(samples, b, hit_rate),
                          "peak_rss": max((s["peak_rss"] for s in samples if "peak_rss" in s), default=None),
@@ -544,6 +556,9 @@ def analyse(model: Model, bound_gbps: float) -> dict:
             ratios[f"{n} / accelerate"] = med(n) / med("accelerate") if med("accelerate") else None
             if model.spec.arch == "mixtral" and own.get(n):
                 ratios[f"{n} / own bound"] = med(n) / (b * bound_gbps * GB / own[n])
+                needed = row[n]["needed_per_step"]
+                if needed and abs(needed - own[n]) > 1:  # guesses read more than the uses needed
+                    ratios[f"{n} / own bound of needed bytes"] = med(n) / (b * bound_gbps * GB / needed)
         out["batches"][b] = {"rows": row, "bound": bound, "bound_bytes_per_step": need, "ceiling": ceiling,
                              "ratios": ratios, "tokens_match": tokens_match(model.samples, b)}
     return out
@@ -620,6 +635,7 @@ def render(analyses: list[dict], models: dict[str, Model], bound: DriveBound | N
              f"Command: `python3 bench/stream_bench.py {' '.join(meta['argv'])}`", "",
              f"Machine: {meta['machine']}; workdir {meta['workdir']}; load average {meta['load_before']} "
              f"before, {meta['load_after']} after. {meta['note']}".rstrip(), "",
+             f"deepnvme's expert_lookahead: {meta.get('expert_lookahead', 0)}.", "",
              "Memory: every contender but `memory` in a cgroup v1 limited to budget "
              f"{format_size(meta['budget'])} + overhead {format_size(meta['overhead'])} = "
              f"{(meta['budget'] + meta['overhead']) / MIB:.6g} MiB "
@@ -696,6 +712,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="build the models and deepnvme's stores under --workdir, then stop (to prebuild)")
     p.add_argument("--tiny", action="store_true",
                    help="tiny models and sizes: shows the bench works, in seconds")
+    p.add_argument("--expert_lookahead", type=int, default=0,
+                   help="deepnvme's expert_lookahead (pre-gating: MoE layers ahead whose experts are "
+                        "guessed and read; 0: routed experts only)")
     p.add_argument("--note", default="", help="a line for the report (e.g. 'machine busy')")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "stream"),
                    help="prefix for .md and .json")
@@ -794,6 +813,7 @@ def main(argv: list[str] | None = None) -> int:
                 "machine": f"{platform.node()}, {os.cpu_count()} CPUs, {platform.release()}",
                 "workdir": str(workdir), "load_before": load_before, "load_after": load_average(),
                 "note": args.note, "cgroup": args.cgroup, "budget": args.budget, "overhead": args.overhead,
+                "expert_lookahead": args.expert_lookahead,
                 "repeats": done, "tokens": args.tokens, "quick": args.quick, "tiny": args.tiny,
                 "notes": notes + took}
         text = render(analyses, models, bound, load_summary, meta)

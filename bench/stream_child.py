@@ -75,7 +75,7 @@ def load(spec: dict[str, Any]) -> Any:
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         store = model_dir if kind == "deepnvme-safetensors" else spec["store_dir"]
-        model = stream_weights(model, store, spec["budget"])
+        model = stream_weights(model, store, spec["budget"], expert_lookahead=spec.get("expert_lookahead", 0))
     else:
         raise ValueError(f"contender {kind!r} is not one of {', '.join(CONTENDERS)}")
     return model.eval()

@@ -13,6 +13,14 @@ no layer holds), then for each key in the same order `acquire(key)` (demands its
 `Lease`) and `release(key)` (the expert stays cached; reads of keys not yet issued start). Requests never
 hold more than fits: a key whose read could not be issued is read at its `acquire`, once the keys before it
 are released, so the capacity needs to hold only the largest expert.
+
+A fourth call reads on a guess: `prefetch(keys)` (e.g. the experts the next layer's router picks for the
+hidden state at hand) queues reads behind everything queued so far, only while the running layer's own
+reads are all issued, and only into free room or room made by evicting an expert of the same layer that
+nobody holds, requested or guessed (what other layers keep are the hits of the next tokens).
+A guess never changes what a layer computes (the bytes are the store's either way); a wrong one costs its
+read, which is counted (`stats()`: guessed_reads, guesses_used, guesses_wasted, wasted_bytes,
+needed_bytes).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ class _Entry:
     reserved: bool = False  # requested by the layer running now, not acquired yet
     fresh: bool = False  # its read was issued for the use pending now (that use is a miss)
     in_use: int = 0  # acquired and not released
+    guessed: bool = False  # read by prefetch() and not used since (its first use decides used or wasted)
 
 
 class ExpertCache(Closing):
@@ -69,9 +78,14 @@ class ExpertCache(Closing):
         self._lru: OrderedDict[Hashable, None] = OrderedDict()  # resident or in flight, oldest first
         self._waiting: list[Hashable] = []  # requested keys whose reads are not issued yet, in order
         self._groups: set[Hashable] = set()
+        self._guessing: set[Hashable] = set()  # the keys of the prefetch() running now
+        self._requested: list[Hashable] = []  # the keys of the last request()
         self._lock = threading.RLock()
         self.hits = self.misses = self.evictions = 0
         self.bytes_read = self.read_requests = self.tokens = 0
+        self.needed_bytes = 0  # bytes of the reads a use needed: read on demand, or guessed and then used
+        self.guessed_reads = self.guessed_bytes = self.guesses_used = self.guesses_wasted = 0
+        self.wasted_bytes = 0
         self.read_order: list[Hashable] = []  # keys in the order their reads were issued (the last 1024)
 
     # ------------------------------------------------------------------------------------------ setup
@@ -104,6 +118,13 @@ class ExpertCache(Closing):
         with self._lock:
             self._check_open()
             self._unreserve()
+            self._requested = list(keys)
+            wanted = set(keys)
+            groups = {self._entry(k).group for k in keys}
+            for key in self._lru:  # guesses for these layers that the layer did not ask for were wrong
+                entry = self._entries[key]
+                if entry.guessed and entry.group in groups and key not in wanted:
+                    self._waste(entry)
             for key in keys:
                 entry = self._entry(key)
                 entry.reserved = True
@@ -127,7 +148,10 @@ class ExpertCache(Closing):
                 self.misses += 1
             else:
                 self.hits += 1
-            entry.fresh = entry.reserved = False
+            if entry.guessed:
+                self.guesses_used += 1
+                self.needed_bytes += self.expert_bytes(key)
+            entry.fresh = entry.reserved = entry.guessed = False
             entry.in_use += 1
             lease = entry.lease
             self._lru.move_to_end(key)
@@ -153,6 +177,27 @@ class ExpertCache(Closing):
             if not self.closed:
                 self._issue_waiting()
 
+    def prefetch(self, keys: Sequence[Hashable], keep: Sequence[Hashable] = ()) -> bool:
+        """Guess that `keys` will be requested soon: queue reads of those not in memory, in that order,
+        behind every read queued so far, while room is free or can be made by evicting an expert of the
+        same group (layer) that no layer holds, requested or was guessed to need, and that is not among
+        `keys` or `keep` (likely needed too: not worth a read). Nothing is read while the running layer
+        still waits for room for its own. True when every key is in memory or queued, False when one
+        found no room (the rest are not tried)."""
+        with self._lock:
+            self._check_open()
+            if self._waiting:
+                return False
+            self._guessing = {*keys, *keep}  # none of them makes room for another
+            try:
+                for key in keys:
+                    entry = self._entry(key)
+                    if entry.lease is None and not self._issue(key, entry, hard=False, guess=True):
+                        return False
+            finally:
+                self._guessing = set()
+            return True
+
     def count_tokens(self, n: int) -> None:
         """Add `n` tokens to the count bytes per token is measured over (the model's tokens, once each)."""
         with self._lock:
@@ -166,15 +211,17 @@ class ExpertCache(Closing):
                 return
             self._waiting.pop(0)
 
-    def _issue(self, key: Hashable, entry: _Entry, hard: bool) -> bool:
+    def _issue(self, key: Hashable, entry: _Entry, hard: bool, guess: bool = False) -> bool:
         """Queue the read of `key` (prefetch priority) once room is made by evicting least-recently-used
-        experts: those the running layer does not need, and when `hard` (the key is wanted now) those it
-        needs later. False when no room can be made (never when `hard`: that raises)."""
+        experts: those the running layer does not need (a `guess` spares unused guesses too), and when
+        `hard` (the key is wanted now) those it needs later. False when no room can be made (never when
+        `hard`: that raises)."""
+        within = None if guess else self._between(key, entry)
         while True:
-            lease = self.space.read(entry.units, block=False, pool=self.pool)
+            lease = self.space.read(entry.units, block=False, pool=self.pool, within=within)
             if lease is not None:
                 break
-            if (not self._evict_one(entry, reserved=False)
+            if (not self._evict_one(entry, reserved=False, spare_guesses=guess)
                     and not (hard and self._evict_one(entry, reserved=True))):
                 if not hard:
                     return False
@@ -182,19 +229,55 @@ class ExpertCache(Closing):
                 raise RuntimeError(f"the expert cache ({self.pool.capacity} bytes) cannot hold expert "
                                    f"{key!r} ({entry.nbytes} bytes) while {held} are in use: release them "
                                    "first, or raise the budget")
-        entry.lease, entry.checked, entry.fresh = lease, False, True
+        entry.lease, entry.checked, entry.fresh, entry.guessed = lease, False, not guess, guess
         self._lru[key] = None
         self._lru.move_to_end(key)
-        self.bytes_read += sum(u.io_nbytes for u in entry.units)
+        nbytes = sum(u.io_nbytes for u in entry.units)
+        self.bytes_read += nbytes
+        if guess:
+            self.guessed_reads += 1
+            self.guessed_bytes += nbytes
+        else:
+            self.needed_bytes += nbytes
         self.read_requests += len(lease.tickets)
         self.read_order.append(key)
         del self.read_order[:-1024]
         return True
 
-    def _evict_one(self, incoming: _Entry, reserved: bool) -> bool:
-        """Evict one expert to make room for `incoming` (see the class docstring); False if none can go."""
-        candidates = [k for k in self._lru
-                      if self._entries[k].in_use == 0 and self._entries[k].reserved == reserved]
+    def _between(self, key: Hashable, entry: _Entry) -> tuple[int, int] | None:
+        """Where in the pool a requested expert's read should go: after the layer's resident experts of
+        lower keys and before those of higher keys, so that the layer's experts lie in key order (a
+        fused experts module then takes them as one strided view instead of a copy). Only a preference
+        for free room: eviction never deviates from its policy for it (tried: steering the victim to the
+        right place cost more cache hits than the copies it saved)."""
+        lo, hi = 0, self.pool.capacity
+        try:
+            for k in self._requested:
+                other = self._entries[k]
+                if k == key or other.lease is None or other.group != entry.group:
+                    continue
+                buf = other.lease.buffer
+                if k < key:  # type: ignore[operator]
+                    lo = max(lo, buf.start + buf.nbytes)
+                else:
+                    hi = min(hi, buf.start)
+        except TypeError:  # keys without an order
+            return None
+        return (lo, hi) if lo < hi else None
+
+    def _evict_one(self, incoming: _Entry, reserved: bool, spare_guesses: bool = False) -> bool:
+        """Evict one expert to make room for `incoming` (see the class docstring); False if none can go.
+        Unused guesses go only when nothing else can. With `spare_guesses` (room for a guess) never a
+        guess, and only an expert of the guessed layer's own group: the others are this cache's hits
+        for the next tokens, which a wrong guess must not cost."""
+        free = [k for k in self._lru
+                if self._entries[k].in_use == 0 and self._entries[k].reserved == reserved]
+        candidates = [k for k in free if not self._entries[k].guessed]
+        if spare_guesses:
+            candidates = [k for k in candidates if k not in self._guessing
+                          and (incoming.group is None or self._entries[k].group == incoming.group)]
+        if not candidates and not spare_guesses:
+            candidates = free
         if not candidates:
             return False
         victim = candidates[0]
@@ -216,7 +299,15 @@ class ExpertCache(Closing):
         self.evictions += 1
         return True
 
+    def _waste(self, entry: _Entry) -> None:
+        """A guess that no layer used: its read counts as wasted."""
+        entry.guessed = False
+        self.guesses_wasted += 1
+        self.wasted_bytes += sum(u.io_nbytes for u in entry.units)
+
     def _drop(self, key: Hashable, entry: _Entry) -> None:
+        if entry.guessed:  # evicted (or cleared) before any use
+            self._waste(entry)
         lease, entry.lease, entry.checked, entry.fresh = entry.lease, None, False, False
         self._lru.pop(key, None)
         if lease is not None:
@@ -230,7 +321,11 @@ class ExpertCache(Closing):
 
     def stats(self) -> dict[str, Any]:
         """hits, misses, hit_rate (hits / uses), evictions, bytes_read, read_requests, tokens,
-        bytes_per_token (bytes_read / tokens, None before any token), capacity_bytes, cached_bytes."""
+        bytes_per_token (bytes_read / tokens, None before any token), capacity_bytes, cached_bytes; of
+        the reads on a guess (prefetch): guessed_reads, guessed_bytes, guesses_used (a use found the
+        guess; it counts as a hit too), guesses_wasted (the layer ran without it, or it was evicted
+        unused), wasted_bytes, and needed_bytes (the bytes of the reads that served a use: read on demand,
+        or guessed and then used; bytes_read less the guesses wasted or not used yet)."""
         with self._lock:
             uses = self.hits + self.misses
             return {
@@ -244,6 +339,12 @@ class ExpertCache(Closing):
                 "bytes_per_token": self.bytes_read / self.tokens if self.tokens else None,
                 "capacity_bytes": self.pool.capacity,
                 "cached_bytes": sum(self._entries[k].nbytes for k in self._lru),
+                "guessed_reads": self.guessed_reads,
+                "guessed_bytes": self.guessed_bytes,
+                "guesses_used": self.guesses_used,
+                "guesses_wasted": self.guesses_wasted,
+                "wasted_bytes": self.wasted_bytes,
+                "needed_bytes": self.needed_bytes,
             }
 
     def _entry(self, key: Hashable) -> _Entry:

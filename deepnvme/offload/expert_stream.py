@@ -10,9 +10,14 @@ it, and stays cached (least recently used evicted) for the next tokens:
 * ``fused`` sets (Hugging Face, transformers 5): the experts module's forward is replaced by one that reads
   the experts `top_k_index` names and calls the module's own forward (the configured implementation:
   eager, grouped_mm, batched_mm) on 3-D tensors holding only those experts, with the indices renumbered.
-  The results are those of the whole tensors bit for bit (each expert's rows are computed alike), and
-  these few experts' tensors, assembled for the call, are the only expert memory outside the budget (on a
-  GPU they are the device copy that would be made anyway).
+  The results are those of the whole tensors bit for bit (each expert's rows are computed alike, in the
+  same order). When the experts fit the cache together and lie in the pool in expert order at one stride
+  (the cache places a layer's reads so), those tensors are views of the cached bytes: nothing is copied;
+  else they are copied into a buffer kept from call to call, the only expert memory outside the budget
+  (on a GPU it is the device copy that would be made anyway).
+* Pre-gating (`lookahead` > 0, fused sets whose router is found beside them): each layer applies the next
+  layers' routers to its own input and reads the experts they pick behind its own (ExpertCache.prefetch),
+  so the drive reads while the CPU computes; a guess changes no result, and its bytes are counted.
 
 The budget is split (`split_budget`): the dense units (the blocks without their experts) get all they
 need to stay in memory when that is at most half of it, else room for two of the largest (one running, one
@@ -71,7 +76,7 @@ def split_budget(budget: int, dense_units: list[int], expert_largest: int) -> tu
 class ExpertStreamer:
     """The expert sets of one streamed model and the cache they are read through."""
 
-    def __init__(self, model: nn.Module, store: Store, sets: list[ExpertSet]) -> None:
+    def __init__(self, model: nn.Module, store: Store, sets: list[ExpertSet], lookahead: int = 1) -> None:
 
         self.model, self.store, self.sets = model, store, sets
         self.owned = {id(t) for s in sets for t in s.tensors()}
@@ -87,16 +92,25 @@ class ExpertStreamer:
                     blobs = runs(infos)
                 self.experts[(si, e)] = _Expert((si, e), parts, blobs, lease_bytes(blobs))
         self.largest = max(x.lease_bytes for x in self.experts.values())
+        sizes = {x.lease_bytes for x in self.experts.values()}
+        self.uniform = sizes.pop() if len(sizes) == 1 else None  # the pool bytes of every expert, if one
+        self.lookahead = lookahead
+        self.routers: dict[int, tuple[nn.Module, int]] = {}  # set -> (its router, k)
+        self.router_weights: dict[int, torch.Tensor] = {}  # set -> a copy of its router's weight
+        self._hooks: list[Any] = []
+        self.assembled = {"viewed": 0, "copied": 0}  # fused tensors passed as views of the cache, or copied
+        self._scratch_mem: dict[tuple, torch.Tensor] = {}  # copies' memory, kept (see _scratch)
         self.cache: ExpertCache | None = None
         self._saved: list[tuple[nn.Module, str, Any]] = []  # (module, attr in __dict__, previous or None)
         self._placed: list[tuple[nn.Module, str, bool, Any]] = []  # (module, attr, param, real tensor)
         self._hook: Any = None
 
     @staticmethod
-    def for_model(model: nn.Module, store: Store) -> ExpertStreamer | None:
-        """The streamer of `model`'s experts, or None when it has none."""
+    def for_model(model: nn.Module, store: Store, lookahead: int = 1) -> ExpertStreamer | None:
+        """The streamer of `model`'s experts, or None when it has none; `lookahead`: how many layers ahead
+        experts are guessed and read (0: only on demand)."""
         sets = find_expert_sets(model)
-        return ExpertStreamer(model, store, sets) if sets else None
+        return ExpertStreamer(model, store, sets, lookahead) if sets else None
 
     # ------------------------------------------------------------------------------------------ install
     def install(self, space: SwapSpace, capacity: int) -> None:
@@ -135,6 +149,8 @@ class ExpertStreamer:
             self._wrap(s.module, "_apply", self._apply(s))
             del real
         self._hook = self.model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
+        if self.lookahead:
+            self._find_routers()
 
     def _wrap(self, mod: nn.Module, attr: str, value: Any) -> None:
         self._saved.append((mod, attr, mod.__dict__.get(attr, _MISSING)))
@@ -225,31 +241,154 @@ class ExpertStreamer:
         def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                     *args: Any, **kwargs: Any) -> Any:
             cache = self.cache
-            hit = [e for e in torch.unique(top_k_index).tolist() if 0 <= e < s.num_experts]
-            cache.request([(si, e) for e in hit])  # type: ignore[union-attr]
-            compact = {}
-            for p in s.params:
-                ph = module._parameters[p]
-                compact[p] = torch.empty((len(hit), *ph.shape[1:]), dtype=ph.dtype,
-                                         device=hidden_states.device)
-            for i, e in enumerate(hit):
-                x = self.experts[(si, e)]
-                lease = cache.acquire(x.key)  # type: ignore[union-attr]
-                try:
-                    for p, pieces in self._tensors(x, lease).items():
-                        attr = p.rsplit(".", 1)[1]
-                        for part, v in pieces:
-                            compact[attr][i, part.start:part.stop].copy_(v)
-                finally:
-                    cache.release(x.key)  # type: ignore[union-attr]
-            like = {"dtype": top_k_index.dtype, "device": top_k_index.device}
-            lut = torch.full((s.num_experts + 1,), len(hit), **like)  # type: ignore[arg-type]
-            if hit:
-                lut[torch.tensor(hit, device=top_k_index.device)] = torch.arange(len(hit), **like)
-            index = lut[top_k_index.clamp(0, s.num_experts)]
-            proxy = _Compact(module, num_experts=len(hit), **compact)
-            return orig(proxy, hidden_states, index, top_k_weights, *args, **kwargs)
+            keys = [(si, e) for e in torch.unique(top_k_index).tolist() if 0 <= e < s.num_experts]
+            cache.request(keys)  # type: ignore[union-attr]
+            self._guess(si, hidden_states)  # queued behind this layer's own reads
+            held: list[tuple[int, int]] = []
+            try:
+                if self._fit_together(len(keys)):
+                    views = {}
+                    for key in keys:
+                        lease = cache.acquire(key)  # type: ignore[union-attr]
+                        held.append(key)
+                        views[key] = self._tensors(self.experts[key], lease)
+                    keys, compact = self._stacked(s, keys, views, hidden_states.device)
+                else:
+                    compact = self._copied(s, keys, hidden_states.device)
+                hit = [e for _, e in keys]
+                like = {"dtype": top_k_index.dtype, "device": top_k_index.device}
+                lut = torch.full((s.num_experts + 1,), len(hit), **like)  # type: ignore[arg-type]
+                if hit:
+                    lut[torch.tensor(hit, device=top_k_index.device)] = torch.arange(len(hit), **like)
+                index = lut[top_k_index.clamp(0, s.num_experts)]
+                proxy = _Compact(module, num_experts=len(hit), **compact)
+                return orig(proxy, hidden_states, index, top_k_weights, *args, **kwargs)
+            finally:
+                for key in held:
+                    cache.release(key)  # type: ignore[union-attr]
         return forward
+
+    def _fit_together(self, n: int) -> bool:
+        """Whether n experts can be held at once: every expert of the cache takes the same pool bytes (so
+        first-fit never fragments the pool) and n of them fit its capacity."""
+        return self.uniform is not None and n * self.uniform <= self.cache.pool.capacity  # type: ignore[union-attr]
+
+    def _stacked(self, s: ExpertSet, keys: list[tuple[int, int]], views: dict[tuple[int, int], Any],
+                 device: torch.device) -> tuple[list[tuple[int, int]], dict[str, torch.Tensor]]:
+        """The experts' 3-D tensors for one call, in the order of `keys` (ascending expert ids: the order
+        the whole tensor has, so that each token's rows reach the kernel in the same order and the
+        results are the same to the bit), as views of the cached bytes where they can be (no copy: each
+        expert is one slice in the store and the slices lie at one stride in the pool, in that order),
+        else copied; and the keys."""
+        def whole(key: tuple[int, int], p: str) -> torch.Tensor | None:
+            ph = s.module._parameters[p]
+            pieces = views[key][f"{s.unit_name(key[1])}.{p}"]
+            if len(pieces) != 1:
+                return None
+            part, v = pieces[0]
+            if part.start != 0 or part.stop != ph.shape[1] or v.dtype != ph.dtype or v.device != device:
+                return None
+            return v if v.is_contiguous() else None
+
+        out = {}
+        for p in s.params:
+            stacked = _strided([whole(k, p) for k in keys])
+            self.assembled["viewed" if stacked is not None else "copied"] += 1
+            if stacked is None:
+                ph = s.module._parameters[p]
+                stacked = self._scratch(p, len(keys), ph, device)
+                for i, key in enumerate(keys):
+                    for part, v in views[key][f"{s.unit_name(key[1])}.{p}"]:
+                        stacked[i, part.start:part.stop].copy_(v)
+            out[p] = stacked
+        return keys, out
+
+    def _copied(self, s: ExpertSet, keys: list[tuple[int, int]],
+                device: torch.device) -> dict[str, torch.Tensor]:
+        """The experts' 3-D tensors copied out of the cache one expert at a time (more experts than the
+        cache holds at once)."""
+        cache = self.cache
+        out = {}
+        for p in s.params:
+            ph = s.module._parameters[p]
+            out[p] = self._scratch(p, len(keys), ph, device)
+            self.assembled["copied"] += 1
+        for i, key in enumerate(keys):
+            lease = cache.acquire(key)  # type: ignore[union-attr]
+            try:
+                for target, pieces in self._tensors(self.experts[key], lease).items():
+                    attr = target.rsplit(".", 1)[1]
+                    for part, v in pieces:
+                        out[attr][i, part.start:part.stop].copy_(v)
+            finally:
+                cache.release(key)  # type: ignore[union-attr]
+        return out
+
+    def _scratch(self, p: str, n: int, ph: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Memory for n experts' copies of parameter `p`, kept from call to call (grown when a call needs
+        more): a fresh tensor of this size each layer would be new pages each time, faulted in and zeroed
+        by the kernel, which costs about as much as the copy. Layers run one at a time (the model's lock)
+        and the experts' forward keeps nothing of its weights, so one buffer per parameter serves all."""
+        shape = tuple(ph.shape[1:])
+        key = (p, shape, ph.dtype, device)
+        have = self._scratch_mem.get(key)
+        if have is None or have.shape[0] < n:
+            self._scratch_mem.pop(key, None)  # the old one goes before the larger one is made
+            have = self._scratch_mem[key] = torch.empty((n, *shape), dtype=ph.dtype, device=device)
+        return have[:n]
+
+    # ------------------------------------------------------------------------------------------ guesses
+    def _find_routers(self) -> None:
+        """For each fused set, the router beside it (a sibling module with a weight of one row per expert,
+        as Mixtral's `gate`) and its k; the next layers' experts are guessed with it. Its weight lives in
+        a streamed block, so a copy is kept the first time the router runs (a few kilobytes)."""
+        names = dict(self.model.named_modules())
+        k_default = getattr(getattr(self.model, "config", None), "num_experts_per_tok", None)
+        for si, s in enumerate(self.sets):
+            if s.kind != FUSED or "." not in s.name:
+                continue
+            parent = names.get(s.name.rsplit(".", 1)[0])
+            if parent is None:
+                continue
+            for child in parent.children():
+                w = child._parameters.get("weight") if child is not s.module else None
+                if w is None or w.dim() != 2 or w.shape[0] != s.num_experts:
+                    continue
+                k = getattr(child, "top_k", None) or getattr(parent, "top_k", None) or k_default
+                if isinstance(k, int) and 0 < k <= s.num_experts:
+                    self.routers[si] = (child, k)
+                    self._hooks.append(child.register_forward_pre_hook(self._keep_router(si)))
+                break
+
+    def _keep_router(self, si: int) -> Any:
+        def hook(mod: nn.Module, _args: Any) -> None:
+            w = mod._parameters["weight"]
+            kept = self.router_weights.get(si)
+            if kept is None or kept.dtype != w.dtype or kept.device != w.device:
+                with torch.no_grad():
+                    self.router_weights[si] = w.detach().clone()
+        return hook
+
+    def _guess(self, si: int, hidden: torch.Tensor) -> None:
+        """Queue reads of the experts the next `lookahead` layers' routers pick for `hidden` (this layer's
+        input: the stream of hidden states changes little from one layer to the next), most picked first;
+        the experts ranked in the top 2k are kept from eviction to make room for them (nearly picked: a
+        cached one is worth more than a read). Only reads are guessed: each layer still routes its own
+        input, so a wrong guess costs a read, never a different output."""
+        for nxt in range(si + 1, min(si + 1 + self.lookahead, len(self.sets))):
+            w = self.router_weights.get(nxt)
+            if w is None or hidden.dim() != 2 or hidden.shape[-1] != w.shape[1]:
+                continue
+            k = self.routers[nxt][1]
+            with torch.no_grad():
+                ranks = torch.nn.functional.linear(hidden.to(w.device, w.dtype), w).argsort(
+                    dim=-1, descending=True, stable=True)
+                picks = torch.bincount(ranks[:, :k].reshape(-1), minlength=w.shape[0])
+                near = torch.bincount(ranks[:, :2 * k].reshape(-1), minlength=w.shape[0])
+            order = [e for e in picks.argsort(descending=True, stable=True).tolist() if picks[e] > 0]
+            keep = [(nxt, e) for e in range(w.shape[0]) if near[e] > 0]
+            if not self.cache.prefetch([(nxt, e) for e in order], keep):  # type: ignore[union-attr]
+                return  # no room for this layer's guesses: none for the layers after it either
 
     # ------------------------------------------------------------------------------------------ undo, report
     def restore(self) -> None:
@@ -301,21 +440,30 @@ class ExpertStreamer:
             value = value.to(ph.device, ph.dtype)
             table[attr] = nn.Parameter(value, requires_grad=real.requires_grad) if param else value
         self._placed = []
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        self._unhook()
 
     def stats(self) -> dict[str, Any]:
-        """The cache's statistics (expert_cache.ExpertCache.stats) and the experts' count and bytes."""
+        """The cache's statistics (expert_cache.ExpertCache.stats), the experts' count and bytes, the
+        layers ahead whose experts are guessed (`lookahead`; 0 when no router was found), and for fused
+        sets how many of the 3-D tensors handed to the experts' forward were views of the cache
+        (`fused_viewed`) or copies (`fused_copied`)."""
         out = self.cache.stats() if self.cache is not None else {}
         out["experts"] = len(self.experts)
+        out["lookahead"] = self.lookahead if self.routers else 0
+        out["fused_viewed"], out["fused_copied"] = self.assembled["viewed"], self.assembled["copied"]
         out["expert_bytes"] = sum(b.nbytes for x in self.experts.values() for b in x.blobs)
         return out
 
+    def _unhook(self) -> None:
+        self._scratch_mem.clear()
+        for h in [self._hook, *self._hooks]:
+            if h is not None:
+                h.remove()
+        self._hook, self._hooks = None, []
+        self.router_weights.clear()
+
     def close(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        self._unhook()
         if self.cache is not None:
             self.cache.close()
 
@@ -332,6 +480,26 @@ class _Compact:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_module"], name)
+
+
+def _strided(views: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """One tensor with dim 0 over `views` (same shape and dtype, contiguous, at increasing addresses one
+    stride apart) without copying, or None when they do not lie so."""
+    if not views or any(v is None for v in views):
+        return None
+    first = views[0]
+    if len(views) == 1:
+        return first.unsqueeze(0)  # type: ignore[union-attr]
+    ptrs = [v.data_ptr() for v in views]  # type: ignore[union-attr]
+    step = ptrs[1] - ptrs[0]
+    size = first.element_size()  # type: ignore[union-attr]
+    if (step <= 0 or step % size or any(b - a != step for a, b in zip(ptrs, ptrs[1:]))
+            or any(v.shape != first.shape or v.dtype != first.dtype  # type: ignore[union-attr]
+                   or v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()  # type: ignore[union-attr]
+                   for v in views)):
+        return None
+    return torch.as_strided(first, (len(views), *first.shape), (step // size, *first.stride()),  # type: ignore[union-attr]
+                            first.storage_offset())  # type: ignore[union-attr]
 
 
 def _device(t: torch.Tensor) -> torch.device:

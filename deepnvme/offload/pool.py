@@ -68,8 +68,11 @@ class BufferPool:
             raise PoolClosedError("the buffer pool is closed")
         return self._memory
 
-    def acquire(self, nbytes: int, block: bool = True) -> Buffer | None:
-        """A buffer of at least `nbytes` (whole pages); waits for space when `block`, else None if none."""
+    def acquire(self, nbytes: int, block: bool = True, *,
+                within: tuple[int, int] | None = None) -> Buffer | None:
+        """A buffer of at least `nbytes` (whole pages); waits for space when `block`, else None if none.
+        `within` (start, end): byte offsets of the pool where the buffer should lie if a free range there
+        has room (else first fit anywhere): the expert cache keeps a layer's experts in address order."""
         size = round_up(max(nbytes, 1))
         if size > self.capacity:
             raise ValueError(f"a buffer of {nbytes} bytes cannot come from a pool of {self.capacity} bytes; "
@@ -78,7 +81,9 @@ class BufferPool:
             while True:
                 if self._closed:
                     raise PoolClosedError("the buffer pool is closed")
-                start = self._take(size)
+                start = self._take_within(size, *within) if within is not None else None
+                if start is None:
+                    start = self._take(size)
                 if start is not None:
                     break
                 if not block:
@@ -96,6 +101,15 @@ class BufferPool:
                 else:
                     self._free[i] = (start + size, free - size)
                 return start
+        return None
+
+    def _take_within(self, size: int, lo: int, hi: int) -> int | None:
+        for i, (start, free) in enumerate(self._free):
+            at = max(start, lo)
+            if at + size <= min(start + free, hi):
+                pieces = [(start, at - start), (at + size, start + free - at - size)]
+                self._free[i:i + 1] = [p for p in pieces if p[1] > 0]
+                return at
         return None
 
     def _give_back(self, start: int, size: int) -> None:

@@ -344,18 +344,27 @@ class _Streamer:
 # ---------------------------------------------------------------------------------------------- helpers
 # ---------------------------------------------------------------------------------------------- the API
 def stream_weights(model: nn.Module, store: Store | str | os.PathLike, budget_bytes: int, *,
-                   units: Any = None, prefetch: bool = True) -> nn.Module:
+                   units: Any = None, prefetch: bool = True, expert_lookahead: int = 0) -> nn.Module:
     """Make `model` run with the weights of its units on the drive (see the module docstring).
 
     `store`: a Store (store.py) or the path of one (a safetensors file or checkpoint directory, sharded or
     not, or a directory written by write_store). `budget_bytes`: the locked memory units are read into; it
     must hold the largest unit, and what is left runs reads ahead. `units`: None for the model's repeated
     blocks, the name of a module whose children are the units, or a list of modules or module names.
-    `prefetch=False` reads each unit only when it runs. Returns `model`, changed in place.
+    `prefetch=False` reads each unit only when it runs. `expert_lookahead`: for Mixture-of-Experts models
+    whose routers are found (Hugging Face, Mixtral-style), how many layers ahead each MoE layer guesses
+    the experts with their routers applied to its own input and reads them behind its own ("pre-gating";
+    0, the default: experts are read only when routed to; `prefetch=False` implies 0). A guess never
+    changes the output; what guesses read, used and wasted is in `stats(model)["experts"]`. Why off by
+    default: a guess that is wrong costs a read, and the room it takes costs a cached expert's later
+    hit; it pays where the next layer's routing is well predicted and read bandwidth is to spare
+    (bench/stream_bench.py measures both). Returns `model`, changed in place.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     budget_bytes = preflight.budget_arg(budget_bytes)
+    if isinstance(expert_lookahead, bool) or not isinstance(expert_lookahead, int) or expert_lookahead < 0:
+        raise ValueError(f"expert_lookahead must be an int >= 0, got {expert_lookahead!r}")
     if getattr(model, _ATTR, None) is not None:
         raise RuntimeError("this model is streamed already: call deepnvme.offload.unstream(model) first")
     owns = not isinstance(store, Store)
@@ -364,7 +373,7 @@ def stream_weights(model: nn.Module, store: Store | str | os.PathLike, budget_by
             raise TypeError(f"store must be a Store or a path, got {type(store).__name__}")
         store = open_store(store)
     try:
-        return _stream(model, store, owns, budget_bytes, units, prefetch)
+        return _stream(model, store, owns, budget_bytes, units, prefetch, expert_lookahead if prefetch else 0)
     except BaseException:
         if owns:
             store.close()
@@ -388,14 +397,16 @@ def _warn_unused(store: Store, used: list[TensorInfo]) -> None:
                       "another model?)", UserWarning, stacklevel=4)
 
 
-def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any, prefetch: bool) -> nn.Module:
+def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any, prefetch: bool,
+            lookahead: int) -> nn.Module:
     from deepnvme.offload._doors import PAGE
 
     tie = getattr(model, "tie_weights", None)
     if callable(tie):
         tie()  # a model built with init_empty_weights has its tied parameters apart until tied
     chosen = _unit_modules(model, units)
-    experts = ExpertStreamer.for_model(model, store)  # experts are units of their own (expert_stream.py)
+    # Experts are units of their own (expert_stream.py).
+    experts = ExpertStreamer.for_model(model, store, lookahead)
     unit_of = {}  # module name prefix -> unit index
     for k, (n, _) in enumerate(chosen):
         unit_of[n] = k

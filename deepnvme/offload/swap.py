@@ -328,24 +328,27 @@ class SwapSpace(Closing):
 
     # ------------------------------------------------------------------------------------------ moves
     def allocate(self, units: Sequence[Unit], block: bool = True, *,
-                 pool: BufferPool | None = None) -> Lease | None:
+                 pool: BufferPool | None = None, within: tuple[int, int] | None = None) -> Lease | None:
         """Pool memory for `units` without reading them (their contents are about to be written); from
-        `pool` instead of the space's own when given (a cache that keeps its memory apart)."""
+        `pool` instead of the space's own when given (a cache that keeps its memory apart), between the
+        pool offsets `within` when there is room there (BufferPool.acquire)."""
         self._check_open()
-        buf = (self.pool if pool is None else pool).acquire(Lease.size_of(units), block)
+        buf = (self.pool if pool is None else pool).acquire(Lease.size_of(units), block, within=within)
         return None if buf is None else Lease(self, units, buf)
 
     def read(self, units: Sequence[Unit], *, block: bool = True, demand: bool = False,
              check: Callable[[Lease], None] | None = None,
-             pool: BufferPool | None = None, parts: int = 1) -> Lease | None:
-        """Queue reads of `units` into pool memory (`pool`'s when given); None when `block` is False and
-        the pool has no room. `parts` cuts each run of units into that many requests (see Lease.runs).
+             pool: BufferPool | None = None, parts: int = 1,
+             within: tuple[int, int] | None = None) -> Lease | None:
+        """Queue reads of `units` into pool memory (`pool`'s when given, between its offsets `within` when
+        there is room there); None when `block` is False and the pool has no room. `parts` cuts each run of
+        units into that many requests (see Lease.runs).
 
         `check(lease)` runs on the space's check thread once every read of the lease has succeeded: a
         checksum computed there overlaps the caller's work and the next reads (run on the read thread, the
         drive would idle while it is computed); `lease.wait()` returns once it has, and raises what it
         raises."""
-        lease = self.allocate(units, block, pool=pool)
+        lease = self.allocate(units, block, pool=pool, within=within)
         if lease is None:
             return None
         priority = DEMAND if demand else PREFETCH

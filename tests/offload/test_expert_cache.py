@@ -175,3 +175,106 @@ def test_bad_arguments(store: tuple[Path, torch.Tensor], workdir: Path) -> None:
             ExpertCache(space, 1.5)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="closed"):
         cache.request([])
+
+
+def grouped(space: SwapSpace, path: Path, capacity_experts: int) -> ExpertCache:
+    """Experts 0-2 of layer "a", 3-5 of layer "b"."""
+    cache = ExpertCache(space, capacity_experts * EXPERT)
+    for i in range(N):
+        cache.add(i, [space.add_external(f"e{i}", path, i * EXPERT, EXPERT, pool=cache.pool)],
+                  group="a" if i < 3 else "b")
+    return cache
+
+
+def test_guesses_are_counted_used_or_wasted(store: tuple[Path, torch.Tensor], workdir: Path) -> None:
+    """A guess read (prefetch) that the layer then uses is a hit and needed bytes; one the layer runs
+    without is wasted; the bytes of both are in bytes_read, and the layer's bytes are the store's."""
+    path, data = store
+    with SwapSpace(workdir, PAGE) as space, grouped(space, path, 4) as cache:
+        use(cache, [0], data)
+        assert cache.prefetch([3, 4])  # layer b's guess, read into free room
+        assert cache.read_order == [0, 3, 4]
+        use(cache, [3, 5], data)  # 3 was right, 4 was not, 5 is read on demand
+        s = cache.stats()
+        assert (s["guessed_reads"], s["guesses_used"], s["guesses_wasted"]) == (2, 1, 1)
+        assert (s["hits"], s["misses"]) == (1, 2)
+        assert s["bytes_read"] == 4 * EXPERT and s["guessed_bytes"] == 2 * EXPERT
+        assert s["wasted_bytes"] == EXPERT and s["needed_bytes"] == 3 * EXPERT
+        assert cache.prefetch([0])  # in memory already: nothing read
+        assert cache.stats()["guessed_reads"] == 2
+        use(cache, [4], data)  # a wasted guess still cached serves a later use (a plain hit)
+        assert cache.stats()["hits"] == 2 and cache.stats()["guesses_used"] == 1
+
+
+def test_a_guess_never_evicts_another_layers_experts(store: tuple[Path, torch.Tensor], workdir: Path) -> None:
+    """Room for a guess is made only from its own layer's experts that nobody holds, requested or guessed,
+    and that are not among the guess's `keep`; other layers' cached experts are their next hits."""
+    path, data = store
+    with SwapSpace(workdir, PAGE) as space, grouped(space, path, 2) as cache:
+        use(cache, [0], data)
+        use(cache, [3], data)  # full: a holds 0, b holds 3
+        assert not cache.prefetch([4], keep=[3])  # only b's 3 could go, and keep protects it
+        assert cache.cached() == [0, 3]
+        assert cache.prefetch([4])  # b's own 3 makes room
+        assert cache.cached() == [0, 4] and cache.stats()["evictions"] == 1
+        assert not cache.prefetch([5])  # b holds only the unused guess 4; a's 0 is never taken
+        assert cache.cached() == [0, 4]
+        use(cache, [1], data)  # a layer's own read evicts a cached expert before an unused guess
+        assert cache.cached() == [4, 1] and cache.stats()["guesses_wasted"] == 0
+        use(cache, [1, 2], data)  # nothing else left: the unused guess goes, counted as wasted
+        assert cache.cached() == [1, 2]
+        s = cache.stats()
+        assert (s["guesses_wasted"], s["wasted_bytes"], s["evictions"]) == (1, EXPERT, 3)
+
+
+def test_demanded_expert_overtakes_queued_guesses(store: tuple[Path, torch.Tensor], workdir: Path) -> None:
+    """Guessed reads queue at prefetch priority: the expert a layer demands is read before them (checked
+    by the order the read thread completes requests, never by timing)."""
+    path, data = store
+    with SwapSpace(workdir, PAGE) as space, grouped(space, path, 6) as cache:
+        gate = threading.Event()
+        hold = space.pool.acquire(PAGE)
+        first = space.reads.submit(Ticket(hold.tensor, space._ext[str(path)], 0, str(path), False,
+                                          lambda _t: gate.wait()))
+        assert cache.prefetch([3, 4, 5])
+        cache.request([0])
+        order: list[str] = []
+        for k in (3, 4, 5, 0):
+            for t in cache._entries[k].lease.tickets:
+                t.on_done = lambda _t, name=f"e{k}": order.append(name)
+        got: list[torch.Tensor] = []
+        worker = threading.Thread(target=lambda: got.append(cache.acquire(0).view("e0").clone()))
+        worker.start()
+        demanded = threading.Event()
+        while not demanded.wait(0.005):  # until the worker's demand reached the queue (no timing asserted)
+            if cache._entries[0].lease.tickets[0].priority == DEMAND or not worker.is_alive():
+                demanded.set()
+        gate.set()
+        worker.join()
+        first.wait()
+        hold.release()
+        for k in (3, 4, 5):
+            cache._entries[k].lease.wait()
+        assert order == ["e0", "e3", "e4", "e5"], order
+        assert torch.equal(got[0], data[:EXPERT])
+        cache.release(0)
+
+
+def test_views_at_one_stride_stack_without_a_copy() -> None:
+    """What a fused experts module is handed when its experts lie one stride apart in the cache's pool:
+    one 3-D view of the same bytes (equal to the stacked slices); any other layout is refused (None) and
+    the caller copies."""
+    from deepnvme.offload.expert_stream import _strided
+
+    pool = torch.arange(64 * 6, dtype=torch.float32)
+    a, b, c = (pool[i * 64:i * 64 + 32].view(4, 8) for i in (0, 2, 4))  # 128 floats apart
+    s = _strided([a, b, c])
+    assert s is not None and s.data_ptr() == a.data_ptr() and s.shape == (3, 4, 8)
+    assert torch.equal(s, torch.stack([a, b, c]))
+    one = _strided([b])
+    assert one is not None and one.data_ptr() == b.data_ptr() and torch.equal(one[0], b)
+    assert _strided([b, a]) is None  # descending addresses: no view keeps this order
+    d = pool[5 * 64 + 16:5 * 64 + 48].view(4, 8)
+    assert _strided([a, b, d]) is None  # not one stride apart
+    assert _strided([a, pool[128:160].view(8, 4)]) is None  # another shape
+    assert _strided([a, None]) is None and _strided([]) is None

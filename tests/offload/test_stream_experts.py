@@ -154,6 +154,44 @@ def test_only_routed_experts_are_read(mixtral_ref: dict) -> None:
     unstream(model)
 
 
+@pytest.mark.parametrize(("where", "lookahead", "budget"), [
+    ("own", 1, 24 * EXPERT + (1 << 20)), ("per_expert", 2, 24 * EXPERT + (1 << 20)), ("own", 1, BUDGET)])
+def test_guessed_experts_change_nothing_and_are_counted(mixtral_ref: dict, where: str, lookahead: int,
+                                                        budget: int) -> None:
+    """Pre-gating (expert_lookahead): each MoE layer guesses the next layers' experts with their routers and
+    reads them ahead. Tokens and logits stay the in-memory model's bit for bit, with room for every expert
+    and with room for a few; every guessed byte is in bytes_read and is either used, wasted or pending;
+    with room for every expert, guesses are read, some are used, and nothing is read twice."""
+    model = stream_weights(mixtral("grouped_mm", empty=True), mixtral_ref[where], budget,
+                           expert_lookahead=lookahead)
+    tokens, logits = generate(model)
+    assert torch.equal(tokens, mixtral_ref["tokens"])
+    assert torch.equal(logits, mixtral_ref["logits"])
+    e = stats(model)["experts"]
+    assert e["lookahead"] == lookahead
+    assert e["guesses_used"] + e["guesses_wasted"] <= e["guessed_reads"]
+    on_demand = e["bytes_read"] - e["guessed_bytes"]
+    used = e["needed_bytes"] - on_demand  # guessed bytes a use found
+    assert 0 <= used + e["wasted_bytes"] <= e["guessed_bytes"]  # the rest: guesses not used yet
+    order = model._deepnvme_stream.experts.cache.read_order
+    if budget > 24 * EXPERT:  # free room: guesses are read, and some are right
+        assert e["guessed_reads"] > 0 and e["guesses_used"] > 0 and used > 0
+        assert len(order) == len(set(order)) and e["evictions"] == 0
+    unstream(model)
+    assert torch.equal(generate(model)[1], mixtral_ref["logits"])
+
+
+def test_lookahead_bad_values(mixtral_ref: dict) -> None:
+    for bad in (-1, 1.0, True, "1"):
+        with pytest.raises(ValueError, match="expert_lookahead must be an int >= 0"):
+            stream_weights(mixtral("grouped_mm", empty=True), mixtral_ref["own"], BUDGET,
+                           expert_lookahead=bad)  # type: ignore[arg-type]
+    model = stream_weights(mixtral("grouped_mm", empty=True), mixtral_ref["own"], BUDGET, prefetch=False,
+                           expert_lookahead=2)
+    assert stats(model)["experts"]["lookahead"] == 0  # prefetch=False reads nothing ahead
+    unstream(model)
+
+
 def test_moved_and_converted_after_streaming(mixtral_ref: dict) -> None:
     """`.to(dtype)` reaches the experts' placeholders too: reads are converted, the output is the
     in-memory model's in that dtype (eager experts: grouped_mm has no float64 kernel; the weights are the

@@ -491,3 +491,21 @@ def test_a_forked_child_leaves_the_parents_space_alone(workdir: Path) -> None:
         lease.wait()
         assert torch.equal(lease.view(units[0]), data[0]) and torch.equal(lease.view(units[1]), data[1])
         lease.release()
+
+
+def test_pool_places_a_buffer_within_a_range_when_it_can(workdir: Path) -> None:
+    """`within`: the buffer goes into the free part of that range of the pool (splitting a free range on
+    both sides), else first fit anywhere; ranges given back merge again."""
+    with SwapSpace(workdir, 8 * PAGE) as space:
+        pool = space.pool
+        a = pool.acquire(PAGE, within=(3 * PAGE, 5 * PAGE))
+        assert a is not None and a.start == 3 * PAGE
+        b = pool.acquire(2 * PAGE, within=(3 * PAGE, 5 * PAGE))  # no room there: first fit
+        assert b is not None and b.start == 0
+        c = pool.acquire(PAGE, within=(0, 4 * PAGE))
+        assert c is not None and c.start == 2 * PAGE
+        d = pool.acquire(4 * PAGE, block=False)
+        assert d is not None and d.start == 4 * PAGE and pool.acquire(PAGE, block=False) is None
+        for buf in (a, b, c, d):
+            buf.release()
+        assert pool.in_use == 0 and pool._free == [(0, 8 * PAGE)]
