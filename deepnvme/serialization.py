@@ -76,10 +76,11 @@ BATCH_BYTES = 256 << 20
 # Whether load places each large payload's memory off its file offset's page residue (by STAGED_SHIFT
 # bytes), so that the handle reads it through its locked staging pool and its worker threads copy it into
 # place, rather than O_DIRECT straight into it. A fresh storage's pages are made by whoever touches them
-# first: the O_DIRECT read (in the kernel, as each request is submitted) or the staging copy (in user
-# space, on every worker thread at once, beside the reads). Which is faster depends on the spare cores;
-# bench/ckpt_bench.py measures both in the same run.
-STAGE_PAYLOADS = False
+# first: the O_DIRECT read (in the kernel, one request at a time as each is submitted) or the staging copy
+# (in user space, on every worker thread at once, beside the reads). On a VM whose fresh pages are costly
+# to fault in, the second is the faster (bench/ckpt_bench.py measures both in the same run); it costs the
+# workers' copies in CPU.
+STAGE_PAYLOADS = True
 STAGED_SHIFT = 64
 # Re-exported: the names users and tests have imported from here.
 __all__ = ["TEMP_SUFFIX", "CheckpointFormatError", "load", "save"]

@@ -5,21 +5,23 @@ offsets, and a tensor's memory from the allocator is neither; a locked pool buff
 are cut into chunks of at most a quarter of the pool, read ahead in order (ReadAhead: the next chunks are
 on the drive while this one is copied out), and each chunk's bytes are copied into the tensors they
 belong to (to a CUDA device straight from the locked buffer). CRC-32s the store keeps are checked as the
-bytes pass (store.check). Used by stream_weights for the tensors outside units, and by load_safetensors
-for a device; load_safetensors to the CPU reads each tensor straight into its own storage instead
-(read_in_place: no pool and no copy).
+bytes pass (store.check). Used by load_safetensors, and by stream_weights for the tensors outside units.
+
+Why a load to the CPU also copies through the pool rather than reading each tensor O_DIRECT into its own
+new storage: a new storage's pages are made by whoever touches them first, and on a machine where that is
+costly (a VM faulting in fresh memory) the O_DIRECT reads make them one request at a time while the copy
+out of the pool makes them beside the next reads; bench/stream_bench.py's load section compares the two.
 """
 
 from __future__ import annotations
 
-import errno
 import itertools
 import os
 from dataclasses import dataclass, field
 
 import torch
 
-from deepnvme.offload._doors import PAGE, aio_module, crc32, new_handle
+from deepnvme.offload._doors import crc32
 from deepnvme.offload.preflight import budget_arg
 from deepnvme.offload.safetensors_store import SafetensorsStore
 from deepnvme.offload.store import Blob, Store, TensorInfo, crc_error, lease_bytes
@@ -127,55 +129,12 @@ def read_store(store: Store, names: list[str], device: torch.device,
     return dests
 
 
-def read_in_place(store: Store, names: list[str]) -> dict[str, torch.Tensor]:
-    """New CPU tensors holding `names` of `store`, each read by the handle straight into its own storage.
-
-    Why no pool here: a storage made to lie at its tensor's file offset from a page boundary
-    (empty_at_residue) takes the tensor's page-aligned interior O_DIRECT as it is, so nothing is copied,
-    and the kernel faults the new pages in on the handle's worker threads, in parallel, rather than one
-    thread's copy touching them one by one; only each tensor's partial first and last pages take the
-    handle's buffered path. Every request is in flight at once on one handle (it keeps its queue depth
-    over them); a file cut short meanwhile is an OSError naming it."""
-    infos = store.tensors()
-    for n in names:
-        if n not in infos:
-            raise KeyError(f"tensor {n!r} is not in the store {store.path}")
-    empty_at_residue = aio_module().empty_at_residue
-    out: dict[str, torch.Tensor] = {}
-    handle = new_handle()
-    path = store.path
-    try:
-        for n in sorted(names, key=lambda n: (infos[n].path, infos[n].offset)):
-            info = infos[n]
-            if info.nbytes == 0:
-                out[n] = empty_like_info(info, torch.device("cpu"))
-                continue
-            data = empty_at_residue(info.nbytes, info.offset % PAGE)
-            out[n] = data.view(info.dtype).view(info.shape)
-            path = info.path
-            handle.async_pread(data, info.path, info.offset)
-        path = store.path
-        handle.wait()
-    except BaseException as exc:
-        try:
-            handle.wait()  # what was queued ends before its memory goes
-        except BaseException:  # noqa: BLE001 - the first error is the one raised
-            pass
-        if isinstance(exc, ValueError):  # the handle's "read past end of file": a file was cut short
-            raise OSError(errno.EIO, f"{exc}", path) from exc
-        raise
-    return out
-
-
 def load_safetensors(path: str | os.PathLike, device: str | torch.device = "cpu", *,
                      budget_bytes: int = 64 << 20) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors checkpoint at `path` (file or directory, sharded or not), as a new
-    tensor (a storage of its own) on `device`, read at disk speed with no page cache: on the CPU each
-    tensor read in place (read_in_place); on another device, large O_DIRECT reads through `budget_bytes`
-    of locked memory (two requests in flight), copied to the device as each lands."""
+    tensor (a storage of its own) on `device`, read at disk speed with no page cache: large O_DIRECT reads
+    through `budget_bytes` of locked memory (two requests in flight), copied into the destination tensors
+    as each lands."""
     budget_bytes = budget_arg(budget_bytes)
     store = SafetensorsStore(path)
-    device = torch.device(device)
-    if device.type == "cpu":
-        return read_in_place(store, list(store.tensors()))
-    return read_store(store, list(store.tensors()), device, budget_bytes)
+    return read_store(store, list(store.tensors()), torch.device(device), budget_bytes)

@@ -93,10 +93,16 @@ def test_checksum_false_leaves_the_crcs_zero(tmp_path: Path, handle: Any) -> Non
     assert {pair for pair in _descriptor_crcs(path).values()} == {(0, 0)}
 
 
-def test_loaded_storages_match_torch_loads_and_sit_at_their_file_offset(tmp_path: Path, handle: Any) -> None:
+@pytest.mark.parametrize("staged", [False, True])
+def test_loaded_storages_match_torch_loads_and_sit_at_their_file_offset(
+        tmp_path: Path, handle: Any, staged: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Storage sizes, resizability, dtypes, views as torch.load gives them; each large payload's memory is
-    at its file offset modulo the page, for ours (page-aligned) and stock torch.save files (64-aligned)."""
+    at its file offset modulo the page (read O_DIRECT into place), or STAGED_SHIFT bytes past it with
+    STAGE_PAYLOADS (the default: read through the staging pool), for ours (page-aligned) and stock
+    torch.save files (64-aligned)."""
     from deepnvme._core.memory import byte_view
+
+    monkeypatch.setattr(serialization, "STAGE_PAYLOADS", staged)
 
     base = torch.randn(BIG // 4)
     obj = {"base": base, "view": base[7:1000], "other": torch.randn(BIG // 8 + 1).to(torch.float64),
@@ -121,15 +127,17 @@ def test_loaded_storages_match_torch_loads_and_sit_at_their_file_offset(tmp_path
             assert torch.equal(got[k], obj[k])
             if g.nbytes() >= serialization.PREFETCH_OWN_BYTES:
                 offset = spans[bytes(byte_view(g).numpy())]
-                assert g.data_ptr() % PAGE == offset % PAGE, (saver, k)
+                shift = serialization.STAGED_SHIFT * staged
+                assert g.data_ptr() % PAGE == (offset + shift) % PAGE, (saver, k)
 
 
 @pytest.mark.parametrize("saver", [deepnvme.save, torch.save])
 def test_staged_payloads_load_the_same_bytes_and_still_catch_damage(tmp_path: Path, handle: Any, saver: Any,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """With STAGE_PAYLOADS each large payload's memory lies STAGED_SHIFT bytes off its file offset's page
-    residue (so the handle copies it through its staging pool rather than reading it O_DIRECT): the tensors
-    are still right, and a byte damaged inside a payload's body is still found by its CRC."""
+    """With STAGE_PAYLOADS (the default) each large payload's memory lies STAGED_SHIFT bytes off its file
+    offset's page residue (so the handle copies it through its staging pool rather than reading it
+    O_DIRECT): the tensors are still right, and a byte damaged inside a payload's body is still found by its
+    CRC."""
     monkeypatch.setattr(serialization, "STAGE_PAYLOADS", True)
     obj = {"a": torch.randn(BIG // 4), "b": torch.randn(BIG // 8 + 3).to(torch.float64),
            "small": torch.arange(9, dtype=torch.int32)}
