@@ -8,11 +8,13 @@ separate threads and handles, a write-back never delays the next read. A queue g
 serves as many requests at once, one per handle: the next request is already in the drive while the last
 blocks of the previous one complete, instead of the drive idling at each request's tail. A request not yet
 started can be promoted: demanded reads are served before queued prefetches (the heap orders by priority,
-then by submission). Checks of the bytes read (CRC-32s) run on a CheckThread of their own, beside the reads.
+then by submission). Checks of the bytes read (CRC-32s) run on a thread of their own (check_runner),
+beside the reads.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import heapq
 import itertools
@@ -142,63 +144,30 @@ class IOQueue:
             t.join()
 
 
-class Check:
-    """A check of the bytes a lease read (`fn(lease)`, a CRC-32 comparison), run on a CheckThread: `done` is
-    set once it has run (or will never run: a read failed), `error` is what it raised."""
-
-    __slots__ = ("done", "error", "fn", "lease")
-
-    def __init__(self, lease: Any, fn: Callable[[Any], None]) -> None:
-        self.lease, self.fn = lease, fn
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-
-class CheckThread:
-    """One thread running Checks in the order they are submitted.
+def check_runner() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread a swap space runs its checks of read bytes on (CRC-32s), in submission order.
 
     Why not on the read thread that completed the reads: a CRC-32 of a 50 MB unit takes milliseconds of
     CPU, and a read thread computing it starts no request meanwhile, so the drive idles for every check;
     here the next read is in flight while the last one is checked.
     """
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deepnvme-offload-check")
 
-    def __init__(self) -> None:
-        self._todo: list[Check] = []
-        self._cond = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._serve, name="deepnvme-offload-check", daemon=True)
-        self._thread.start()
 
-    def submit(self, check: Check) -> None:
-        with self._cond:
-            if self._stop:  # closing: run it here rather than leave a waiter hanging
-                self._run(check)
-                return
-            self._todo.append(check)
-            self._cond.notify()
+def run_check(runner: concurrent.futures.Executor, result: concurrent.futures.Future[None],
+              fn: Callable[[], None]) -> None:
+    """Run `fn` on `runner` and settle `result` with its outcome (made before the reads it checks were
+    queued, so that waiters can hold it already); inline when the runner is shut down, so no waiter hangs."""
 
-    @staticmethod
-    def _run(check: Check) -> None:
+    def settle() -> None:
         try:
-            check.fn(check.lease)
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiter, never lost in this thread
-            check.error = exc
-        finally:
-            check.done.set()
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter, never lost in the runner
+            result.set_exception(exc)
+        else:
+            result.set_result(None)
 
-    def _serve(self) -> None:
-        while True:
-            with self._cond:
-                while not self._todo and not self._stop:
-                    self._cond.wait()
-                if not self._todo:
-                    return
-                check = self._todo.pop(0)
-            self._run(check)
-
-    def close(self) -> None:
-        """Run what is submitted, then stop the thread."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        self._thread.join()
+    try:
+        runner.submit(settle)
+    except RuntimeError:  # shut down: closing
+        settle()

@@ -17,6 +17,7 @@ groups in order, as far ahead as the pool has room, and demands the one the call
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import errno
 import os
 import threading
@@ -29,7 +30,7 @@ from deepnvme.offload import preflight, swapdir
 from deepnvme.offload._doors import PAGE, check_settings, locked_bytes, new_handle
 from deepnvme.offload.closing import Closing
 from deepnvme.offload.pool import Buffer, BufferPool, round_up
-from deepnvme.offload.queues import DEMAND, PREFETCH, Check, CheckThread, IOQueue, Ticket
+from deepnvme.offload.queues import DEMAND, PREFETCH, IOQueue, Ticket, check_runner, run_check
 
 SWAP_FILE = "swap.bin"
 # Spaces still open when the interpreter exits are closed first: a read still in flight on a handle's
@@ -74,7 +75,8 @@ class Lease:
     def __init__(self, space: SwapSpace, units: Sequence[Unit], buffer: Buffer) -> None:
         self.space, self.units, self.buffer = space, list(units), buffer
         self.tickets: list[Ticket] = []
-        self.checked: Check | None = None  # the check of the read bytes (SwapSpace.read), when one is made
+        # The check of the read bytes (SwapSpace.read), when one is made.
+        self.checked: concurrent.futures.Future[None] | None = None
         self._slot: dict[str, int] = {}
         at = 0
         for u in self.units:
@@ -127,7 +129,7 @@ class Lease:
     def done(self) -> bool:
         """Whether every request of this lease, and the check of its bytes, has finished (wait() would not
         block)."""
-        return all(t.done() for t in self.tickets) and (self.checked is None or self.checked.done.is_set())
+        return all(t.done() for t in self.tickets) and (self.checked is None or self.checked.done())
 
     def wait(self) -> None:
         """Wait for this lease's requests only, then for the check of their bytes; raise the first error
@@ -138,9 +140,7 @@ class Lease:
             if t.error is not None:
                 raise t.error
         if self.checked is not None:
-            self.checked.done.wait()
-            if self.checked.error is not None:
-                raise self.checked.error
+            self.checked.result()
 
     def write_back(self, parts: int = 1) -> list[Ticket]:
         """Queue writes of every owned unit from the pool; memory goes back to the pool once written.
@@ -171,7 +171,7 @@ class Lease:
         for t in self.tickets:
             t.settle()
         if self.checked is not None:
-            self.checked.done.wait()
+            concurrent.futures.wait([self.checked])
         self.buffer.release()
 
 
@@ -223,7 +223,7 @@ class SwapSpace(Closing):
         self._pending_writes: list[Ticket] = []
         self.reads = self.writes = None
         self.pid = os.getpid()  # a forked child leaves this space to the process that made it (close())
-        self._checks: CheckThread | None = None
+        self._checks: concurrent.futures.ThreadPoolExecutor | None = None
         self._checks_lock = threading.Lock()
         self.pool = None
         self.closed = False
@@ -356,17 +356,17 @@ class SwapSpace(Closing):
         left = [len(runs)]
         count = threading.Lock()  # a queue with several threads completes the runs on any of them
         if check is not None:
-            lease.checked = Check(lease, check)
+            lease.checked = concurrent.futures.Future()
 
         def done(ticket: Ticket) -> None:
             with count:
                 left[0] -= 1
                 last = left[0] == 0
             if last and lease.checked is not None:
-                if all(t.error is None for t in lease.tickets):
-                    self._checker().submit(lease.checked)
+                if all(t.error is None for t in lease.tickets) and check is not None:
+                    run_check(self._checker(), lease.checked, lambda: check(lease))
                 else:
-                    lease.checked.done.set()  # nothing to check: wait() raises the read's error
+                    lease.checked.set_result(None)  # nothing to check: wait() raises the read's error
 
         for view, start, path in runs:
             fd = self._fd if path == self.file else self._ext[path]
@@ -375,11 +375,11 @@ class SwapSpace(Closing):
             self.reads.submit(t, priority)
         return lease
 
-    def _checker(self) -> CheckThread:
+    def _checker(self) -> concurrent.futures.ThreadPoolExecutor:
         """The thread checks of read bytes run on, started on first use."""
         with self._checks_lock:
             if self._checks is None:
-                self._checks = CheckThread()
+                self._checks = check_runner()
             return self._checks
 
     def _track_write(self, ticket: Ticket) -> None:
@@ -415,7 +415,7 @@ class SwapSpace(Closing):
             if q is not None:
                 q.close()
         if self._checks is not None:  # after the reads: their completions hand it checks
-            self._checks.close()
+            self._checks.shutdown(wait=True)
         if self.pool is not None:
             self.pool.close()
         for fd in [self._fd, *self._ext.values()]:
