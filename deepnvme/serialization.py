@@ -54,7 +54,7 @@ from deepnvme._core.direct import DIRECT_MIN_BYTES, AlignedWriter, close_pair, o
 from deepnvme._core.errors import CheckpointFormatError, RefusedPickle, with_path
 from deepnvme._core.files import open_regular
 from deepnvme._core.handles import checkpoint_handle
-from deepnvme._core.memory import PAGE, address_of, aligned_buffer, byte_view, memory_of, round_up
+from deepnvme._core.memory import PAGE, Populator, address_of, aligned_buffer, byte_view, memory_of, round_up
 from deepnvme._core.op import aio_module
 from deepnvme._core.zipformat import Record
 from deepnvme.files import SeekableReader
@@ -681,6 +681,8 @@ class _Prefetched:
         inflight: collections.deque[tuple[Any, int]] = collections.deque()
         worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deepnvme-load-check")
         checks: list[concurrent.futures.Future[None]] = []
+        # The payloads' fresh pages faulted in ahead of the reads, beside them (see Populator).
+        populator = Populator(list(self._tensors.values())).start()
         try:
             i = 0
             for batch in range(len(finish)):
@@ -707,6 +709,7 @@ class _Prefetched:
                 raise CheckpointFormatError(self._path, f"truncated while being read ({exc})") from exc
             raise
         finally:
+            populator.close()
             worker.shutdown(wait=True, cancel_futures=True)
 
     def _complete(self, inflight: collections.deque[tuple[Any, int]], finish: list[list[Record]],
