@@ -5,8 +5,7 @@ They live in their own module (not the test file) so that spawned children impor
 
 from __future__ import annotations
 
-import os
-import socket
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,15 +25,10 @@ SHARDED = {
 }
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on right now, for the rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(world: int, fn: Callable[..., None], *args: Any, timeout: float = 90.0) -> None:
-    """Run fn(rank, world, port, *args) in `world` spawned processes; raise if one fails or time runs out."""
+    """Run fn(rank, world, rendezvous, *args) in `world` spawned processes (`rendezvous`: the process group's
+    init_method, a file of a fresh directory, so no TCP port can be taken in between); raise if one fails or
+    time runs out."""
     import multiprocessing
 
     import torch.multiprocessing as mp
@@ -43,8 +37,8 @@ def run(world: int, fn: Callable[..., None], *args: Any, timeout: float = 90.0) 
     # cost more than the checkpoint work, and forking the test process itself (with live I/O threads) is
     # not safe.
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed.checkpoint", __name__])
-    port = free_port()
-    ctx = mp.start_processes(fn, args=(world, port, *args), nprocs=world, join=False,
+    where = tempfile.TemporaryDirectory(prefix="deepnvme-rendezvous-")
+    ctx = mp.start_processes(fn, args=(world, f"file://{where.name}/store", *args), nprocs=world, join=False,
                              start_method="forkserver")
     deadline = time.monotonic() + timeout
     try:
@@ -56,13 +50,12 @@ def run(world: int, fn: Callable[..., None], *args: Any, timeout: float = 90.0) 
             if p.is_alive():
                 p.kill()
                 p.join()
+        where.cleanup()
 
 
-def _init(rank: int, world: int, port: int) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _init(rank: int, world: int, rendezvous: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
 
 
 def full_tensor(name: str) -> torch.Tensor:
@@ -72,12 +65,12 @@ def full_tensor(name: str) -> torch.Tensor:
     return torch.randn(shape, generator=g)
 
 
-def save_world(rank: int, world: int, port: int, ours: str, stock: str) -> None:
+def save_world(rank: int, world: int, rendezvous: str, ours: str, stock: str) -> None:
     """Save DTensors sharded over `world` CPU ranks, a replicated tensor and a Python value: with our writer
     into `ours`, with FileSystemWriter into `stock`."""
     from deepnvme.checkpoint import AioStorageWriter
 
-    _init(rank, world, port)
+    _init(rank, world, rendezvous)
     try:
         mesh = init_device_mesh("cpu", (world,))
         sd: dict[str, Any] = {n: distribute_tensor(full_tensor(n), mesh, [saved]) for n, (_, saved, _) in
@@ -90,11 +83,11 @@ def save_world(rank: int, world: int, port: int, ours: str, stock: str) -> None:
         dist.destroy_process_group()
 
 
-def load_world(rank: int, world: int, port: int, directories: list[str]) -> None:
+def load_world(rank: int, world: int, rendezvous: str, directories: list[str]) -> None:
     """Load each checkpoint with both readers into differently sharded DTensors and check every value."""
     from deepnvme.checkpoint import AioStorageReader
 
-    _init(rank, world, port)
+    _init(rank, world, rendezvous)
     try:
         mesh = init_device_mesh("cpu", (world,))
         for directory in directories:
@@ -137,12 +130,12 @@ def _train(steps: int, checkpoint_at: int | None, directory: str | None) -> tupl
     return {k: v.clone() for k, v in model.state_dict().items()}, snapshot
 
 
-def async_world(rank: int, world: int, port: int, directory: str) -> None:
+def async_world(rank: int, world: int, rendezvous: str, directory: str) -> None:
     """Training with an async_save in the middle ends where training without it ends; the checkpoint holds
     the weights of the step it was taken at."""
     from deepnvme.checkpoint import AioStorageReader
 
-    _init(rank, world, port)
+    _init(rank, world, rendezvous)
     try:
         plain, _ = _train(8, None, None)
         with_ckpt, snapshot = _train(8, 2, directory)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
-import socket
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,15 +13,10 @@ import torch
 import torch.distributed as dist
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_rank(rank: int, world: int, port: int, body: Callable[..., Any], args: tuple, out_dir: str) -> None:
+def _run_rank(rank: int, world: int, rendezvous: str, body: Callable[..., Any], args: tuple,
+              out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
         torch.save(body(rank, world, *args), Path(out_dir) / f"rank{rank}.pt")
@@ -36,8 +31,10 @@ def launch(world: int, body: Callable[..., Any], args: tuple, out_dir: Path, dea
     module-level function (spawn pickles it by name).
     """
     ctx = multiprocessing.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_run_rank, args=(r, world, port, body, args, str(out_dir)))
+    # A file in out_dir (fresh for each launch) as the rendezvous: no TCP port to lose to another process
+    # between choosing it and listening on it.
+    rendezvous = f"file://{out_dir}/rendezvous-{uuid.uuid4().hex}"
+    procs = [ctx.Process(target=_run_rank, args=(r, world, rendezvous, body, args, str(out_dir)))
              for r in range(world)]
     for p in procs:
         p.start()
