@@ -406,7 +406,7 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
         tie()  # a model built with init_empty_weights has its tied parameters apart until tied
     chosen = _unit_modules(model, units)
     # Experts are units of their own (expert_stream.py).
-    experts = ExpertStreamer.for_model(model, store, lookahead)
+    experts = ExpertStreamer.for_model(model, store, lookahead, read_ahead=prefetch)
     unit_of = {}  # module name prefix -> unit index
     for k, (n, _) in enumerate(chosen):
         unit_of[n] = k
