@@ -184,6 +184,82 @@ def test_guessed_experts_change_nothing_and_are_counted(mixtral_ref: dict, where
     assert torch.equal(generate(model)[1], mixtral_ref["logits"])
 
 
+BATCH = torch.tensor([[(7 * r + 3 * c) % 96 for c in range(4)] for r in range(16)])  # 16 prompts of 4 tokens
+
+
+def batch_generate(model: torch.nn.Module, steps: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decoding of BATCH, `steps` tokens, and the logits of every step (each step's 16 tokens use
+    nearly every expert of each layer)."""
+    with torch.inference_mode():
+        out = model.generate(BATCH, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits)
+
+
+def test_expected_share() -> None:
+    from deepnvme.offload.expert_stream import FULL_USE, expected_share
+
+    assert expected_share(1, 2, 8) == pytest.approx(0.25)
+    assert expected_share(16, 2, 8) == pytest.approx(1 - 0.75 ** 16) and expected_share(16, 2, 8) > FULL_USE
+    assert expected_share(8, 2, 8) < FULL_USE < expected_share(9, 2, 8)
+    assert expected_share(3, 8, 8) == 1.0
+    assert expected_share(0, 2, 8) == 0.0 and expected_share(4, 0, 8) == 0.0
+
+
+@pytest.mark.parametrize(("where", "budget"), [("own", BUDGET), ("per_expert", BUDGET),
+                                                ("own", 24 * EXPERT + (1 << 20))])
+def test_read_ahead_at_full_use_changes_nothing_and_is_counted(mixtral_ref: dict, where: str,
+                                                               budget: int) -> None:
+    """A batch of 16 sequences: each layer's tokens are expected to use nearly all its experts, so the next
+    layers' experts are read ahead in order. Tokens and logits stay the in-memory model's bit for bit; every
+    read ahead is counted as a guess, used or wasted; the cache stays inside its part of the budget; with
+    room for every expert nothing is read twice."""
+    want_tokens, want_logits = batch_generate(mixtral_ref["model"])
+    model = stream_weights(mixtral("grouped_mm", empty=True), mixtral_ref[where], budget)
+    tokens, logits = batch_generate(model)
+    assert torch.equal(tokens, want_tokens)
+    assert torch.equal(logits, want_logits)
+    st = stats(model)
+    e = st["experts"]
+    assert e["read_ahead"] and e["lookahead"] == 0
+    assert e["ahead_reads"] > 0 and e["ahead_reads"] == e["guessed_reads"]
+    assert e["guesses_used"] > 0 and e["guesses_used"] + e["guesses_wasted"] <= e["guessed_reads"]
+    on_demand = e["bytes_read"] - e["guessed_bytes"]
+    used = e["needed_bytes"] - on_demand
+    assert 0 < used and used + e["wasted_bytes"] <= e["guessed_bytes"]
+    cache = model._deepnvme_stream.experts.cache
+    assert cache.pool.peak_in_use <= cache.pool.capacity == e["capacity_bytes"]
+    assert e["capacity_bytes"] + st["budget_bytes"] <= budget
+    if budget > 24 * EXPERT:
+        order = cache.read_order
+        assert len(order) == len(set(order)) == 24 and e["evictions"] == 0 and e["guesses_wasted"] == 0
+    else:
+        assert e["evictions"] > 0
+    unstream(model)
+
+
+def test_no_read_ahead_for_one_token_or_without_prefetch(mixtral_ref: dict) -> None:
+    """Decoding one sequence a token at a time (2 of 8 experts expected used per layer) reads only the
+    routed experts, as before; prefetch=False reads nothing ahead even for a batch."""
+    model = stream_weights(mixtral("grouped_mm", empty=True), mixtral_ref["own"], BUDGET)
+    ids = PROMPT[:, :4]  # 4 tokens: about 0.68 of the experts expected used, under FULL_USE
+    with torch.inference_mode():
+        out = model(ids, use_cache=True)
+        for _ in range(4):
+            nxt = out.logits[:, -1:].argmax(-1)
+            out = model(nxt, cache=out.cache, use_cache=True)
+    e = stats(model)["experts"]
+    assert e["ahead_reads"] == 0 and e["guessed_reads"] == 0 and e["read_requests"] == e["misses"]
+    unstream(model)
+    model = stream_weights(mixtral("grouped_mm", empty=True), mixtral_ref["own"], BUDGET, prefetch=False)
+    tokens, logits = batch_generate(model, steps=2)
+    want_tokens, want_logits = batch_generate(mixtral_ref["model"], steps=2)
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+    e = stats(model)["experts"]
+    assert not e["read_ahead"] and e["ahead_reads"] == 0 and e["read_requests"] == e["misses"]
+    unstream(model)
+
+
 def test_lookahead_bad_values(mixtral_ref: dict) -> None:
     for bad in (-1, 1.0, True, "1"):
         with pytest.raises(ValueError, match="expert_lookahead must be an int >= 0"):
