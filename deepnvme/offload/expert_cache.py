@@ -52,7 +52,6 @@ class _Entry:
     nbytes: int  # pool bytes its lease takes
     check: Callable[[Lease], None] | None
     lease: Lease | None = None
-    checked: bool = False
     group: Hashable = None  # the layer: eviction keeps each layer its share (see ExpertCache)
     reserved: bool = False  # requested by the layer running now, not acquired yet
     fresh: bool = False  # its read was issued for the use pending now (that use is a miss)
@@ -102,8 +101,9 @@ class ExpertCache(Closing):
     def add(self, key: Hashable, units: Sequence[Unit], check: Callable[[Lease], None] | None = None, *,
             group: Hashable = None) -> None:
         """Register expert `key` as `units` (of layer `group`); `check(lease)` runs once on its bytes after
-        each read (e.g. a CRC-32), before anyone uses them. ValueError when one expert exceeds the
-        capacity."""
+        each read (e.g. a CRC-32), before anyone uses them, on the space's check thread (SwapSpace.read):
+        beside the next reads and the layer's compute, not on the caller's thread. ValueError when one
+        expert exceeds the capacity."""
         if key in self._entries:
             raise ValueError(f"expert {key!r} is in the cache already")
         if not units:
@@ -167,11 +167,7 @@ class ExpertCache(Closing):
             self._lru.move_to_end(key)
         lease.demand()
         try:
-            lease.wait()
-            with self._lock:
-                if not entry.checked and entry.check is not None:
-                    entry.check(lease)
-                entry.checked = True
+            lease.wait()  # the read, then its check
         except BaseException:
             with self._lock:
                 entry.in_use -= 1
@@ -275,7 +271,8 @@ class ExpertCache(Closing):
         else:
             within = None if guess else self._between(key, entry, self._requested)
         while True:
-            lease = self.space.read(entry.units, block=False, pool=self.pool, within=within)
+            lease = self.space.read(entry.units, block=False, pool=self.pool, within=within,
+                                    check=entry.check)
             if lease is not None:
                 break
             if ahead:
@@ -290,7 +287,7 @@ class ExpertCache(Closing):
                 raise RuntimeError(f"the expert cache ({self.pool.capacity} bytes) cannot hold expert "
                                    f"{key!r} ({entry.nbytes} bytes) while {held} are in use: release them "
                                    "first, or raise the budget")
-        entry.lease, entry.checked, entry.fresh, entry.guessed = lease, False, not guess, guess
+        entry.lease, entry.fresh, entry.guessed = lease, not guess, guess
         self._lru[key] = None
         self._lru.move_to_end(key)
         nbytes = sum(u.io_nbytes for u in entry.units)
@@ -371,7 +368,7 @@ class ExpertCache(Closing):
     def _drop(self, key: Hashable, entry: _Entry) -> None:
         if entry.guessed:  # evicted (or cleared) before any use
             self._waste(entry)
-        lease, entry.lease, entry.checked, entry.fresh = entry.lease, None, False, False
+        lease, entry.lease, entry.fresh = entry.lease, None, False
         self._lru.pop(key, None)
         if lease is not None:
             lease.release()  # waits for a read still in flight before the memory goes back

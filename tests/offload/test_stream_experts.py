@@ -260,6 +260,39 @@ def test_no_read_ahead_for_one_token_or_without_prefetch(mixtral_ref: dict) -> N
     unstream(model)
 
 
+def test_damaged_expert_fails_its_crc_then_recovers(mixtral_ref: dict, tmp_path: Path) -> None:
+    """An expert blob of deepnvme's store damaged on the drive: its CRC-32 (checked on the check thread,
+    read ahead or on demand) fails the forward that uses it, naming the expert; once the file is right
+    again the next forwards read it again and give the in-memory output."""
+    import json
+    import shutil
+
+    from deepnvme.offload.placeholder import Placeholder
+
+    d = Path(shutil.copytree(mixtral_ref["own"], tmp_path / "own"))
+    manifest = json.loads((d / "manifest.json").read_text())
+    blob = next(b for b in manifest["blobs"] if b["unit"] == "model.layers.1.mlp.experts.5")
+    weights = d / manifest["file"]
+    at = blob["offset"] + blob["nbytes"] // 2
+    with open(weights, "r+b") as f:
+        f.seek(at)
+        good = f.read(1)
+        f.seek(at)
+        f.write(bytes([good[0] ^ 0xFF]))
+    model = stream_weights(mixtral("grouped_mm", empty=True), d, BUDGET)
+    with pytest.raises(StoreError, match=r"CRC-32 mismatch .*experts\.5\.gate_up_proj"):
+        batch_generate(model, steps=1)
+    assert isinstance(model.model.layers[1].mlp.experts.gate_up_proj, Placeholder)
+    assert stats(model)["experts"]["ahead_reads"] > 0
+    with open(weights, "r+b") as f:
+        f.seek(at)
+        f.write(good)
+    want = batch_generate(mixtral_ref["model"], steps=2)
+    got = batch_generate(model, steps=2)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    unstream(model)
+
+
 def test_lookahead_bad_values(mixtral_ref: dict) -> None:
     for bad in (-1, 1.0, True, "1"):
         with pytest.raises(ValueError, match="expert_lookahead must be an int >= 0"):
