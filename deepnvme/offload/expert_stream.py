@@ -19,9 +19,11 @@ it, and stays cached (least recently used evicted) for the next tokens:
   use at least `FULL_USE` of its experts (`expected_share`), the experts of the layers after it are read
   ahead in the order they will run, as the dense units are, as far as the cache has room, the window
   sliding as each expert is released (ExpertCache.read_ahead): the drive reads the next layers while this
-  one computes. Below that share, reading every expert would mostly read what no token needs, so experts
-  are read only when routed to (or guessed, below). Those read ahead and then not routed to are counted
-  as wasted guesses.
+  one computes. It goes on into the next forward's first layers when that forward, expected to decode one
+  token per sequence of this one, is expected to use as many (a batch decoding; not a single sequence
+  after its prompt). Below that share, reading every expert would mostly read what no token needs, so
+  experts are read only when routed to (or guessed, below). Those read ahead and then not routed to are
+  counted as wasted guesses.
 * Pre-gating (`lookahead` > 0, fused sets whose router is found beside them, below `FULL_USE`): each layer
   applies the next layers' routers to its own input and reads the experts they pick behind its own
   (ExpertCache.prefetch), so the drive reads while the CPU computes; a guess changes no result, and its
@@ -119,11 +121,13 @@ class ExpertStreamer:
         self.uniform = sizes.pop() if len(sizes) == 1 else None  # the pool bytes of every expert, if one
         self.lookahead = lookahead
         self.read_ahead = read_ahead
-        # For each layer, every expert of the layers after it in the order they run (the next forward's
-        # first layers after the last one): what the read-ahead reads once that layer has routed.
+        # For each layer, every expert of the layers after it in this forward, and of those before it (the
+        # next forward's), in the order they run: what the read-ahead reads once that layer has routed.
         cycle = [(si, e) for si, s in enumerate(sets) for e in range(s.num_experts)]
         starts = [sum(s.num_experts for s in sets[:si]) for si in range(len(sets) + 1)]
-        self._after = [cycle[starts[si + 1]:] + cycle[:starts[si]] for si in range(len(sets))]
+        self._rest = [cycle[starts[si + 1]:] for si in range(len(sets))]
+        self._next = [cycle[:starts[si]] for si in range(len(sets))]
+        self._rows = 0  # sequences in the running forward (its input ids' first dimension; 0: unknown)
         self.routers: dict[int, tuple[nn.Module, int]] = {}  # set -> (its router, k)
         self.router_weights: dict[int, torch.Tensor] = {}  # set -> a copy of its router's weight
         self._hooks: list[Any] = []
@@ -219,6 +223,7 @@ class ExpertStreamer:
             ids = next((a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point()), None)
         if isinstance(ids, torch.Tensor) and self.cache is not None:
             self.cache.count_tokens(ids.numel())
+        self._rows = (ids.shape[0] if ids.dim() >= 2 else 1) if isinstance(ids, torch.Tensor) else 0
 
     # ------------------------------------------------------------------------------------------ reads
     def _tensors(self, x: _Expert, lease: Lease) -> dict[str, list[tuple[Part, torch.Tensor]]]:
@@ -239,7 +244,7 @@ class ExpertStreamer:
             self.cache.request([(si, e) for e in indices])  # type: ignore[union-attr]
             # A deepnvme.moe layer tells its experts which run, not its tokens or k: the share it uses is
             # what the next layers, seeing the same tokens, are expected to use.
-            self._look_ahead(si, len(indices) / max(1, self.sets[si].num_experts), None)
+            self._look_ahead(si, len(indices) / max(1, self.sets[si].num_experts), None, None)
         return before_run
 
     def _expert_forward(self, si: int, e: int, expert: nn.Module) -> Any:
@@ -279,7 +284,7 @@ class ExpertStreamer:
             cache.request(keys)  # type: ignore[union-attr]
             k = top_k_index.shape[-1] if top_k_index.dim() else 1
             share = expected_share(top_k_index.numel() // max(1, k), k, s.num_experts)
-            self._look_ahead(si, share, hidden_states)  # queued behind this layer's own reads
+            self._look_ahead(si, share, hidden_states, k)  # queued behind this layer's own reads
             held: list[tuple[int, int]] = []
             try:
                 if self._fit_together(len(keys)):
@@ -374,13 +379,19 @@ class ExpertStreamer:
         return have[:n]
 
     # ------------------------------------------------------------------------------------------ guesses
-    def _look_ahead(self, si: int, share: float, hidden: torch.Tensor | None) -> None:
-        """After layer si has routed and requested its experts, with `share` the share of its experts its
-        tokens are expected to use: the read-ahead of every expert of the next layers when that is at
-        least FULL_USE, else none (and the pre-gating guesses, when on)."""
+    def _look_ahead(self, si: int, share: float, hidden: torch.Tensor | None, k: int | None) -> None:
+        """After layer si has routed (`k` experts per token, None when not told) and requested its experts,
+        `share` being the share of its experts its tokens are expected to use: when that is at least
+        FULL_USE, the read-ahead of every expert of the layers after it in this forward, and of the next
+        forward's first layers when that forward, expected to decode one token per sequence of this one,
+        is expected to use as many (a batch of 16 decoding, not one sequence after its prompt); else no
+        read-ahead (and the pre-gating guesses, when on)."""
         cache = self.cache
         if self.read_ahead and share >= FULL_USE:
-            cache.read_ahead(self._after[si])  # type: ignore[union-attr]
+            keys = self._rest[si]
+            if k is not None and expected_share(self._rows, k, self.sets[si].num_experts) >= FULL_USE:
+                keys = keys + self._next[si]
+            cache.read_ahead(keys)  # type: ignore[union-attr]
             return
         cache.read_ahead(())  # type: ignore[union-attr]
         if hidden is not None:

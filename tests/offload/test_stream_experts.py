@@ -260,6 +260,21 @@ def test_no_read_ahead_for_one_token_or_without_prefetch(mixtral_ref: dict) -> N
     unstream(model)
 
 
+def test_read_ahead_goes_into_the_next_forward_for_a_batch_only(mixtral_ref: dict) -> None:
+    """After the last layer, the read-ahead goes on into the next forward's first layers when that forward,
+    one token per sequence, is expected to use nearly every expert too (a batch of 16), not after the
+    prompt of one sequence (whose next forward is one token)."""
+    model = stream_weights(mixtral("grouped_mm", empty=True), mixtral_ref["own"], BUDGET)
+    cache = model._deepnvme_stream.experts.cache
+    with torch.inference_mode():
+        model(torch.arange(5, 17).view(1, 12))  # 12 tokens: 0.97 of each layer's experts expected used
+        assert stats(model)["experts"]["ahead_reads"] > 0
+        assert cache.read_order[-1][0] == 2  # read last: the last layer's experts, none of the next forward
+        model(BATCH)
+        assert cache.read_order[-1][0] in (0, 1)  # the next forward's first layers, read ahead
+    unstream(model)
+
+
 def test_damaged_expert_fails_its_crc_then_recovers(mixtral_ref: dict, tmp_path: Path) -> None:
     """An expert blob of deepnvme's store damaged on the drive: its CRC-32 (checked on the check thread,
     read ahead or on demand) fails the forward that uses it, naming the expert; once the file is right
