@@ -293,7 +293,11 @@ class ExpertStreamer:
                         lease = cache.acquire(key)  # type: ignore[union-attr]
                         held.append(key)
                         views[key] = self._tensors(self.experts[key], lease)
-                    keys, compact = self._stacked(s, keys, views, hidden_states.device)
+                    # At most two (token, expert) pairs: each expert computes one row alone, and a token's
+                    # outputs are summed in its routing order, or two of them in either order (the same
+                    # bits): the experts may come in the order they lie in the pool, so that views serve.
+                    keys, compact = self._stacked(s, keys, views, hidden_states.device,
+                                                  any_order=top_k_index.numel() <= 2)
                 else:
                     compact = self._copied(s, keys, hidden_states.device)
                 hit = [e for _, e in keys]
@@ -315,12 +319,14 @@ class ExpertStreamer:
         return self.uniform is not None and n * self.uniform <= self.cache.pool.capacity  # type: ignore[union-attr]
 
     def _stacked(self, s: ExpertSet, keys: list[tuple[int, int]], views: dict[tuple[int, int], Any],
-                 device: torch.device) -> tuple[list[tuple[int, int]], dict[str, torch.Tensor]]:
+                 device: torch.device, any_order: bool = False
+                 ) -> tuple[list[tuple[int, int]], dict[str, torch.Tensor]]:
         """The experts' 3-D tensors for one call, in the order of `keys` (ascending expert ids: the order
         the whole tensor has, so that each token's rows reach the kernel in the same order and the
         results are the same to the bit), as views of the cached bytes where they can be (no copy: each
         expert is one slice in the store and the slices lie at one stride in the pool, in that order),
-        else copied; and the keys."""
+        else copied; and the keys, in the order used. With `any_order` (the caller knows the order
+        changes no result) the keys are put in the order their bytes lie in the pool first."""
         def whole(key: tuple[int, int], p: str) -> torch.Tensor | None:
             ph = s.module._parameters[p]
             pieces = views[key][f"{s.unit_name(key[1])}.{p}"]
@@ -331,6 +337,9 @@ class ExpertStreamer:
                 return None
             return v if v.is_contiguous() else None
 
+        if any_order and len(keys) > 1:
+            first = {k: whole(k, s.params[0]) for k in keys}
+            keys = sorted(keys, key=lambda k: first[k].data_ptr() if first[k] is not None else 0)  # type: ignore[union-attr]
         out = {}
         for p in s.params:
             stacked = _strided([whole(k, p) for k in keys])

@@ -260,6 +260,33 @@ def test_no_read_ahead_for_one_token_or_without_prefetch(mixtral_ref: dict) -> N
     unstream(model)
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager", "batched_mm"])
+def test_one_token_gets_its_experts_as_views_in_pool_order(refs: Any, impl: str) -> None:
+    """One token routed to two experts that lie in the cache the other way round (the higher id at the
+    lower address): they are handed over as one view in pool order, not copied, and the output is the
+    in-memory experts' bit for bit with every experts implementation; two tokens still get them in id
+    order (copied here)."""
+    ref = refs(impl)
+    model = stream_weights(mixtral(impl, empty=True), ref["own"], BUDGET)
+    experts = model._deepnvme_stream.experts
+    cache = experts.cache
+    for key in [(0, 5), (0, 1)]:  # 5 first: it takes the start of the empty pool, 1 goes after it
+        cache.request([key])
+        cache.acquire(key)
+        cache.release(key)
+    assert cache._entries[(0, 5)].lease.buffer.start < cache._entries[(0, 1)].lease.buffer.start
+    torch.manual_seed(1)
+    hidden = torch.randn(2, 64)
+    mine, theirs = model.model.layers[0].mlp.experts, ref["model"].model.layers[0].mlp.experts
+    with torch.inference_mode():
+        for rows, index in ((1, [[5, 1]]), (1, [[1, 5]]), (2, [[5, 1], [1, 3]])):
+            idx, weights = torch.tensor(index), torch.softmax(torch.randn(rows, 2), -1)
+            copied = experts.assembled["copied"]
+            assert torch.equal(mine(hidden[:rows], idx, weights), theirs(hidden[:rows], idx, weights))
+            assert experts.assembled["copied"] == (copied if rows == 1 else copied + 2)
+    unstream(model)
+
+
 def test_read_ahead_goes_into_the_next_forward_for_a_batch_only(mixtral_ref: dict) -> None:
     """After the last layer, the read-ahead goes on into the next forward's first layers when that forward,
     one token per sequence, is expected to use nearly every expert too (a batch of 16), not after the
