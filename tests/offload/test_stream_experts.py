@@ -19,6 +19,7 @@ from deepnvme.offload import stats, stream_weights, unstream, write_store  # noq
 from deepnvme.offload.expert_sets import FUSED, MODULES, find_expert_sets  # noqa: E402
 from deepnvme.offload.store import StoreError  # noqa: E402
 from tests.offload.stream_models import NEW_TOKENS, PROMPT, generate  # noqa: E402
+from tests.support.stream_helpers import damage_blob  # noqa: E402
 
 EXPERT = 3 * 64 * 128 * 4  # one Mixtral expert below: gate, up and down projections in fp32
 BUDGET = 400_000  # a few experts: far less than the 24 of the model
@@ -306,29 +307,18 @@ def test_damaged_expert_fails_its_crc_then_recovers(mixtral_ref: dict, tmp_path:
     """An expert blob of deepnvme's store damaged on the drive: its CRC-32 (checked on the check thread,
     read ahead or on demand) fails the forward that uses it, naming the expert; once the file is right
     again the next forwards read it again and give the in-memory output."""
-    import json
     import shutil
 
     from deepnvme.offload.placeholder import Placeholder
 
     d = Path(shutil.copytree(mixtral_ref["own"], tmp_path / "own"))
-    manifest = json.loads((d / "manifest.json").read_text())
-    blob = next(b for b in manifest["blobs"] if b["unit"] == "model.layers.1.mlp.experts.5")
-    weights = d / manifest["file"]
-    at = blob["offset"] + blob["nbytes"] // 2
-    with open(weights, "r+b") as f:
-        f.seek(at)
-        good = f.read(1)
-        f.seek(at)
-        f.write(bytes([good[0] ^ 0xFF]))
+    weights, repair = damage_blob(d, "model.layers.1.mlp.experts.5")
     model = stream_weights(mixtral("grouped_mm", empty=True), d, BUDGET)
-    with pytest.raises(StoreError, match=r"CRC-32 mismatch .*experts\.5\.gate_up_proj"):
+    with pytest.raises(StoreError, match=rf"CRC-32 mismatch .* of {weights} .*experts\.5\.gate_up_proj"):
         batch_generate(model, steps=1)
     assert isinstance(model.model.layers[1].mlp.experts.gate_up_proj, Placeholder)
     assert stats(model)["experts"]["ahead_reads"] > 0
-    with open(weights, "r+b") as f:
-        f.seek(at)
-        f.write(good)
+    repair()
     want = batch_generate(mixtral_ref["model"], steps=2)
     got = batch_generate(model, steps=2)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -423,7 +413,7 @@ def test_deepnvme_moe_gpt_same_tokens_and_logits(gpt_ref: dict, where: str) -> N
     e = stats(model)["experts"]
     assert e["experts"] == 8 and e["capacity_bytes"] < 8 * expert
     # Without a KV cache every step routes the whole sequence: nearly every expert of each layer runs, in
-    # layer order, a cycle longer than the cache, which is least-recently-used's worst case (few hits).
+    # layer order, a cycle longer than the cache: experts are evicted and read again every step.
     assert e["evictions"] > 0 and 0 <= e["hit_rate"] < 1
     # Every step is expected to use nearly every expert: the next layers' are read ahead, one request per
     # expert read, from either store.
