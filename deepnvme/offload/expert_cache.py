@@ -27,9 +27,9 @@ they will run, for when nearly all of them are expected to be used) reads them i
 are read, whenever room is free or can be made: at once, and again at every `release`, until the next call
 replaces the sequence. Its reads are guesses too (counted as above; `ahead_reads` of them). Room for one is
 made only from experts nobody holds (in use, requested, or guessed and not used yet) whose next use comes
-after it in the sequence, those outside it (the running layer's, just used) counting as needed last: over
-a cycle of layers that reads more experts than the cache holds, evicting the expert needed farthest ahead
-reads the fewest.
+after it in the sequence, those outside it counting as needed last, the most recently used of them first
+(the running layer's, just used): over a cycle of layers that reads more experts than the cache holds,
+evicting the expert needed farthest ahead reads the fewest.
 """
 
 from __future__ import annotations
@@ -234,19 +234,21 @@ class ExpertCache(Closing):
 
     def _evict_for_ahead(self, key: Hashable) -> bool:
         """Evict, for the read-ahead's `key`, the expert nobody holds whose next use in the sequence is
-        farthest after key's (one outside it first, least recently used among those); False if none's is
-        after key's."""
-        place, never = self._ahead[key], len(self._ahead)
+        farthest after key's; False if none's is after key's. Outside the sequence, the most recently used
+        goes first: in a cycle of layers the one used last (the running layer's) is needed again last,
+        while an earlier layer's, used before, comes back sooner."""
+        place = self._ahead[key]
         victim, last = None, place
-        for k in self._lru:
+        for k in reversed(self._lru):
             e = self._entries[k]
             if e.in_use or e.reserved or e.guessed:
                 continue
-            at = self._ahead.get(k, never)
+            at = self._ahead.get(k)
+            if at is None:
+                victim = k
+                break
             if at > last:
                 victim, last = k, at
-                if at == never:
-                    break
         if victim is None:
             return False
         self._drop(victim, self._entries[victim])

@@ -303,14 +303,16 @@ def test_read_ahead_slides_behind_the_running_layer(store: tuple[Path, torch.Ten
 
 def test_read_ahead_evicts_the_expert_needed_last(store: tuple[Path, torch.Tensor], workdir: Path) -> None:
     """Room for a read ahead comes from the expert nobody holds whose next use in the sequence is farthest
-    after it (one outside the sequence first); never from an unused guess, a requested expert or one
-    needed sooner."""
+    after it (one outside the sequence first, the most recently used of those); never from an unused
+    guess, a requested expert or one needed sooner."""
     path, data = store
     with SwapSpace(workdir, PAGE) as space, grouped(space, path, 3) as cache:
         use(cache, [0, 1], data)
         use(cache, [5], data)
         assert cache.cached() == [0, 1, 5]
-        cache.read_ahead([3, 4, 0])  # 1 and 5 are not in the sequence: they go; 0 is cached already
+        cache.read_ahead([3, 0])  # 1 and 5 are not in the sequence: 5, used last, goes; 0 is cached
+        assert cache.cached() == [0, 1, 3] and cache.read_order[-1] == 3
+        cache.read_ahead([3, 4, 0])  # now 1 goes
         assert cache.cached() == [0, 3, 4] and cache.read_order[-2:] == [3, 4]
         cache.read_ahead([0, 2])  # 2 could only take 0's room (needed before it) or a guess's: not read
         assert cache.cached() == [0, 3, 4] and cache.stats()["ahead_reads"] == 2
