@@ -21,13 +21,22 @@ nobody holds, requested or guessed (what other layers keep are the hits of the n
 A guess never changes what a layer computes (the bytes are the store's either way); a wrong one costs its
 read, which is counted (`stats()`: guessed_reads, guesses_used, guesses_wasted, wasted_bytes,
 needed_bytes).
+
+A fifth sets a read-ahead: `read_ahead(keys)` (the experts of the layers after the running one, in the order
+they will run, for when nearly all of them are expected to be used) reads them in that order, as dense units
+are read, whenever room is free or can be made: at once, and again at every `release`, until the next call
+replaces the sequence. Its reads are guesses too (counted as above; `ahead_reads` of them). Room for one is
+made only from experts nobody holds (in use, requested, or guessed and not used yet) whose next use comes
+after it in the sequence, those outside it counting as needed last, the most recently used of them first
+(the running layer's, just used): over a cycle of layers that reads more experts than the cache holds,
+evicting the expert needed farthest ahead reads the fewest.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +52,6 @@ class _Entry:
     nbytes: int  # pool bytes its lease takes
     check: Callable[[Lease], None] | None
     lease: Lease | None = None
-    checked: bool = False
     group: Hashable = None  # the layer: eviction keeps each layer its share (see ExpertCache)
     reserved: bool = False  # requested by the layer running now, not acquired yet
     fresh: bool = False  # its read was issued for the use pending now (that use is a miss)
@@ -80,20 +88,22 @@ class ExpertCache(Closing):
         self._groups: set[Hashable] = set()
         self._guessing: set[Hashable] = set()  # the keys of the prefetch() running now
         self._requested: list[Hashable] = []  # the keys of the last request()
+        self._ahead: dict[Hashable, int] = {}  # the read-ahead sequence (read_ahead()): key -> its place
         self._lock = threading.RLock()
         self.hits = self.misses = self.evictions = 0
         self.bytes_read = self.read_requests = self.tokens = 0
         self.needed_bytes = 0  # bytes of the reads a use needed: read on demand, or guessed and then used
         self.guessed_reads = self.guessed_bytes = self.guesses_used = self.guesses_wasted = 0
-        self.wasted_bytes = 0
+        self.wasted_bytes = self.ahead_reads = 0
         self.read_order: list[Hashable] = []  # keys in the order their reads were issued (the last 1024)
 
     # ------------------------------------------------------------------------------------------ setup
     def add(self, key: Hashable, units: Sequence[Unit], check: Callable[[Lease], None] | None = None, *,
             group: Hashable = None) -> None:
         """Register expert `key` as `units` (of layer `group`); `check(lease)` runs once on its bytes after
-        each read (e.g. a CRC-32), before anyone uses them. ValueError when one expert exceeds the
-        capacity."""
+        each read (e.g. a CRC-32), before anyone uses them, on the space's check thread (SwapSpace.read):
+        beside the next reads and the layer's compute, not on the caller's thread. ValueError when one
+        expert exceeds the capacity."""
         if key in self._entries:
             raise ValueError(f"expert {key!r} is in the cache already")
         if not units:
@@ -157,11 +167,7 @@ class ExpertCache(Closing):
             self._lru.move_to_end(key)
         lease.demand()
         try:
-            lease.wait()
-            with self._lock:
-                if not entry.checked and entry.check is not None:
-                    entry.check(lease)
-                entry.checked = True
+            lease.wait()  # the read, then its check
         except BaseException:
             with self._lock:
                 entry.in_use -= 1
@@ -176,6 +182,7 @@ class ExpertCache(Closing):
             entry.in_use = max(entry.in_use - 1, 0)
             if not self.closed:
                 self._issue_waiting()
+                self._pump_ahead()
 
     def prefetch(self, keys: Sequence[Hashable], keep: Sequence[Hashable] = ()) -> bool:
         """Guess that `keys` will be requested soon: queue reads of those not in memory, in that order,
@@ -198,12 +205,56 @@ class ExpertCache(Closing):
                 self._guessing = set()
             return True
 
+    def read_ahead(self, keys: Sequence[Hashable]) -> None:
+        """Read `keys` ahead in this order (see the module docstring): as far as room allows now, then at
+        every `release`; replaces the sequence of the last call (an empty one stops the read-ahead; what it
+        read stays cached)."""
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                self._entry(key)
+            self._ahead = {key: i for i, key in enumerate(keys)}
+            self._pump_ahead()
+
     def count_tokens(self, n: int) -> None:
         """Add `n` tokens to the count bytes per token is measured over (the model's tokens, once each)."""
         with self._lock:
             self.tokens += int(n)
 
     # ------------------------------------------------------------------------------------------ memory
+    def _pump_ahead(self) -> None:
+        """Issue the read-ahead's next reads while room can be made for them, in order; never before the
+        running layer's own reads are all issued."""
+        if self._waiting:
+            return
+        for key in self._ahead:
+            entry = self._entries[key]
+            if entry.lease is None and not self._issue(key, entry, hard=False, guess=True, ahead=True):
+                return
+
+    def _evict_for_ahead(self, key: Hashable) -> bool:
+        """Evict, for the read-ahead's `key`, the expert nobody holds whose next use in the sequence is
+        farthest after key's; False if none's is after key's. Outside the sequence, the most recently used
+        goes first: in a cycle of layers the one used last (the running layer's) is needed again last,
+        while an earlier layer's, used before, comes back sooner."""
+        place = self._ahead[key]
+        victim, last = None, place
+        for k in reversed(self._lru):
+            e = self._entries[k]
+            if e.in_use or e.reserved or e.guessed:
+                continue
+            at = self._ahead.get(k)
+            if at is None:
+                victim = k
+                break
+            if at > last:
+                victim, last = k, at
+        if victim is None:
+            return False
+        self._drop(victim, self._entries[victim])
+        self.evictions += 1
+        return True
+
     def _issue_waiting(self) -> None:
         while self._waiting:
             key = self._waiting[0]
@@ -211,16 +262,25 @@ class ExpertCache(Closing):
                 return
             self._waiting.pop(0)
 
-    def _issue(self, key: Hashable, entry: _Entry, hard: bool, guess: bool = False) -> bool:
+    def _issue(self, key: Hashable, entry: _Entry, hard: bool, guess: bool = False,
+               ahead: bool = False) -> bool:
         """Queue the read of `key` (prefetch priority) once room is made by evicting least-recently-used
         experts: those the running layer does not need (a `guess` spares unused guesses too), and when
-        `hard` (the key is wanted now) those it needs later. False when no room can be made (never when
-        `hard`: that raises)."""
-        within = None if guess else self._between(key, entry)
+        `hard` (the key is wanted now) those it needs later; for the read-ahead (`ahead`, a guess), those
+        `_evict_for_ahead` allows. False when no room can be made (never when `hard`: that raises)."""
+        if ahead:
+            within = self._between(key, entry, self._lru)
+        else:
+            within = None if guess else self._between(key, entry, self._requested)
         while True:
-            lease = self.space.read(entry.units, block=False, pool=self.pool, within=within)
+            lease = self.space.read(entry.units, block=False, pool=self.pool, within=within,
+                                    check=entry.check)
             if lease is not None:
                 break
+            if ahead:
+                if not self._evict_for_ahead(key):
+                    return False
+                continue
             if (not self._evict_one(entry, reserved=False, spare_guesses=guess)
                     and not (hard and self._evict_one(entry, reserved=True))):
                 if not hard:
@@ -229,7 +289,7 @@ class ExpertCache(Closing):
                 raise RuntimeError(f"the expert cache ({self.pool.capacity} bytes) cannot hold expert "
                                    f"{key!r} ({entry.nbytes} bytes) while {held} are in use: release them "
                                    "first, or raise the budget")
-        entry.lease, entry.checked, entry.fresh, entry.guessed = lease, False, not guess, guess
+        entry.lease, entry.fresh, entry.guessed = lease, not guess, guess
         self._lru[key] = None
         self._lru.move_to_end(key)
         nbytes = sum(u.io_nbytes for u in entry.units)
@@ -237,6 +297,7 @@ class ExpertCache(Closing):
         if guess:
             self.guessed_reads += 1
             self.guessed_bytes += nbytes
+            self.ahead_reads += ahead
         else:
             self.needed_bytes += nbytes
         self.read_requests += len(lease.tickets)
@@ -244,15 +305,16 @@ class ExpertCache(Closing):
         del self.read_order[:-1024]
         return True
 
-    def _between(self, key: Hashable, entry: _Entry) -> tuple[int, int] | None:
-        """Where in the pool a requested expert's read should go: after the layer's resident experts of
-        lower keys and before those of higher keys, so that the layer's experts lie in key order (a
-        fused experts module then takes them as one strided view instead of a copy). Only a preference
-        for free room: eviction never deviates from its policy for it (tried: steering the victim to the
-        right place cost more cache hits than the copies it saved)."""
+    def _between(self, key: Hashable, entry: _Entry, among: Iterable[Hashable]) -> tuple[int, int] | None:
+        """Where in the pool an expert's read should go: after the resident experts of its layer among
+        `among` (the running layer's requested ones; for the read-ahead, every cached one) of lower keys and
+        before those of higher keys, so that the layer's experts lie in key order (a fused experts module
+        then takes them as one strided view instead of a copy). Only a preference for free room: eviction
+        never deviates from its policy for it (tried: steering the victim to the right place cost more
+        cache hits than the copies it saved)."""
         lo, hi = 0, self.pool.capacity
         try:
-            for k in self._requested:
+            for k in among:
                 other = self._entries[k]
                 if k == key or other.lease is None or other.group != entry.group:
                     continue
@@ -308,7 +370,7 @@ class ExpertCache(Closing):
     def _drop(self, key: Hashable, entry: _Entry) -> None:
         if entry.guessed:  # evicted (or cleared) before any use
             self._waste(entry)
-        lease, entry.lease, entry.checked, entry.fresh = entry.lease, None, False, False
+        lease, entry.lease, entry.fresh = entry.lease, None, False
         self._lru.pop(key, None)
         if lease is not None:
             lease.release()  # waits for a read still in flight before the memory goes back
@@ -325,7 +387,8 @@ class ExpertCache(Closing):
         the reads on a guess (prefetch): guessed_reads, guessed_bytes, guesses_used (a use found the
         guess; it counts as a hit too), guesses_wasted (the layer ran without it, or it was evicted
         unused), wasted_bytes, and needed_bytes (the bytes of the reads that served a use: read on demand,
-        or guessed and then used; bytes_read less the guesses wasted or not used yet)."""
+        or guessed and then used; bytes_read less the guesses wasted or not used yet); ahead_reads: the
+        guessed reads that were the read-ahead's (read_ahead())."""
         with self._lock:
             uses = self.hits + self.misses
             return {
@@ -345,6 +408,7 @@ class ExpertCache(Closing):
                 "guesses_wasted": self.guesses_wasted,
                 "wasted_bytes": self.wasted_bytes,
                 "needed_bytes": self.needed_bytes,
+                "ahead_reads": self.ahead_reads,
             }
 
     def _entry(self, key: Hashable) -> _Entry:
@@ -376,6 +440,7 @@ class ExpertCache(Closing):
         """Release every lease and free the locked memory (idempotent). The space is the caller's."""
         if getattr(self, "closed", True):
             return
+        self._ahead = {}
         self.clear()
         self.closed = True
         self.pool.close()

@@ -15,9 +15,19 @@ it, and stays cached (least recently used evicted) for the next tokens:
   (the cache places a layer's reads so), those tensors are views of the cached bytes: nothing is copied;
   else they are copied into a buffer kept from call to call, the only expert memory outside the budget
   (on a GPU it is the device copy that would be made anyway).
-* Pre-gating (`lookahead` > 0, fused sets whose router is found beside them): each layer applies the next
-  layers' routers to its own input and reads the experts they pick behind its own (ExpertCache.prefetch),
-  so the drive reads while the CPU computes; a guess changes no result, and its bytes are counted.
+* Read-ahead when nearly every expert will be used: once a layer has routed, if its tokens are expected to
+  use at least `FULL_USE` of its experts (`expected_share`), the experts of the layers after it are read
+  ahead in the order they will run, as the dense units are, as far as the cache has room, the window
+  sliding as each expert is released (ExpertCache.read_ahead): the drive reads the next layers while this
+  one computes. It goes on into the next forward's first layers when that forward, expected to decode one
+  token per sequence of this one, is expected to use as many (a batch decoding; not a single sequence
+  after its prompt). Below that share, reading every expert would mostly read what no token needs, so
+  experts are read only when routed to (or guessed, below). Those read ahead and then not routed to are
+  counted as wasted guesses.
+* Pre-gating (`lookahead` > 0, fused sets whose router is found beside them, below `FULL_USE`): each layer
+  applies the next layers' routers to its own input and reads the experts they pick behind its own
+  (ExpertCache.prefetch), so the drive reads while the CPU computes; a guess changes no result, and its
+  bytes are counted.
 
 The budget is split (`split_budget`): the dense units (the blocks without their experts) get all they
 need to stay in memory when that is at most half of it, else room for two of the largest (one running, one
@@ -37,6 +47,20 @@ from deepnvme.offload.expert_sets import FUSED, ExpertSet, Part, expert_parts, f
 from deepnvme.offload.placeholder import Placeholder
 from deepnvme.offload.store import Blob, Store, check, lease_bytes, runs, tensor_in
 from deepnvme.offload.swap import Lease, SwapSpace
+
+#: The share of a layer's experts its tokens must be expected to use for the next layers' experts to be read
+#: ahead, all of them in order: at this share a tenth of what is read ahead goes unused at most, a price
+#: worth the drive never waiting for the router; below it, the reads no token needs soon outweigh it.
+FULL_USE = 0.9
+
+
+def expected_share(tokens: int, k: int, num_experts: int) -> float:
+    """The share of a layer's `num_experts` experts that `tokens` tokens, each routed to `k` of them, are
+    expected to use when routing spreads evenly: an expert is left out by one token with probability
+    1 - k/E, by all of them with (1 - k/E)^tokens. For 16 tokens and 2 of 8 experts: 0.99; for one: 0.25."""
+    if num_experts <= 0 or tokens <= 0 or k <= 0:
+        return 0.0
+    return 1.0 - (1.0 - min(k, num_experts) / num_experts) ** tokens
 
 
 @dataclass
@@ -76,7 +100,8 @@ def split_budget(budget: int, dense_units: list[int], expert_largest: int) -> tu
 class ExpertStreamer:
     """The expert sets of one streamed model and the cache they are read through."""
 
-    def __init__(self, model: nn.Module, store: Store, sets: list[ExpertSet], lookahead: int = 1) -> None:
+    def __init__(self, model: nn.Module, store: Store, sets: list[ExpertSet], lookahead: int = 1,
+                 read_ahead: bool = True) -> None:
 
         self.model, self.store, self.sets = model, store, sets
         self.owned = {id(t) for s in sets for t in s.tensors()}
@@ -95,6 +120,14 @@ class ExpertStreamer:
         sizes = {x.lease_bytes for x in self.experts.values()}
         self.uniform = sizes.pop() if len(sizes) == 1 else None  # the pool bytes of every expert, if one
         self.lookahead = lookahead
+        self.read_ahead = read_ahead
+        # For each layer, every expert of the layers after it in this forward, and of those before it (the
+        # next forward's), in the order they run: what the read-ahead reads once that layer has routed.
+        cycle = [(si, e) for si, s in enumerate(sets) for e in range(s.num_experts)]
+        starts = [sum(s.num_experts for s in sets[:si]) for si in range(len(sets) + 1)]
+        self._rest = [cycle[starts[si + 1]:] for si in range(len(sets))]
+        self._next = [cycle[:starts[si]] for si in range(len(sets))]
+        self._rows = 0  # sequences in the running forward (its input ids' first dimension; 0: unknown)
         self.routers: dict[int, tuple[nn.Module, int]] = {}  # set -> (its router, k)
         self.router_weights: dict[int, torch.Tensor] = {}  # set -> a copy of its router's weight
         self._hooks: list[Any] = []
@@ -106,11 +139,13 @@ class ExpertStreamer:
         self._hook: Any = None
 
     @staticmethod
-    def for_model(model: nn.Module, store: Store, lookahead: int = 1) -> ExpertStreamer | None:
+    def for_model(model: nn.Module, store: Store, lookahead: int = 1,
+                  read_ahead: bool = True) -> ExpertStreamer | None:
         """The streamer of `model`'s experts, or None when it has none; `lookahead`: how many layers ahead
-        experts are guessed and read (0: only on demand)."""
+        experts are guessed and read (0: only on demand); `read_ahead`: whether the next layers' experts
+        are read ahead when nearly all will be used (FULL_USE)."""
         sets = find_expert_sets(model)
-        return ExpertStreamer(model, store, sets, lookahead) if sets else None
+        return ExpertStreamer(model, store, sets, lookahead, read_ahead) if sets else None
 
     # ------------------------------------------------------------------------------------------ install
     def install(self, space: SwapSpace, capacity: int) -> None:
@@ -188,6 +223,7 @@ class ExpertStreamer:
             ids = next((a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point()), None)
         if isinstance(ids, torch.Tensor) and self.cache is not None:
             self.cache.count_tokens(ids.numel())
+        self._rows = (ids.shape[0] if ids.dim() >= 2 else 1) if isinstance(ids, torch.Tensor) else 0
 
     # ------------------------------------------------------------------------------------------ reads
     def _tensors(self, x: _Expert, lease: Lease) -> dict[str, list[tuple[Part, torch.Tensor]]]:
@@ -206,6 +242,9 @@ class ExpertStreamer:
     def _before_run(self, si: int) -> Any:
         def before_run(indices: list[int]) -> None:
             self.cache.request([(si, e) for e in indices])  # type: ignore[union-attr]
+            # A deepnvme.moe layer tells its experts which run, not its tokens or k: the share it uses is
+            # what the next layers, seeing the same tokens, are expected to use.
+            self._look_ahead(si, len(indices) / max(1, self.sets[si].num_experts), None, None)
         return before_run
 
     def _expert_forward(self, si: int, e: int, expert: nn.Module) -> Any:
@@ -243,7 +282,9 @@ class ExpertStreamer:
             cache = self.cache
             keys = [(si, e) for e in torch.unique(top_k_index).tolist() if 0 <= e < s.num_experts]
             cache.request(keys)  # type: ignore[union-attr]
-            self._guess(si, hidden_states)  # queued behind this layer's own reads
+            k = top_k_index.shape[-1] if top_k_index.dim() else 1
+            share = expected_share(top_k_index.numel() // max(1, k), k, s.num_experts)
+            self._look_ahead(si, share, hidden_states, k)  # queued behind this layer's own reads
             held: list[tuple[int, int]] = []
             try:
                 if self._fit_together(len(keys)):
@@ -252,7 +293,11 @@ class ExpertStreamer:
                         lease = cache.acquire(key)  # type: ignore[union-attr]
                         held.append(key)
                         views[key] = self._tensors(self.experts[key], lease)
-                    keys, compact = self._stacked(s, keys, views, hidden_states.device)
+                    # At most two (token, expert) pairs: each expert computes one row alone, and a token's
+                    # outputs are summed in its routing order, or two of them in either order (the same
+                    # bits): the experts may come in the order they lie in the pool, so that views serve.
+                    keys, compact = self._stacked(s, keys, views, hidden_states.device,
+                                                  any_order=top_k_index.numel() <= 2)
                 else:
                     compact = self._copied(s, keys, hidden_states.device)
                 hit = [e for _, e in keys]
@@ -274,12 +319,14 @@ class ExpertStreamer:
         return self.uniform is not None and n * self.uniform <= self.cache.pool.capacity  # type: ignore[union-attr]
 
     def _stacked(self, s: ExpertSet, keys: list[tuple[int, int]], views: dict[tuple[int, int], Any],
-                 device: torch.device) -> tuple[list[tuple[int, int]], dict[str, torch.Tensor]]:
+                 device: torch.device, any_order: bool = False
+                 ) -> tuple[list[tuple[int, int]], dict[str, torch.Tensor]]:
         """The experts' 3-D tensors for one call, in the order of `keys` (ascending expert ids: the order
         the whole tensor has, so that each token's rows reach the kernel in the same order and the
         results are the same to the bit), as views of the cached bytes where they can be (no copy: each
         expert is one slice in the store and the slices lie at one stride in the pool, in that order),
-        else copied; and the keys."""
+        else copied; and the keys, in the order used. With `any_order` (the caller knows the order
+        changes no result) the keys are put in the order their bytes lie in the pool first."""
         def whole(key: tuple[int, int], p: str) -> torch.Tensor | None:
             ph = s.module._parameters[p]
             pieces = views[key][f"{s.unit_name(key[1])}.{p}"]
@@ -290,6 +337,9 @@ class ExpertStreamer:
                 return None
             return v if v.is_contiguous() else None
 
+        if any_order and len(keys) > 1:
+            first = {k: whole(k, s.params[0]) for k in keys}
+            keys = sorted(keys, key=lambda k: first[k].data_ptr() if first[k] is not None else 0)  # type: ignore[union-attr]
         out = {}
         for p in s.params:
             stacked = _strided([whole(k, p) for k in keys])
@@ -338,6 +388,24 @@ class ExpertStreamer:
         return have[:n]
 
     # ------------------------------------------------------------------------------------------ guesses
+    def _look_ahead(self, si: int, share: float, hidden: torch.Tensor | None, k: int | None) -> None:
+        """After layer si has routed (`k` experts per token, None when not told) and requested its experts,
+        `share` being the share of its experts its tokens are expected to use: when that is at least
+        FULL_USE, the read-ahead of every expert of the layers after it in this forward, and of the next
+        forward's first layers when that forward, expected to decode one token per sequence of this one,
+        is expected to use as many (a batch of 16 decoding, not one sequence after its prompt); else no
+        read-ahead (and the pre-gating guesses, when on)."""
+        cache = self.cache
+        if self.read_ahead and share >= FULL_USE:
+            keys = self._rest[si]
+            if k is not None and expected_share(self._rows, k, self.sets[si].num_experts) >= FULL_USE:
+                keys = keys + self._next[si]
+            cache.read_ahead(keys)  # type: ignore[union-attr]
+            return
+        cache.read_ahead(())  # type: ignore[union-attr]
+        if hidden is not None:
+            self._guess(si, hidden)
+
     def _find_routers(self) -> None:
         """For each fused set, the router beside it (a sibling module with a weight of one row per expert,
         as Mixtral's `gate`) and its k; the next layers' experts are guessed with it. Its weight lives in
@@ -394,6 +462,7 @@ class ExpertStreamer:
     def restore(self) -> None:
         """Every expert tensor back in memory (read through the cache), the forwards the model's own."""
         cache = self.cache
+        cache.read_ahead(())  # type: ignore[union-attr]  # every expert is read once below, in its own order
         fused: dict[tuple[int, str], torch.Tensor] = {}
         values: dict[tuple[int, str], torch.Tensor] = {}
         for (si, e), x in self.experts.items():
@@ -444,12 +513,14 @@ class ExpertStreamer:
 
     def stats(self) -> dict[str, Any]:
         """The cache's statistics (expert_cache.ExpertCache.stats), the experts' count and bytes, the
-        layers ahead whose experts are guessed (`lookahead`; 0 when no router was found), and for fused
+        layers ahead whose experts are guessed (`lookahead`; 0 when no router was found), whether experts
+        are read ahead when nearly all will be used (`read_ahead`), and for fused
         sets how many of the 3-D tensors handed to the experts' forward were views of the cache
         (`fused_viewed`) or copies (`fused_copied`)."""
         out = self.cache.stats() if self.cache is not None else {}
         out["experts"] = len(self.experts)
         out["lookahead"] = self.lookahead if self.routers else 0
+        out["read_ahead"] = self.read_ahead
         out["fused_viewed"], out["fused_copied"] = self.assembled["viewed"], self.assembled["copied"]
         out["expert_bytes"] = sum(b.nbytes for x in self.experts.values() for b in x.blobs)
         return out
@@ -513,4 +584,4 @@ def _crc_check(crcs: list[tuple[Blob, Any]]) -> Any:
     return run
 
 
-__all__ = ["ExpertStreamer", "split_budget"]
+__all__ = ["FULL_USE", "ExpertStreamer", "expected_share", "split_budget"]

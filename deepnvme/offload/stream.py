@@ -351,7 +351,9 @@ def stream_weights(model: nn.Module, store: Store | str | os.PathLike, budget_by
     not, or a directory written by write_store). `budget_bytes`: the locked memory units are read into; it
     must hold the largest unit, and what is left runs reads ahead. `units`: None for the model's repeated
     blocks, the name of a module whose children are the units, or a list of modules or module names.
-    `prefetch=False` reads each unit only when it runs. `expert_lookahead`: for Mixture-of-Experts models
+    `prefetch=False` reads each unit only when it runs, and each expert only when routed to (by default
+    the next layers' experts are read ahead when a layer's tokens are expected to use nearly all of its
+    own: expert_stream.FULL_USE). `expert_lookahead`: for Mixture-of-Experts models
     whose routers are found (Hugging Face, Mixtral-style), how many layers ahead each MoE layer guesses
     the experts with their routers applied to its own input and reads them behind its own ("pre-gating";
     0, the default: experts are read only when routed to; `prefetch=False` implies 0). A guess never
@@ -406,7 +408,7 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
         tie()  # a model built with init_empty_weights has its tied parameters apart until tied
     chosen = _unit_modules(model, units)
     # Experts are units of their own (expert_stream.py).
-    experts = ExpertStreamer.for_model(model, store, lookahead)
+    experts = ExpertStreamer.for_model(model, store, lookahead, read_ahead=prefetch)
     unit_of = {}  # module name prefix -> unit index
     for k, (n, _) in enumerate(chosen):
         unit_of[n] = k

@@ -1,6 +1,7 @@
 """The expert cache on the real disk: only requested experts are read, least-recently-used eviction inside the
-capacity, hit rate and bytes per token, a demanded expert ahead of queued prefetches (checked by the order the
-read thread completes requests, never by timing), and failed reads never served from the cache."""
+capacity, hit rate and bytes per token, guesses and the read-ahead counted and kept inside the capacity, a
+demanded expert ahead of queued prefetches (checked by the order the read thread completes requests, never by
+timing), and failed reads never served from the cache."""
 
 from __future__ import annotations
 
@@ -227,16 +228,23 @@ def test_a_guess_never_evicts_another_layers_experts(store: tuple[Path, torch.Te
         assert (s["guesses_wasted"], s["wasted_bytes"], s["evictions"]) == (1, EXPERT, 3)
 
 
-def test_demanded_expert_overtakes_queued_guesses(store: tuple[Path, torch.Tensor], workdir: Path) -> None:
-    """Guessed reads queue at prefetch priority: the expert a layer demands is read before them (checked
-    by the order the read thread completes requests, never by timing)."""
+@pytest.mark.parametrize("how", ["prefetch", "read_ahead"])
+def test_demanded_expert_overtakes_queued_guesses(store: tuple[Path, torch.Tensor], workdir: Path,
+                                                  how: str) -> None:
+    """Guessed reads (pre-gating's prefetch, the read-ahead) queue at prefetch priority: the expert a layer
+    demands is read before them (checked by the order the read thread completes requests, never by
+    timing)."""
     path, data = store
     with SwapSpace(workdir, PAGE) as space, grouped(space, path, 6) as cache:
         gate = threading.Event()
         hold = space.pool.acquire(PAGE)
         first = space.reads.submit(Ticket(hold.tensor, space._ext[str(path)], 0, str(path), False,
                                           lambda _t: gate.wait()))
-        assert cache.prefetch([3, 4, 5])
+        if how == "prefetch":
+            assert cache.prefetch([3, 4, 5])
+        else:
+            cache.read_ahead([3, 4, 5])
+            assert cache.read_order == [3, 4, 5] and cache.stats()["ahead_reads"] == 3
         cache.request([0])
         order: list[str] = []
         for k in (3, 4, 5, 0):
@@ -258,6 +266,85 @@ def test_demanded_expert_overtakes_queued_guesses(store: tuple[Path, torch.Tenso
         assert order == ["e0", "e3", "e4", "e5"], order
         assert torch.equal(got[0], data[:EXPERT])
         cache.release(0)
+
+
+def take(cache: ExpertCache, key: int, data: torch.Tensor) -> None:
+    """A layer's use of one requested expert: acquire, check its bytes, release."""
+    lease = cache.acquire(key)
+    assert torch.equal(lease.view(f"e{key}"), data[key * EXPERT:(key + 1) * EXPERT])
+    cache.release(key)
+
+
+def test_read_ahead_slides_behind_the_running_layer(store: tuple[Path, torch.Tensor], workdir: Path) -> None:
+    """Room for three experts, a layer of three running: the next layer's experts are read ahead in order,
+    each into the room of one the running layer has released; those the next layer is then routed to are
+    used guesses (hits), the one it is not is a wasted guess; the pool never holds more than its room."""
+    path, data = store
+    with SwapSpace(workdir, PAGE) as space, grouped(space, path, 3) as cache:
+        cache.request([0, 1, 2])
+        cache.read_ahead([3, 4, 5])  # no room: every expert held is the running layer's, not yet used
+        assert cache.read_order == [0, 1, 2]
+        for key, read in ((0, 3), (1, 4), (2, 5)):
+            take(cache, key, data)  # released: the next read ahead takes its room
+            assert cache.read_order[-1] == read
+        assert cache.cached() == [3, 4, 5] and cache.pool.peak_in_use <= 3 * EXPERT
+        cache.request([3, 5])  # the next layer is routed to 3 and 5: 4 was read for nothing
+        cache.read_ahead([])
+        take(cache, 3, data)
+        take(cache, 5, data)
+        s = cache.stats()
+        assert (s["guessed_reads"], s["ahead_reads"], s["guesses_used"], s["guesses_wasted"]) == (3, 3, 2, 1)
+        assert (s["hits"], s["misses"], s["evictions"]) == (2, 3, 3)
+        assert (s["bytes_read"], s["wasted_bytes"], s["needed_bytes"]) == (6 * EXPERT, EXPERT, 5 * EXPERT)
+        assert cache.read_order == [0, 1, 2, 3, 4, 5]
+        take(cache, 0, data)  # nothing is read ahead any more: 0 is read on demand
+        assert cache.read_order == [0, 1, 2, 3, 4, 5, 0] and cache.stats()["guessed_reads"] == 3
+
+
+def test_read_ahead_evicts_the_expert_needed_last(store: tuple[Path, torch.Tensor], workdir: Path) -> None:
+    """Room for a read ahead comes from the expert nobody holds whose next use in the sequence is farthest
+    after it (one outside the sequence first, the most recently used of those); never from an unused
+    guess, a requested expert or one needed sooner."""
+    path, data = store
+    with SwapSpace(workdir, PAGE) as space, grouped(space, path, 3) as cache:
+        use(cache, [0, 1], data)
+        use(cache, [5], data)
+        assert cache.cached() == [0, 1, 5]
+        cache.read_ahead([3, 0])  # 1 and 5 are not in the sequence: 5, used last, goes; 0 is cached
+        assert cache.cached() == [0, 1, 3] and cache.read_order[-1] == 3
+        cache.read_ahead([3, 4, 0])  # now 1 goes
+        assert cache.cached() == [0, 3, 4] and cache.read_order[-2:] == [3, 4]
+        cache.read_ahead([0, 2])  # 2 could only take 0's room (needed before it) or a guess's: not read
+        assert cache.cached() == [0, 3, 4] and cache.stats()["ahead_reads"] == 2
+        cache.request([1, 2])  # a layer's own reads take what they need, an unused guess (3) last
+        assert cache.read_order[-2:] == [1, 2] and cache.stats()["guesses_wasted"] == 1
+        cache.read_ahead([5])  # no room: 4 is an unused guess, 1 and 2 are requested
+        assert cache.read_order[-1] == 2
+        take(cache, 1, data)  # released: its room goes to 5
+        assert cache.read_order[-1] == 5 and cache.stats()["ahead_reads"] == 3
+        take(cache, 2, data)
+        assert cache.pool.peak_in_use <= 3 * EXPERT
+        with pytest.raises(KeyError, match="no expert 9"):
+            cache.read_ahead([9])
+
+
+def test_read_ahead_waits_for_the_running_layers_reads(store: tuple[Path, torch.Tensor],
+                                                       workdir: Path) -> None:
+    """A layer needing more experts than fit: its reads not yet issued go before any read ahead, which
+    takes each room its released experts leave once they are all issued."""
+    path, data = store
+    with SwapSpace(workdir, PAGE) as space, grouped(space, path, 2) as cache:
+        cache.request([0, 1, 2])  # 2 waits for room
+        cache.read_ahead([3, 4])
+        assert cache.read_order == [0, 1]
+        take(cache, 0, data)  # 0's room goes to the layer's own 2, not to 3
+        assert cache.read_order == [0, 1, 2]
+        take(cache, 1, data)
+        take(cache, 2, data)
+        assert cache.read_order == [0, 1, 2, 3, 4] and cache.cached() == [3, 4]
+        assert cache.pool.peak_in_use <= 2 * EXPERT
+        s = cache.stats()
+        assert (s["misses"], s["ahead_reads"], s["guesses_used"], s["guesses_wasted"]) == (3, 2, 0, 0)
 
 
 def test_views_at_one_stride_stack_without_a_copy() -> None:

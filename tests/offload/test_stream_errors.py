@@ -30,6 +30,7 @@ from deepnvme.offload import (
 from deepnvme.offload.placeholder import Placeholder
 from tests.offload.helpers import open_fds
 from tests.offload.stream_models import BUDGET, PROMPT, build, generate, require_hf, save
+from tests.support.stream_helpers import damage_blob
 from tests.support.thread_helpers import run_threads
 
 require_hf()
@@ -152,23 +153,12 @@ def test_index_placing_a_tensor_in_the_wrong_shard(gpt2: dict, tmp_path: Path) -
 
 
 def test_damaged_own_store_fails_its_crc_then_recovers(gpt2: dict, tmp_path: Path) -> None:
-    d = _copy(gpt2["own"], tmp_path / "c")
-    manifest = json.loads((d / "manifest.json").read_text())
-    blob = next(b for b in manifest["blobs"] if b["unit"] == "transformer.h.2")
-    weights = d / manifest["file"]
-    at = blob["offset"] + blob["nbytes"] // 2
-    with open(weights, "r+b") as f:
-        f.seek(at)
-        good = f.read(1)
-        f.seek(at)
-        f.write(bytes([good[0] ^ 0xFF]))
-    model = stream_weights(build("gpt2", empty=True), d, BUDGET)
+    weights, repair = damage_blob(_copy(gpt2["own"], tmp_path / "c"), "transformer.h.2")
+    model = stream_weights(build("gpt2", empty=True), weights.parent, BUDGET)
     with pytest.raises(StoreError, match=rf"CRC-32 mismatch .* of {weights} .*transformer.h.2"):
         generate(model)
     assert isinstance(model.transformer.h[2].mlp.c_fc.weight, Placeholder)
-    with open(weights, "r+b") as f:
-        f.seek(at)
-        f.write(good)
+    repair()
     assert torch.equal(generate(model)[0], gpt2["tokens"])
 
 

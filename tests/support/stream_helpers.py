@@ -1,8 +1,11 @@
-"""Helpers of the weight-streaming tests: a unit's compute held until the read issued ahead for it landed."""
+"""Helpers of the weight-streaming tests: a unit's compute held until the read issued ahead for it landed; a
+blob of deepnvme's store damaged on the drive."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from thread_helpers import wait_until
@@ -30,3 +33,23 @@ def hold_until_read_ahead(model: nn.Module, units: Iterable[nn.Module]) -> list[
         wait_until(lambda: reader.ready(pos), f"the read ahead of position {pos}")
 
     return [u.register_forward_pre_hook(hold) for u in units]
+
+
+def damage_blob(store: Path, unit: str) -> tuple[Path, Callable[[], None]]:
+    """Flip one byte in the middle of `unit`'s blob in the deepnvme store at `store` (a copy: the file is
+    changed in place). Returns the store's weights file and a function that puts the byte back."""
+    manifest = json.loads((store / "manifest.json").read_text())
+    blob = next(b for b in manifest["blobs"] if b["unit"] == unit)
+    weights = store / manifest["file"]
+    at = blob["offset"] + blob["nbytes"] // 2
+    with open(weights, "r+b") as f:
+        f.seek(at)
+        good = f.read(1)
+        f.seek(at)
+        f.write(bytes([good[0] ^ 0xFF]))
+
+    def repair() -> None:
+        with open(weights, "r+b") as f:
+            f.seek(at)
+            f.write(good)
+    return weights, repair
