@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepnvme._core.memory import Populator
 from deepnvme.offload._doors import crc32
 from deepnvme.offload.preflight import budget_arg
 from deepnvme.offload.safetensors_store import SafetensorsStore
@@ -82,9 +81,6 @@ def read_into(space: SwapSpace, store: Store, dests: dict[str, torch.Tensor]) ->
                              f"at least {need}")
     units = [[space.add_external(f"bulk-{next(_names)}", c.path, c.offset, c.nbytes)] if c.nbytes else []
              for c in chunks]
-    # CPU destinations' fresh pages faulted in ahead of the copies, on another core (see Populator).
-    fresh = {id(d): d for c in chunks for d, _, _ in c.parts if d.device.type == "cpu"}
-    populator = Populator(list(fresh.values())).start()
     reader = ReadAhead(space, units)
     crcs = {id(b): 0 for b in blobs}
     total = 0
@@ -111,7 +107,6 @@ def read_into(space: SwapSpace, store: Store, dests: dict[str, torch.Tensor]) ->
                     raise crc_error(b)
     finally:
         reader.close()
-        populator.close()
     return total
 
 
