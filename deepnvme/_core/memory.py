@@ -15,7 +15,8 @@ from typing import Any
 
 from deepnvme._core.checks import check_int
 
-__all__ = ["PAGE", "Populator", "address_of", "aligned_buffer", "byte_view", "memory_of", "round_up"]
+__all__ = ["PAGE", "Populator", "address_of", "aligned_buffer", "byte_view", "madvise", "memory_of",
+           "round_up"]
 
 PAGE = mmap.PAGESIZE
 
@@ -71,6 +72,20 @@ def byte_view(storage: Any) -> Any:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+_libc_madvise: Any = None
+
+
+def madvise(address: int, nbytes: int, advice: int) -> int:
+    """madvise(2) on the `nbytes` at page-aligned `address`: 0, or the errno it failed with (advice: the
+    caller decides what a refusal means)."""
+    global _libc_madvise
+    if _libc_madvise is None:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc_madvise = fn
+    return 0 if _libc_madvise(address, nbytes, advice) == 0 else ctypes.get_errno()
+
+
 # madvise(2) advice that faults a range's pages in, writable, without changing their contents (Linux 5.14+).
 _MADV_POPULATE_WRITE = 23
 # Pages populated per call: small enough that the thread stops soon when asked, and that the reads it runs
@@ -119,16 +134,15 @@ class Populator:
             self.finished.set()
 
     def _populate(self) -> None:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         for address, nbytes in self._ranges:
             at, end = round_up(address), (address + nbytes) // PAGE * PAGE
             while at < end:
                 if self._stop.is_set():
                     return
                 n = min(POPULATE_CHUNK_BYTES, end - at)
-                if madvise(at, n, _MADV_POPULATE_WRITE) != 0:
-                    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS):  # a kernel without the advice
+                refused = madvise(at, n, _MADV_POPULATE_WRITE)
+                if refused:
+                    if refused in (errno.EINVAL, errno.ENOSYS):  # a kernel without the advice
                         return
                     break  # memory it cannot fault in (e.g. over a limit): leave this range to the writer
                 self.populated += n

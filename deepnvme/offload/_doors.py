@@ -1,6 +1,6 @@
 """Every import deepnvme.offload takes from the rest of deepnvme, in one place: the private core's page
-size, its handles (the recommended settings, the swap's, and their check), the compiled ops, CRC-32, the
-atomic file replacement and the regular-file open, and deepnvme.save."""
+size and madvise, its handles (the recommended settings, the swap's, and their check), the compiled ops,
+CRC-32, the atomic file replacement and the regular-file open, and deepnvme.save."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from deepnvme._core.crc import crc32  # noqa: F401 - re-exported
 from deepnvme._core.files import atomic_target, open_regular, write_atomically  # noqa: F401 - re-exported
 from deepnvme._core.handles import SWAP, check_settings, new_handle  # noqa: F401 - re-exported
-from deepnvme._core.memory import PAGE  # noqa: F401 - re-exported
+from deepnvme._core.memory import PAGE, madvise  # noqa: F401 - re-exported
 from deepnvme._core.op import aio_module, pin_memory_module  # noqa: F401 - aio_module re-exported
 
 

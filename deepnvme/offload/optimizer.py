@@ -29,7 +29,6 @@ silently from the mix. Errors found before any tile is touched (bad input) leave
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import time
@@ -41,7 +40,7 @@ from typing import Any
 import torch
 
 from deepnvme.offload import preflight
-from deepnvme.offload._doors import PAGE, SWAP, save_streamed
+from deepnvme.offload._doors import PAGE, SWAP, madvise, save_streamed
 from deepnvme.offload.closing import Closing
 from deepnvme.offload.pool import round_up
 from deepnvme.offload.queues import Ticket
@@ -57,7 +56,6 @@ REQUESTS_IN_FLIGHT = 2
 # Requests the first and the last tile move in (each way): every queue thread serves the tile that starts
 # the pipeline and the one that ends it, where nothing else is left to overlap with (see ReadAhead).
 END_REQUESTS = REQUESTS_IN_FLIGHT
-_MADV_DONTNEED = 4
 
 
 @dataclass
@@ -547,6 +545,6 @@ def _drop_pages(t: torch.Tensor) -> None:
     start = t.data_ptr() // PAGE * PAGE
     end = round_up(t.data_ptr() + t.numel() * t.element_size())
     if end > start:
-        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+        madvise(start, end - start, mmap.MADV_DONTNEED)  # advice: a refusal only keeps the pages
 
 
