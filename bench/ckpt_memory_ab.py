@@ -13,7 +13,7 @@ Loads read with O_DIRECT after the file's cached pages were evicted; saves write
 Load destinations:
   fresh        a new page-aligned storage per tensor, as deepnvme.load makes them (empty_at_residue);
   populate     the same, with a thread faulting their pages in ahead of the reads (MADV_POPULATE_WRITE,
-               Linux 5.14+), so the page-fault work runs beside the I/O;
+               Linux 5.14+; deepnvme._core.memory.Populator), so the page-fault work runs beside the I/O;
   huge         the same, each storage advised for transparent huge pages (MADV_HUGEPAGE);
   one_storage  one new storage for all tensors (fewer, larger mappings), the tensors views of it;
   ring         a reused ring of 4 locked tensor-sized buffers on two handles, each copied out into a new
@@ -26,6 +26,7 @@ Load destinations:
   bounced      fresh storages 64 bytes past a page (as torch's allocator places them), so the handle reads
                through its locked staging buffers and its worker threads copy into them: the copies fault
                the new pages in user space, on every worker at once, beside the reads;
+  bounced_populate  "bounced" with the populate thread ahead of the copies: what deepnvme.load does;
   locked       one locked buffer whose pages exist before the clock starts: the bound's destination.
 Save sources:
   staged       tensors as torch allocates them (64 bytes past a page: the handle stages their bytes);
@@ -39,7 +40,6 @@ GB = 10^9 bytes; cells are median GB/s (min-max) and median CPU-seconds of the p
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -54,39 +54,26 @@ from _harness import timed  # first: puts this checkout on sys.path
 
 from deepnvme._core.direct import close_pair, open_for_write
 from deepnvme._core.handles import checkpoint_handle
-from deepnvme._core.memory import PAGE
+from deepnvme._core.memory import MADV_POPULATE_WRITE, PAGE, Populator
+from deepnvme._core.memory import madvise as madvise_range
 from deepnvme._core.op import aio_module
 from deepnvme.tools.pagecache import drop_file_cache
 from deepnvme.tools.resident import touch_pages
 from deepnvme.tools.sizes import parse_size
 
 LOADS = ["fresh", "populate", "huge", "one_storage", "ring", "ahead", "ahead_fill", "huge_ahead", "bounced",
-         "locked"]
+         "bounced_populate", "locked"]
 SAVES = ["staged", "congruent", "aligned"]
 MADV_HUGEPAGE = 14
-MADV_POPULATE_WRITE = 23
-POPULATE_CHUNK = 2 << 20
 RING_SLOTS = 4
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def madvise(t: torch.Tensor, advice: int, start: int = 0, length: int | None = None) -> None:
     """madvise over bytes [start, start + length) of `t` (page-aligned memory); OSError when refused."""
     n = t.numel() - start if length is None else length
-    if _libc.madvise(t.data_ptr() + start, n, advice) != 0:
-        err = ctypes.get_errno()
+    err = madvise_range(t.data_ptr() + start, n, advice)
+    if err:
         raise OSError(err, f"madvise({advice}): {os.strerror(err)}")
-
-
-def populate(tensors: list[torch.Tensor], failed: list[OSError]) -> None:
-    """Fault in every page of `tensors`, in order, a chunk per call (ctypes releases the GIL)."""
-    try:
-        for t in tensors:
-            for at in range(0, t.numel(), POPULATE_CHUNK):
-                madvise(t, MADV_POPULATE_WRITE, at, min(POPULATE_CHUNK, t.numel() - at))
-    except OSError as exc:
-        failed.append(exc)
 
 
 def fault_ahead(tensors: list[torch.Tensor], ready: list[threading.Event], how: str,
@@ -133,27 +120,29 @@ def load(variant: str, path: str, count: int, per: int) -> tuple[float, float]:
             whole = new(count * per, 0)
             tensors = [whole[i * per:(i + 1) * per] for i in range(count)]
         else:
-            tensors = [new(per, 64 if variant == "bounced" else 0) for _ in range(count)]
+            tensors = [new(per, 64 if variant.startswith("bounced") else 0) for _ in range(count)]
         if variant in ("huge", "huge_ahead"):
             for t in tensors:
                 madvise(t, MADV_HUGEPAGE)
         ready = [threading.Event() for _ in tensors]
         helper = None
-        if variant == "populate":
-            helper = threading.Thread(target=populate, args=(tensors, failed))
-        elif variant.endswith("ahead") or variant == "ahead_fill":
+        populator = Populator(tensors).start() if variant in ("populate", "bounced_populate") else None
+        if variant.endswith("ahead") or variant == "ahead_fill":
             how = "fill" if variant == "ahead_fill" else "populate"
             helper = threading.Thread(target=fault_ahead, args=(tensors, ready, how, failed))
         if helper:
             helper.start()
-        gated = helper is not None and variant != "populate"
-        for i, t in enumerate(tensors):
-            if gated:
-                ready[i].wait()
-            h.async_pread(t, fd, i * per)
-        h.wait()
-        if helper:
-            helper.join()
+        try:
+            for i, t in enumerate(tensors):
+                if helper:
+                    ready[i].wait()
+                h.async_pread(t, fd, i * per)
+            h.wait()
+            if helper:
+                helper.join()
+        finally:
+            if populator:
+                populator.close()
 
     try:
         got = timed(run)

@@ -87,7 +87,7 @@ def madvise(address: int, nbytes: int, advice: int) -> int:
 
 
 # madvise(2) advice that faults a range's pages in, writable, without changing their contents (Linux 5.14+).
-_MADV_POPULATE_WRITE = 23
+MADV_POPULATE_WRITE = 23
 # Pages populated per call: small enough that the thread stops soon when asked, and that the reads it runs
 # ahead of find each chunk's pages ready, large enough that the calls cost nothing beside the faults.
 POPULATE_CHUNK_BYTES = 8 << 20
@@ -140,7 +140,7 @@ class Populator:
                 if self._stop.is_set():
                     return
                 n = min(POPULATE_CHUNK_BYTES, end - at)
-                refused = madvise(at, n, _MADV_POPULATE_WRITE)
+                refused = madvise(at, n, MADV_POPULATE_WRITE)
                 if refused:
                     if refused in (errno.EINVAL, errno.ENOSYS):  # a kernel without the advice
                         return
