@@ -29,7 +29,10 @@ dropped before each, and again in the child before each batch size:
   larger than the others' limit); its peak is still recorded;
 - I/O bound: batch x the best read GB/s, on the same drive in the same run, of the raw aio handle and of fio
   at the same settings (deepnvme.tools.tune.fio) / the bytes a decode step must read: every block's weights
-  for the dense model, what deepnvme-store read per step (routed experts, after its cache) for the MoE.
+  for the dense model, what deepnvme-store read per step (routed experts, after its cache) for the MoE;
+- the MoE's limits at batch 1: deepnvme-store's routed expert reads of the timed steps replayed alone, in
+  order, by the raw handle (bench/stream_child.py, RoutedReads), and those reads then the in-memory compute
+  in series: what reading experts when they are routed to allows on this machine.
 
 Decode: greedy, a fixed 16-token prompt; the prefill yields the warm-up token; then ``--tokens`` steps are
 timed one by one (tokens/s = batch x steps / their seconds), at batch 1 and 16, in one child per contender;
@@ -296,7 +299,10 @@ def run_child(args: argparse.Namespace, model: Model, contender: str, log: Calla
             "offload_dir": str(model.offload), "budget": args.budget,
             "expert_lookahead": args.expert_lookahead,
             "max_memory": args.budget + model.resident_bytes, "batches": list(BATCHES), "tokens": args.tokens,
-            "prompt_len": PROMPT, "drop": [str(p) for p in (model.dir, model.store, model.offload) if p]}
+            "prompt_len": PROMPT, "drop": [str(p) for p in (model.dir, model.store, model.offload) if p],
+            # the drive bound's settings, for the replay of a streamed MoE's routed reads (stream_child)
+            "replay_settings": [{k: v for k, v in handle_settings("", s.depth, s.jobs, s.block).items()
+                                 if k != "engine"} for s in DriveBound.SETTINGS]}
     argv = [sys.executable, str(ROOT / "bench" / "stream_child.py"), json.dumps(spec)]
     path = [str(ROOT), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}  # the child imports this checkout's deepnvme
@@ -517,6 +523,12 @@ def hit_rate(run: dict) -> float | None:
     return st["experts.hits"] / uses if uses else None
 
 
+def replay_per_step(run: dict) -> float | None:
+    """Seconds per step of the replay of the run's routed expert reads alone (stream_child.RoutedReads)."""
+    rp = run.get("routed_replay")
+    return rp["seconds"] / len(run["step_s"]) if rp and run["step_s"] else None
+
+
 def analyse(model: Model, bound_gbps: float) -> dict:
     """Per batch: each contender's medians, the I/O bound and the ratios the issue sets targets for."""
     out: dict[str, Any] = {"model": model.spec.name, "total_bytes": model.total_bytes,
@@ -530,6 +542,7 @@ def analyse(model: Model, bound_gbps: float) -> dict:
                          "needed_per_step": per_step(samples, b, needed_per_step),
                          "drive_bytes_per_step": per_step(samples, b, lambda r: r["drive_bytes_per_step"]),
                          "hit_rate": per_step(samples, b, hit_rate),
+                         "replay_s": per_step(samples, b, replay_per_step),
                          "peak_rss": max((s["peak_rss"] for s in samples if "peak_rss" in s), default=None),
                          "cgroup_peak": max((s["cgroup_peak"] for s in samples if "cgroup_peak" in s),
                                             default=None),
@@ -559,8 +572,21 @@ def analyse(model: Model, bound_gbps: float) -> dict:
                 needed = row[n]["needed_per_step"]
                 if needed and abs(needed - own[n]) > 1:  # guesses read more than the uses needed
                     ratios[f"{n} / own bound of needed bytes"] = med(n) / (b * bound_gbps * GB / needed)
+        # What reading experts when they are routed to allows at most: the routed reads replayed alone, and
+        # those reads then the in-memory model's compute, in series (a layer's experts are known only after
+        # its router ran on the layer before's output). Both credited with all of deepnvme-store's bytes.
+        limits: dict[str, float] = {}
+        replay_s = row.get("deepnvme-store", {}).get("replay_s")
+        if replay_s and own.get("deepnvme-store"):
+            limits["routed reads alone"] = b / replay_s
+            if med("memory"):
+                limits["routed reads, then the in-memory compute, in series"] = b / (replay_s
+                                                                                     + b / med("memory"))
+            for what, tps in list(limits.items()):
+                ratios[f"{what} / own bound"] = tps / (b * bound_gbps * GB / own["deepnvme-store"])
         out["batches"][b] = {"rows": row, "bound": bound, "bound_bytes_per_step": need, "ceiling": ceiling,
-                             "ratios": ratios, "tokens_match": tokens_match(model.samples, b)}
+                             "limits": limits, "ratios": ratios,
+                             "tokens_match": tokens_match(model.samples, b)}
     return out
 
 
@@ -605,6 +631,9 @@ def verdicts(analyses: list[dict], load: dict | None) -> list[str]:
                               TARGETS["moe_vs_accelerate_b1"])
                     check(f"moe, batch {b}, {n} / its own I/O bound", r.get(f"{n} / own bound"),
                           TARGETS["moe_vs_own_bound"])
+                for what in cell.get("limits", {}):
+                    lines.append(f"- moe, batch {b}, limit of reading routed experts on demand, {what} / own "
+                                 f"I/O bound (no target): {r[f'{what} / own bound']:.2f}")
     if load:
         check("load_safetensors / raw read of the same bytes into fresh memory (best setting)",
               load["vs_raw"], TARGETS["load_vs_raw"])
@@ -670,6 +699,8 @@ def render(analyses: list[dict], models: dict[str, Model], bound: DriveBound | N
             if cell["bound"]:
                 lines.append(f"| {b} | I/O bound ({mb(cell['bound_bytes_per_step'])} MB/step) | "
                              f"{cell['bound']:.2f} | | | | | | | |")
+            for what, tps in cell.get("limits", {}).items():
+                lines.append(f"| {b} | limit: {what} | {tps:.2f} | | | | | | | |")
         lines.append("")
         for b, cell in a["batches"].items():
             bad = [n for n, ok in cell["tokens_match"].items() if not ok]
@@ -798,6 +829,11 @@ def main(argv: list[str] | None = None) -> int:
         "the blocks, so both hold the same weight bytes in memory; its device_map is in the JSON.",
         "The MoE's I/O bound divides by the bytes deepnvme-store read per step (routed experts, after its "
         "expert cache); the dense model's by every block's bytes.",
+        "The MoE's limits at batch 1: deepnvme-store's demand reads of the timed steps (each layer's misses, "
+        "in order) replayed by the raw handle alone at the drive bound's settings (the fastest), after the "
+        "decode, in the same process; a layer's experts are known only once its router has run on the layer "
+        "before's output, so without guessing no reader can do better than those reads in series, and with "
+        "this CPU's compute in between, than the two in series.",
     ]
 
     def write(done: int) -> None:

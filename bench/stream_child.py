@@ -18,7 +18,8 @@ yields the warm-up token (a streamed model records its execution order there), a
 steps with the KV cache, each one forward of the last token. Printed as the last stdout line,
 ``RESULT <json>``: seconds per step, the tokens (so the parent can check every contender decoded the same),
 bytes the process read from the drive per step (``/proc/self/io``), deepnvme's ``stats()`` over the timed
-steps, load seconds and the process's peak resident memory (``VmHWM``).
+steps, load seconds and the process's peak resident memory (``VmHWM``); at batch 1 of a streamed MoE also
+the replay of its routed expert reads alone (``routed_replay``, see RoutedReads).
 """
 
 from __future__ import annotations
@@ -91,16 +92,86 @@ def prompt(batch: int, length: int, vocab: int) -> Any:
     return rows[:batch]
 
 
-def decode(model: Any, batch: int, tokens: int, prompt_len: int, drop: list[str], streamed: bool
-           ) -> dict[str, Any]:
+class RoutedReads:
+    """The expert reads a streamed MoE's layers demanded, recorded while `on`: per layer's request, the
+    experts it asked for that were not in memory (its misses), in order. A layer's experts are known only
+    once its router has run on the output of the layer before, so these groups are a chain: `replay` reads
+    them with the raw handle, group after group, nothing else running, which is the I/O time of a decode
+    that reads exactly these experts when they are routed to, were its compute free. (Reads the expert
+    cache's internals: a bench's probe, not an API.)"""
+
+    def __init__(self, model: Any) -> None:
+        from deepnvme.offload.stream import _ATTR
+
+        experts = getattr(getattr(model, _ATTR, None), "experts", None)
+        self.cache = getattr(experts, "cache", None)
+        self.groups: list[list[Any]] = []
+        self.on = False
+        if self.cache is not None:
+            request = self.cache.request
+
+            def recorded(keys: Any) -> None:
+                if self.on:
+                    entries = self.cache._entries
+                    with self.cache._lock:
+                        missing = [entries[k] for k in keys if entries[k].lease is None]
+                    if missing:
+                        self.groups.append([u for e in missing for u in e.units])
+                request(keys)
+            self.cache.request = recorded
+
+    def replay(self, settings: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The recorded groups read again (page cache dropped first) at each handle setting: the fastest
+        setting's seconds, and the bytes."""
+        import os
+
+        import torch
+
+        from deepnvme._core.handles import new_handle
+
+        if not self.groups:
+            return None
+        paths = sorted({u.path for g in self.groups for u in g})
+        evict_tree(*paths)
+        fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths}
+        largest = max(sum(u.io_nbytes for u in g) for g in self.groups)
+        best: dict[str, Any] | None = None
+        try:
+            for setting in settings:
+                h = new_handle(**setting)
+                buf = h.new_cpu_locked_tensor(largest, torch.empty(0, dtype=torch.uint8))
+                try:
+                    t0 = time.perf_counter()
+                    for g in self.groups:
+                        at = 0
+                        for u in g:
+                            h.async_pread(buf[at:at + u.io_nbytes], fds[u.path], u.io_start)
+                            at += u.io_nbytes
+                        h.wait()
+                    secs = time.perf_counter() - t0
+                finally:
+                    h.free_cpu_locked_tensor(buf)
+                if best is None or secs < best["seconds"]:
+                    best = {"seconds": secs, "setting": setting}
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return {**best, "groups": len(self.groups),
+                "bytes": sum(u.io_nbytes for g in self.groups for u in g)}
+
+
+def decode(model: Any, batch: int, tokens: int, prompt_len: int, drop: list[str], streamed: bool,
+           replay_settings: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Greedy decoding from a cold page cache: the prefill gives the warm-up token, then `tokens` steps of
     one token per sequence are timed one by one, with the KV cache, logits of the last position only.
-    `streamed`: deepnvme streams the model (its stats() answers)."""
+    `streamed`: deepnvme streams the model (its stats() answers). `replay_settings` (batch 1 of a streamed
+    MoE): the timed steps' routed expert reads are recorded and replayed alone (RoutedReads)."""
     import torch
 
     stats = None
     if streamed:
         from deepnvme.offload import stats
+    routed = RoutedReads(model) if streamed and replay_settings else None
     left = evict_tree(*drop)
     ids = prompt(batch, prompt_len, model.config.vocab_size)
     with torch.inference_mode():
@@ -112,6 +183,8 @@ def decode(model: Any, batch: int, tokens: int, prompt_len: int, drop: list[str]
         before = numeric(stats(model)) if stats else {}
         io0 = drive_read_bytes()
         steps = []
+        if routed is not None:
+            routed.on = True
         for _ in range(tokens):
             t0 = time.perf_counter()
             out = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1)
@@ -121,7 +194,14 @@ def decode(model: Any, batch: int, tokens: int, prompt_len: int, drop: list[str]
             made.append(nxt)
         io1 = drive_read_bytes()
         after = numeric(stats(model)) if stats else {}
-    return {"batch": batch, "warmup_s": warm, "step_s": steps,
+    replay = None
+    if routed is not None:
+        routed.on = False
+        # Only demand reads are a chain: with guesses or read-ahead in the window the replay means nothing.
+        if not any(after.get(k, 0.0) - before.get(k, 0.0) for k in ("experts.guessed_reads",
+                                                                   "experts.ahead_reads")):
+            replay = routed.replay(replay_settings or [])
+    return {"routed_replay": replay,"batch": batch, "warmup_s": warm, "step_s": steps,
             "tokens_per_s": batch * len(steps) / sum(steps) if steps else 0.0,
             "drive_bytes_per_step": (io1 - io0) / max(1, len(steps)),
             "pages_left_cached": left,
@@ -143,8 +223,9 @@ def main(argv: list[str]) -> int:
     if spec["contender"] == "accelerate":
         result["device_map"] = {k: str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
     for batch in spec["batches"]:
-        result["runs"].append(decode(model, batch, spec["tokens"], spec["prompt_len"], spec["drop"],
-                                      spec["contender"].startswith("deepnvme")))
+        streamed = spec["contender"].startswith("deepnvme")
+        result["runs"].append(decode(model, batch, spec["tokens"], spec["prompt_len"], spec["drop"], streamed,
+                                     spec.get("replay_settings") if batch == 1 else None))
     result["peak_rss"] = status_bytes("VmHWM")["VmHWM"]
     print("RESULT " + json.dumps(result), flush=True)
     return 0

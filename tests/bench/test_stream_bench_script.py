@@ -62,11 +62,18 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
                 assert f"{n} / accelerate" in cell["ratios"]
             if a["model"] == "moe":
                 assert cell["rows"]["deepnvme-store"]["hit_rate"] is not None
+                if b == 1:  # the routed reads were recorded and replayed alone (stream_child.RoutedReads)
+                    replay = cell["rows"]["deepnvme-store"]["replay_s"]
+                    assert replay is not None and replay > 0
+                    assert set(cell["limits"]) == {"routed reads alone",
+                                                   "routed reads, then the in-memory compute, in series"}
+                    assert cell["limits"]["routed reads alone"] > cell["limits"][
+                        "routed reads, then the in-memory compute, in series"]
     assert data["load"]["vs_raw"] > 0 and data["load"]["vs_load_file"] > 0
     assert data["drive"] and all(len(v) == 2 for v in data["drive"].values())  # one per model heat
     report = out.with_suffix(".md").read_text()
     assert "## Targets (issue 20)" in report and "load_safetensors / raw read of the same bytes" in report
-    assert "I/O bound" in report and "DIFFER" not in report
+    assert "I/O bound" in report and "DIFFER" not in report and "limit: routed reads alone" in report
     assert our_cgroups() == before  # every cgroup it made is gone
     assert not (tmp_path / "wd" / "bound.bin").exists()
     built = sorted(p.name for p in (tmp_path / "wd").iterdir())
