@@ -144,9 +144,11 @@ class ExpertCache(Closing):
                     self._lru.move_to_end(key)
             self._issue_waiting()
 
-    def acquire(self, key: Hashable) -> Lease:
+    def acquire(self, key: Hashable, *, checked: bool = True) -> Lease:
         """The lease holding expert `key`'s bytes, read now if need be, demanded ahead of queued prefetches
-        (release it with `release(key)`)."""
+        (release it with `release(key)`). With `checked` False it returns once the bytes are read, while
+        their check (CRC-32) may still run: the caller computes with them meanwhile and calls
+        `confirm(key)` before anything computed from them leaves its hands."""
         with self._lock:
             self._check_open()
             entry = self._entry(key)
@@ -167,13 +169,33 @@ class ExpertCache(Closing):
             self._lru.move_to_end(key)
         lease.demand()
         try:
-            lease.wait()  # the read, then its check
+            if checked:
+                lease.wait()  # the read, then its check
+            else:
+                lease.wait_reads()
         except BaseException:
             with self._lock:
                 entry.in_use -= 1
                 self._drop(key, entry)  # a failed or damaged read is never served from the cache
             raise
         return lease
+
+    def confirm(self, key: Hashable) -> None:
+        """Wait for the check of acquired expert `key`'s bytes (see acquire's `checked`); when it fails the
+        expert leaves the cache (read again on its next use) and its error is raised. Still to be
+        released with `release(key)`."""
+        with self._lock:
+            entry = self._entry(key)
+            lease = entry.lease
+        if lease is None or entry.in_use <= 0:
+            raise RuntimeError(f"expert {key!r} is not acquired")
+        try:
+            lease.wait()
+        except BaseException:
+            with self._lock:
+                if entry.lease is lease:
+                    self._drop(key, entry)
+            raise
 
     def release(self, key: Hashable) -> None:
         """The layer is done with `key`: it stays cached (most recently used); waiting reads get issued."""

@@ -254,7 +254,9 @@ class ExpertStreamer:
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             cache = self.cache
-            lease = cache.acquire(x.key)  # type: ignore[union-attr]
+            # The expert computes while its bytes' CRC is checked on the check thread; its output is
+            # returned only once the check has passed.
+            lease = cache.acquire(x.key, checked=False)  # type: ignore[union-attr]
             placeholders = []
             try:
                 views = self._tensors(x, lease)
@@ -266,7 +268,9 @@ class ExpertStreamer:
                     if v.dtype != placeholder.dtype or v.device != placeholder.device:
                         v = v.to(placeholder.device, placeholder.dtype)
                     table[slot.attr] = v
-                return orig(expert, *args, **kwargs)
+                out = orig(expert, *args, **kwargs)
+                cache.confirm(x.key)  # type: ignore[union-attr]
+                return out
             finally:
                 for table, attr, placeholder in placeholders:
                     table[attr] = placeholder
@@ -290,7 +294,8 @@ class ExpertStreamer:
                 if self._fit_together(len(keys)):
                     views = {}
                     for key in keys:
-                        lease = cache.acquire(key)  # type: ignore[union-attr]
+                        # Computed with while their CRCs are checked; confirmed before the output leaves.
+                        lease = cache.acquire(key, checked=False)  # type: ignore[union-attr]
                         held.append(key)
                         views[key] = self._tensors(self.experts[key], lease)
                     # At most two (token, expert) pairs: each expert computes one row alone, and a token's
@@ -307,7 +312,10 @@ class ExpertStreamer:
                     lut[torch.tensor(hit, device=top_k_index.device)] = torch.arange(len(hit), **like)
                 index = lut[top_k_index.clamp(0, s.num_experts)]
                 proxy = _Compact(module, num_experts=len(hit), **compact)
-                return orig(proxy, hidden_states, index, top_k_weights, *args, **kwargs)
+                out = orig(proxy, hidden_states, index, top_k_weights, *args, **kwargs)
+                for key in held:
+                    cache.confirm(key)  # type: ignore[union-attr]
+                return out
             finally:
                 for key in held:
                     cache.release(key)  # type: ignore[union-attr]

@@ -134,13 +134,19 @@ class Lease:
     def wait(self) -> None:
         """Wait for this lease's requests only, then for the check of their bytes; raise the first error
         once all of them have finished."""
+        self.wait_reads()
+        if self.checked is not None:
+            self.checked.result()
+
+    def wait_reads(self) -> None:
+        """Wait for this lease's requests only, not for the check of their bytes; raise the first error.
+        The bytes are then in memory but not yet known to be right: nothing computed from them may be
+        used before wait() has returned."""
         for t in self.tickets:
             t.settle()
         for t in self.tickets:
             if t.error is not None:
                 raise t.error
-        if self.checked is not None:
-            self.checked.result()
 
     def write_back(self, parts: int = 1) -> list[Ticket]:
         """Queue writes of every owned unit from the pool; memory goes back to the pool once written.

@@ -165,6 +165,52 @@ def test_failed_check_is_not_cached(store: tuple[Path, torch.Tensor], workdir: P
         assert cache.stats()["read_requests"] == 2
 
 
+def test_unchecked_acquire_then_confirm(store: tuple[Path, torch.Tensor], workdir: Path) -> None:
+    """acquire(checked=False) hands the bytes over once they are read while their check still runs (held
+    here on an event), so a layer computes beside it; confirm() returns only after the check, and a failed
+    check raises there and drops the expert from the cache: its next use reads it again."""
+    path, data = store
+    gate, started = threading.Event(), threading.Event()
+    verdicts = ["bad", "good"]
+
+    def check(_lease: object) -> None:
+        started.set()
+        gate.wait(60)
+        if verdicts.pop(0) == "bad":
+            raise ValueError("CRC-32 mismatch (test)")
+
+    with SwapSpace(workdir, PAGE) as space, ExpertCache(space, 2 * EXPERT) as cache:
+        cache.add("x", [space.add_external("x", path, 0, EXPERT, pool=cache.pool)], check)
+        with pytest.raises(RuntimeError, match="not acquired"):
+            cache.confirm("x")
+        cache.request(["x"])
+        lease = cache.acquire("x", checked=False)
+        assert torch.equal(lease.view("x"), data[:EXPERT])  # read, not yet checked
+        assert started.wait(60) and not lease.done()
+        outcome: list[BaseException | None] = []
+
+        def confirm() -> None:
+            try:
+                cache.confirm("x")
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=confirm)
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive() and not outcome  # the check cannot end before the gate opens
+        gate.set()
+        waiter.join(60)
+        assert isinstance(outcome[0], ValueError) and "CRC-32 mismatch" in str(outcome[0])
+        cache.release("x")
+        assert cache.cached() == [] and cache.pool.in_use == 0
+        lease = cache.acquire("x")  # read again, checked again (it passes now)
+        assert torch.equal(lease.view("x"), data[:EXPERT])
+        cache.release("x")
+        assert cache.stats()["read_requests"] == 2 and not verdicts
+
+
 def test_bad_arguments(store: tuple[Path, torch.Tensor], workdir: Path) -> None:
     path, _ = store
     with SwapSpace(workdir, EXPERT) as space, ExpertCache(space, 2 * PAGE) as cache:

@@ -429,6 +429,35 @@ def test_deepnvme_moe_gpt_same_tokens_and_logits(gpt_ref: dict, where: str) -> N
         assert torch.equal(a, b)
 
 
+def test_damaged_moe_expert_fails_its_crc_then_recovers(gpt_ref: dict, tmp_path: Path) -> None:
+    """A deepnvme.moe expert damaged on the drive: the expert computes while its CRC-32 is checked, and
+    the layer fails naming the file before any output leaves it; the model keeps its placeholders, and
+    once the file is right again it decodes the in-memory tokens."""
+    import json
+    import shutil
+
+    from deepnvme.offload.placeholder import Placeholder
+
+    d = Path(shutil.copytree(gpt_ref["own"], tmp_path / "own"))
+    units = [b["unit"] for b in json.loads((d / "manifest.json").read_text())["blobs"]]
+    unit = next(u for u in units if u.startswith("blocks.1.") and u.endswith("deepspeed_experts.2"))
+    weights, repair = damage_blob(d, unit)
+    sets = find_expert_sets(gpt_ref["model"])
+    expert = sum(p.numel() * 4 for p in sets[0].module.deepspeed_experts[0].parameters())
+    model = stream_weights(gpt(), d, 5 * expert)
+    with pytest.raises(StoreError, match=rf"CRC-32 mismatch .* of {weights} .*deepspeed_experts\.2"):
+        gpt_generate(model)
+    victim = model.blocks[1].mlp.deepspeed_moe.experts.deepspeed_experts[2]
+    assert all(isinstance(p, Placeholder) for p in victim.parameters())
+    cache = model._deepnvme_stream.experts.cache
+    assert not any(e.in_use for e in cache._entries.values())
+    repair()
+    tokens, logits = gpt_generate(model)
+    assert torch.equal(tokens, gpt_ref["tokens"])
+    assert all(torch.equal(a, b) for a, b in zip(logits, gpt_ref["logits"]))
+    unstream(model)
+
+
 def test_interrupted_forward_leaves_the_model_usable(gpt_ref: dict) -> None:
     """Ctrl-C inside an MoE layer, after the layer asked for its experts and before it ran them all: the
     placeholders are back, the cache forgets the request, the next forwards give the in-memory output."""
