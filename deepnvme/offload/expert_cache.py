@@ -10,7 +10,9 @@ fragments their pool. Reads go through the space's read queue, so they share its
 A layer uses the cache in three calls: `request(keys)` once the gate has routed (counts each key a hit or a
 miss and queues reads of the misses, in order, while there is room: evicting least-recently-used experts that
 no layer holds), then for each key in the same order `acquire(key)` (demands its read, waits, returns the
-`Lease`) and `release(key)` (the expert stays cached; reads of keys not yet issued start). Requests never
+`Lease`) and `release(key)` (the expert stays cached; reads of keys not yet issued start). A layer may
+compute while an expert's check still runs: `acquire(key, checked=False)` returns once the bytes are read, and
+`confirm(key, lease)` waits for the check before the layer lets its output go. Requests never
 hold more than fits: a key whose read could not be issued is read at its `acquire`, once the keys before it
 are released, so the capacity needs to hold only the largest expert.
 
@@ -101,9 +103,9 @@ class ExpertCache(Closing):
     def add(self, key: Hashable, units: Sequence[Unit], check: Callable[[Lease], None] | None = None, *,
             group: Hashable = None) -> None:
         """Register expert `key` as `units` (of layer `group`); `check(lease)` runs once on its bytes after
-        each read (e.g. a CRC-32), before anyone uses them, on the space's check thread (SwapSpace.read):
-        beside the next reads and the layer's compute, not on the caller's thread. ValueError when one
-        expert exceeds the capacity."""
+        each read (e.g. a CRC-32), on the space's check thread (SwapSpace.read): beside the next reads and the
+        layer's compute, not on the caller's thread. `acquire` waits for it, or `confirm` does (see
+        acquire's `checked`). ValueError when one expert exceeds the capacity."""
         if key in self._entries:
             raise ValueError(f"expert {key!r} is in the cache already")
         if not units:
@@ -148,7 +150,8 @@ class ExpertCache(Closing):
         """The lease holding expert `key`'s bytes, read now if need be, demanded ahead of queued prefetches
         (release it with `release(key)`). With `checked` False it returns once the bytes are read, while
         their check (CRC-32) may still run: the caller computes with them meanwhile and calls
-        `confirm(key)` before anything computed from them leaves its hands."""
+        `confirm(key, lease)` before anything computed from them leaves its hands (a check that has already
+        ended is waited for here, so bytes known to be bad are never handed out)."""
         with self._lock:
             self._check_open()
             entry = self._entry(key)
@@ -169,7 +172,7 @@ class ExpertCache(Closing):
             self._lru.move_to_end(key)
         lease.demand()
         try:
-            if checked:
+            if checked or lease.done():
                 lease.wait()  # the read, then its check
             else:
                 lease.wait_reads()
@@ -180,21 +183,22 @@ class ExpertCache(Closing):
             raise
         return lease
 
-    def confirm(self, key: Hashable) -> None:
-        """Wait for the check of acquired expert `key`'s bytes (see acquire's `checked`); when it fails the
-        expert leaves the cache (read again on its next use) and its error is raised. Still to be
-        released with `release(key)`."""
+    def confirm(self, key: Hashable, lease: Lease) -> None:
+        """Wait for the check of the bytes of `lease`, expert `key`'s as `acquire(key, checked=False)`
+        returned it; when the check fails the expert leaves the cache (read again on its next use) and the
+        check's error is raised. An interruption of the wait leaves the expert cached: its check's verdict
+        is met by the next confirm or checked acquire. Still to be released with `release(key)`."""
         with self._lock:
             entry = self._entry(key)
-            lease = entry.lease
-        if lease is None or entry.in_use <= 0:
-            raise RuntimeError(f"expert {key!r} is not acquired")
+            if entry.in_use <= 0:
+                raise RuntimeError(f"expert {key!r} is not acquired")
         try:
             lease.wait()
         except BaseException:
-            with self._lock:
-                if entry.lease is lease:
-                    self._drop(key, entry)
+            if lease.failed():
+                with self._lock:
+                    if entry.lease is lease:
+                        self._drop(key, entry)  # a damaged read is never served from the cache
             raise
 
     def release(self, key: Hashable) -> None:

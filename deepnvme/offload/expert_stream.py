@@ -255,10 +255,13 @@ class ExpertStreamer:
         def forward(*args: Any, **kwargs: Any) -> Any:
             cache = self.cache
             # The expert computes while its bytes' CRC is checked on the check thread; its output is
-            # returned only once the check has passed.
-            lease = cache.acquire(x.key, checked=False)  # type: ignore[union-attr]
-            placeholders = []
+            # returned only once the check has passed (unless a hook inside it would see what it computes:
+            # then the check comes first).
+            unchecked = not _hooked_inside(expert)
+            placeholders: list[tuple[dict, str, Any]] = []
+            lease = None
             try:
+                lease = cache.acquire(x.key, checked=not unchecked)  # type: ignore[union-attr]
                 views = self._tensors(x, lease)
                 for slot in slots:
                     table = slot.module._parameters if slot.param else slot.module._buffers
@@ -269,12 +272,14 @@ class ExpertStreamer:
                         v = v.to(placeholder.device, placeholder.dtype)
                     table[slot.attr] = v
                 out = orig(expert, *args, **kwargs)
-                cache.confirm(x.key)  # type: ignore[union-attr]
+                if unchecked:
+                    cache.confirm(x.key, lease)  # type: ignore[union-attr]
                 return out
             finally:
                 for table, attr, placeholder in placeholders:
                     table[attr] = placeholder
-                cache.release(x.key)  # type: ignore[union-attr]
+                if lease is not None:
+                    cache.release(x.key)  # type: ignore[union-attr]
         return forward
 
     def _fused_forward(self, si: int, s: ExpertSet) -> Any:
@@ -289,14 +294,15 @@ class ExpertStreamer:
             k = top_k_index.shape[-1] if top_k_index.dim() else 1
             share = expected_share(top_k_index.numel() // max(1, k), k, s.num_experts)
             self._look_ahead(si, share, hidden_states, k)  # queued behind this layer's own reads
-            held: list[tuple[int, int]] = []
+            held: list[tuple[tuple[int, int], Any]] = []
+            unchecked = not _hooked_inside(module)
             try:
                 if self._fit_together(len(keys)):
                     views = {}
                     for key in keys:
                         # Computed with while their CRCs are checked; confirmed before the output leaves.
-                        lease = cache.acquire(key, checked=False)  # type: ignore[union-attr]
-                        held.append(key)
+                        lease = cache.acquire(key, checked=not unchecked)  # type: ignore[union-attr]
+                        held.append((key, lease))
                         views[key] = self._tensors(self.experts[key], lease)
                     # At most two (token, expert) pairs: each expert computes one row alone, and a token's
                     # outputs are summed in its routing order, or two of them in either order (the same
@@ -313,11 +319,12 @@ class ExpertStreamer:
                 index = lut[top_k_index.clamp(0, s.num_experts)]
                 proxy = _Compact(module, num_experts=len(hit), **compact)
                 out = orig(proxy, hidden_states, index, top_k_weights, *args, **kwargs)
-                for key in held:
-                    cache.confirm(key)  # type: ignore[union-attr]
+                if unchecked:
+                    for key, lease in held:
+                        cache.confirm(key, lease)  # type: ignore[union-attr]
                 return out
             finally:
-                for key in held:
+                for key, _ in held:
                     cache.release(key)  # type: ignore[union-attr]
         return forward
 
@@ -579,6 +586,16 @@ def _strided(views: list[torch.Tensor | None]) -> torch.Tensor | None:
         return None
     return torch.as_strided(first, (len(views), *first.shape), (step // size, *first.stride()),  # type: ignore[union-attr]
                             first.storage_offset())  # type: ignore[union-attr]
+
+
+def _hooked_inside(module: nn.Module) -> bool:
+    """Whether a hook could see what `module`'s forward computes before the forward returns: a forward
+    (pre-)hook on a module inside it, or a global module hook. Hooks on `module` itself run outside it."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules() if m is not module)
 
 
 def _device(t: torch.Tensor) -> torch.device:

@@ -131,6 +131,13 @@ class Lease:
         block)."""
         return all(t.done() for t in self.tickets) and (self.checked is None or self.checked.done())
 
+    def failed(self) -> bool:
+        """Whether a request of this lease, or the check of its bytes, has ended in an error (False while
+        they run)."""
+        c = self.checked
+        return (any(t.done() and t.error is not None for t in self.tickets)
+                or (c is not None and c.done() and (c.cancelled() or c.exception() is not None)))
+
     def wait(self) -> None:
         """Wait for this lease's requests only, then for the check of their bytes; raise the first error
         once all of them have finished."""

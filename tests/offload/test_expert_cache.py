@@ -5,6 +5,7 @@ timing), and failed reads never served from the cache."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from pathlib import Path
 
@@ -181,26 +182,26 @@ def test_unchecked_acquire_then_confirm(store: tuple[Path, torch.Tensor], workdi
 
     with SwapSpace(workdir, PAGE) as space, ExpertCache(space, 2 * EXPERT) as cache:
         cache.add("x", [space.add_external("x", path, 0, EXPERT, pool=cache.pool)], check)
-        with pytest.raises(RuntimeError, match="not acquired"):
-            cache.confirm("x")
         cache.request(["x"])
-        lease = cache.acquire("x", checked=False)
-        assert torch.equal(lease.view("x"), data[:EXPERT])  # read, not yet checked
-        assert started.wait(60) and not lease.done()
-        outcome: list[BaseException | None] = []
+        try:
+            lease = cache.acquire("x", checked=False)
+            assert torch.equal(lease.view("x"), data[:EXPERT])  # read, not yet checked
+            assert started.wait(60) and not lease.done()
+            outcome: list[BaseException | None] = []
 
-        def confirm() -> None:
-            try:
-                cache.confirm("x")
-                outcome.append(None)
-            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-                outcome.append(exc)
+            def confirm() -> None:
+                try:
+                    cache.confirm("x", lease)
+                    outcome.append(None)
+                except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                    outcome.append(exc)
 
-        waiter = threading.Thread(target=confirm)
-        waiter.start()
-        waiter.join(0.2)
-        assert waiter.is_alive() and not outcome  # the check cannot end before the gate opens
-        gate.set()
+            waiter = threading.Thread(target=confirm)
+            waiter.start()
+            waiter.join(0.2)
+            assert waiter.is_alive() and not outcome  # the check cannot end before the gate opens
+        finally:
+            gate.set()  # never leave the check thread waiting (closing the cache joins it)
         waiter.join(60)
         assert isinstance(outcome[0], ValueError) and "CRC-32 mismatch" in str(outcome[0])
         cache.release("x")
@@ -209,6 +210,42 @@ def test_unchecked_acquire_then_confirm(store: tuple[Path, torch.Tensor], workdi
         assert torch.equal(lease.view("x"), data[:EXPERT])
         cache.release("x")
         assert cache.stats()["read_requests"] == 2 and not verdicts
+        with pytest.raises(RuntimeError, match="not acquired"):
+            cache.confirm("x", lease)
+
+
+def test_failed_check_never_handed_out_unchecked(store: tuple[Path, torch.Tensor], workdir: Path) -> None:
+    """An expert acquired unchecked and released without confirm (its layer was interrupted) whose check
+    then fails is not handed out again, checked or not: the next acquire raises the check's error and the
+    expert leaves the cache."""
+    path, data = store
+    gate = threading.Event()
+    verdicts = ["bad", "bad", "good"]
+
+    def check(_lease: object) -> None:
+        gate.wait(60)
+        if verdicts.pop(0) == "bad":
+            raise ValueError("CRC-32 mismatch (test)")
+
+    with SwapSpace(workdir, PAGE) as space, ExpertCache(space, 2 * EXPERT) as cache:
+        cache.add("x", [space.add_external("x", path, 0, EXPERT, pool=cache.pool)], check)
+        try:
+            for checked in (False, True):
+                cache.request(["x"])
+                lease = cache.acquire("x", checked=False)
+                cache.release("x")  # no confirm: the layer never got that far
+                gate.set()
+                concurrent.futures.wait([lease.checked])
+                with pytest.raises(ValueError, match="CRC-32 mismatch"):
+                    cache.acquire("x", checked=checked)
+                assert cache.cached() == [] and cache.pool.in_use == 0
+                gate.clear()
+        finally:
+            gate.set()
+        lease = cache.acquire("x")
+        assert torch.equal(lease.view("x"), data[:EXPERT])
+        cache.release("x")
+        assert not verdicts
 
 
 def test_bad_arguments(store: tuple[Path, torch.Tensor], workdir: Path) -> None:

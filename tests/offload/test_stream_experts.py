@@ -288,6 +288,43 @@ def test_one_token_gets_its_experts_as_views_in_pool_order(refs: Any, impl: str)
     unstream(model)
 
 
+@pytest.mark.parametrize("hooked", [False, True])
+def test_damaged_expert_in_one_tokens_views(mixtral_ref: dict, tmp_path: Path, hooked: bool) -> None:
+    """One token's two experts, handed over as views and computed while their CRC-32s are checked, one of
+    them damaged: the layer raises naming it and returns nothing. With a hook inside the experts module
+    (on its activation) the check comes before the computation, so the hook never sees a value computed
+    from the damaged bytes. The expert leaves the cache; once the file is right the output is the
+    in-memory experts'."""
+    import shutil
+
+    from deepnvme.offload.placeholder import Placeholder
+
+    d = Path(shutil.copytree(mixtral_ref["own"], tmp_path / "own"))
+    weights, repair = damage_blob(d, "model.layers.0.mlp.experts.5")
+    model = stream_weights(mixtral("grouped_mm", empty=True), d, BUDGET)
+    experts = model._deepnvme_stream.experts
+    mine, theirs = model.model.layers[0].mlp.experts, mixtral_ref["model"].model.layers[0].mlp.experts
+    seen: list[int] = []
+    if hooked:
+        mine.act_fn.register_forward_hook(lambda *_: seen.append(1))
+    torch.manual_seed(1)
+    hidden, idx = torch.randn(1, 64), torch.tensor([[5, 1]])
+    weights_ = torch.softmax(torch.randn(1, 2), -1)
+    copied = experts.assembled["copied"]
+    with torch.inference_mode():
+        with pytest.raises(StoreError, match=rf"CRC-32 mismatch .* of {weights} .*experts\.5\.gate_up_proj"):
+            mine(hidden, idx, weights_)
+        assert seen == []
+        assert isinstance(mine.gate_up_proj, Placeholder)
+        assert (0, 5) not in experts.cache.cached()
+        assert not any(e.in_use for e in experts.cache._entries.values())
+        repair()
+        assert torch.equal(mine(hidden, idx, weights_), theirs(hidden, idx, weights_))
+    assert experts.assembled["copied"] == copied  # views, not copies: the unchecked path was the one taken
+    assert seen == ([1] if hooked else [])
+    unstream(model)
+
+
 def test_read_ahead_goes_into_the_next_forward_for_a_batch_only(mixtral_ref: dict) -> None:
     """After the last layer, the read-ahead goes on into the next forward's first layers when that forward,
     one token per sequence, is expected to use nearly every expert too (a batch of 16), not after the
