@@ -526,7 +526,7 @@ def hit_rate(run: dict) -> float | None:
 def replay_per_step(run: dict) -> float | None:
     """Seconds per step of the replay of the run's routed expert reads alone (stream_child.RoutedReads)."""
     rp = run.get("routed_replay")
-    return rp["seconds"] / len(run["step_s"]) if rp and run["step_s"] else None
+    return rp["seconds"] / len(run["step_s"]) if rp and "seconds" in rp and run["step_s"] else None
 
 
 def analyse(model: Model, bound_gbps: float) -> dict:
@@ -577,7 +577,7 @@ def analyse(model: Model, bound_gbps: float) -> dict:
         # its router ran on the layer before's output). Both credited with all of deepnvme-store's bytes.
         limits: dict[str, float] = {}
         replay_s = row.get("deepnvme-store", {}).get("replay_s")
-        if replay_s and own.get("deepnvme-store"):
+        if replay_s and own.get("deepnvme-store") and bound_gbps:
             limits["routed reads alone"] = b / replay_s
             if med("memory"):
                 limits["routed reads, then the in-memory compute, in series"] = b / (replay_s
@@ -830,10 +830,13 @@ def main(argv: list[str] | None = None) -> int:
         "The MoE's I/O bound divides by the bytes deepnvme-store read per step (routed experts, after its "
         "expert cache); the dense model's by every block's bytes.",
         "The MoE's limits at batch 1: deepnvme-store's demand reads of the timed steps (each layer's misses, "
-        "in order) replayed by the raw handle alone at the drive bound's settings (the fastest), after the "
-        "decode, in the same process; a layer's experts are known only once its router has run on the layer "
-        "before's output, so without guessing no reader can do better than those reads in series, and with "
-        "this CPU's compute in between, than the two in series.",
+        "in order) replayed by the raw handle alone at each of the drive bound's settings, the fastest pass "
+        "kept, after the decode, in the same process; a layer's experts are known only once its router has "
+        "run on the layer before's output, so without guessing no reader can do better than those reads in "
+        "series, and with this CPU's compute in between, than the two in series. The limits are generous: "
+        "the replay reads blobs the decode read seconds before (the host may still cache them), leaves out "
+        "the dense units' reads and every CRC, and is credited with all the bytes deepnvme-store read. A run "
+        "whose replay is missing says why in the JSON (routed_replay.error).",
     ]
 
     def write(done: int) -> None:

@@ -133,7 +133,14 @@ class RoutedReads:
             return None
         paths = sorted({u.path for g in self.groups for u in g})
         evict_tree(*paths)
-        fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths}
+        fds: dict[str, int] = {}
+        try:
+            for p in paths:
+                fds[p] = os.open(p, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            for fd in fds.values():
+                os.close(fd)
+            raise
         largest = max(sum(u.io_nbytes for u in g) for g in self.groups)
         best: dict[str, Any] | None = None
         try:
@@ -158,6 +165,24 @@ class RoutedReads:
                 os.close(fd)
         return {**best, "groups": len(self.groups),
                 "bytes": sum(u.io_nbytes for g in self.groups for u in g)}
+
+
+def routed_replay(routed: RoutedReads, settings: list[dict[str, Any]], window: dict[str, float]
+                  ) -> dict[str, Any]:
+    """The replay of the routed reads recorded over the timed steps (RoutedReads.replay), or why there is
+    none: only demand reads are a chain, so a window with guesses or reads ahead has no replay, nor one
+    whose recorded reads are not exactly the expert bytes the cache read (an expert evicted and read again
+    within a layer). A replay that fails says how, and the decode's figures stay."""
+    if window.get("experts.guessed_reads", 0.0) or window.get("experts.ahead_reads", 0.0):
+        return {"error": "guessed or read-ahead expert reads in the timed steps: not a chain of demand reads"}
+    recorded = sum(u.io_nbytes for g in routed.groups for u in g)
+    if recorded != window.get("experts.bytes_read", 0.0):
+        return {"error": f"recorded {recorded} bytes of routed reads, the cache read "
+                         f"{window.get('experts.bytes_read', 0.0):.0f}"}
+    try:
+        return routed.replay(settings) or {"error": "no expert was read in the timed steps"}
+    except (OSError, RuntimeError, ValueError) as exc:
+        return {"error": f"the replay failed: {exc}"}
 
 
 def decode(model: Any, batch: int, tokens: int, prompt_len: int, drop: list[str], streamed: bool,
@@ -194,14 +219,12 @@ def decode(model: Any, batch: int, tokens: int, prompt_len: int, drop: list[str]
             made.append(nxt)
         io1 = drive_read_bytes()
         after = numeric(stats(model)) if stats else {}
-    replay = None
+    replay: dict[str, Any] | None = None
     if routed is not None:
         routed.on = False
-        # Only demand reads are a chain: with guesses or read-ahead in the window the replay means nothing.
-        if not any(after.get(k, 0.0) - before.get(k, 0.0) for k in ("experts.guessed_reads",
-                                                                   "experts.ahead_reads")):
-            replay = routed.replay(replay_settings or [])
-    return {"routed_replay": replay,"batch": batch, "warmup_s": warm, "step_s": steps,
+        replay = routed_replay(routed, replay_settings or [],
+                               {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after})
+    return {"batch": batch, "routed_replay": replay, "warmup_s": warm, "step_s": steps,
             "tokens_per_s": batch * len(steps) / sum(steps) if steps else 0.0,
             "drive_bytes_per_step": (io1 - io0) / max(1, len(steps)),
             "pages_left_cached": left,
@@ -224,8 +247,10 @@ def main(argv: list[str]) -> int:
         result["device_map"] = {k: str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
     for batch in spec["batches"]:
         streamed = spec["contender"].startswith("deepnvme")
+        # The limits of the report are deepnvme-store's: only its batch-1 reads are replayed.
+        replay = spec.get("replay_settings") if batch == 1 and spec["contender"] == "deepnvme-store" else None
         result["runs"].append(decode(model, batch, spec["tokens"], spec["prompt_len"], spec["drop"], streamed,
-                                     spec.get("replay_settings") if batch == 1 else None))
+                                     replay))
     result["peak_rss"] = status_bytes("VmHWM")["VmHWM"]
     print("RESULT " + json.dumps(result), flush=True)
     return 0
