@@ -95,6 +95,33 @@ def test_many_small_tensors(tmp_path: Path) -> None:
     _check(_load(tmp_path / "c", AioStorageReader, sd), sd)
 
 
+@pytest.mark.parametrize("writer", [AioStorageWriter, FileSystemWriter])
+def test_many_archives_with_byte_items_whole_and_in_part(tmp_path: Path, writer: type) -> None:
+    """A hundred archives with non-tensor items among them, loaded whole and in part: every tensor right;
+    an archive damaged far into the file is named."""
+    g = torch.Generator().manual_seed(3)
+    sd: dict[str, Any] = {}
+    for i in range(101):
+        sd[f"w{i:03d}"] = torch.randn(200 + i, 100 + i % 3, generator=g)  # payloads past INLINE_BELOW
+        if i % 10 == 0:
+            sd[f"step{i:03d}"] = i  # a byte item between the archives
+    dcp.save(sd, storage_writer=writer(tmp_path / "c"))
+    _check(_load(tmp_path / "c", AioStorageReader, sd), sd)
+    part = {k: v for n, (k, v) in enumerate(sd.items()) if n % 3 == 1}
+    _check(_load(tmp_path / "c", AioStorageReader, part), part)
+    with open(tmp_path / "c" / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    victim = "w067"
+    info = next(v for k, v in md.storage_data.items() if k.fqn == victim)
+    with open(tmp_path / "c" / info.relative_path, "r+b") as f:  # its first records and its directory
+        f.seek(info.offset)
+        f.write(b"\xff" * 512)
+        f.seek(info.offset + info.length - 200)
+        f.write(b"\xff" * 200)
+    with pytest.raises(CheckpointException, match=f"item '{victim}' .* not a readable torch.save archive"):
+        _load(tmp_path / "c", AioStorageReader, sd)
+
+
 def _same_shapes() -> list[torch.Tensor]:
     """Tensors that share a shape and differ in what else torch.save records about them."""
     g = torch.Generator().manual_seed(2)
