@@ -109,17 +109,24 @@ def test_many_archives_with_byte_items_whole_and_in_part(tmp_path: Path, writer:
     _check(_load(tmp_path / "c", AioStorageReader, sd), sd)
     part = {k: v for n, (k, v) in enumerate(sd.items()) if n % 3 == 1}
     _check(_load(tmp_path / "c", AioStorageReader, part), part)
-    with open(tmp_path / "c" / ".metadata", "rb") as f:
+    data = _wipe_archive_ends(tmp_path / "c", "w067")
+    with pytest.raises(CheckpointException, match=f"{data}: item 'w067' .* not a readable torch.save"):
+        _load(tmp_path / "c", AioStorageReader, sd)
+
+
+def _wipe_archive_ends(directory: Path, fqn: str) -> Path:
+    """Overwrite item `fqn`'s first records and its directory, as a torn or overwritten file would have
+    them; returns its data file."""
+    with open(directory / ".metadata", "rb") as f:
         md = pickle.load(f)
-    victim = "w067"
-    info = next(v for k, v in md.storage_data.items() if k.fqn == victim)
-    with open(tmp_path / "c" / info.relative_path, "r+b") as f:  # its first records and its directory
+    info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
+    data = directory / info.relative_path
+    with open(data, "r+b") as f:
         f.seek(info.offset)
         f.write(b"\xff" * 512)
         f.seek(info.offset + info.length - 200)
         f.write(b"\xff" * 200)
-    with pytest.raises(CheckpointException, match=f"item '{victim}' .* not a readable torch.save archive"):
-        _load(tmp_path / "c", AioStorageReader, sd)
+    return data
 
 
 def _same_shapes() -> list[torch.Tensor]:
@@ -279,15 +286,7 @@ def test_truncated_file_names_it(tmp_path: Path) -> None:
 def test_corrupted_archive_names_it(tmp_path: Path) -> None:
     sd = _state()
     dcp.save(sd, storage_writer=AioStorageWriter(tmp_path / "c"))
-    with open(tmp_path / "c" / ".metadata", "rb") as f:
-        md = pickle.load(f)
-    info = next(v for k, v in md.storage_data.items() if k.fqn == "big")
-    data = tmp_path / "c" / info.relative_path
-    with open(data, "r+b") as f:  # wipe the archive's first records, as a torn or overwritten file would
-        f.seek(info.offset)
-        f.write(b"\xff" * 512)
-        f.seek(info.offset + info.length - 200)
-        f.write(b"\xff" * 200)
+    data = _wipe_archive_ends(tmp_path / "c", "big")
     with pytest.raises(CheckpointException, match=f"{data}: item 'big' .* not a readable torch.save archive"):
         _load(tmp_path / "c", AioStorageReader, sd)
 
