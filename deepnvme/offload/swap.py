@@ -497,7 +497,11 @@ class ReadAhead:
             self._issued[self._next] = lease
             self._next += 1
 
-    def take(self, i: int) -> Lease | None:
+    def take(self, i: int, checked: bool = True) -> Lease | None:
+        """The lease of position i, read (see the class); with `checked` False it returns once the reads
+        are done while the check of the bytes may still run (see ExpertCache.acquire): the caller waits for
+        it (`lease.wait()`) before anything computed from them is used. A check that has already ended is
+        waited for here."""
         if i not in self._issued:
             if i != self._next:
                 raise ValueError(f"ReadAhead.take({i}) out of order (next is {self._next})")
@@ -512,7 +516,10 @@ class ReadAhead:
         self.pump()
         if lease is not None:
             try:
-                lease.wait()
+                if checked or lease.done():
+                    lease.wait()
+                else:
+                    lease.wait_reads()
             except BaseException:
                 lease.release()
                 raise
