@@ -257,7 +257,7 @@ class ExpertStreamer:
             # The expert computes while its bytes' CRC is checked on the check thread; its output is
             # returned only once the check has passed (unless a hook inside it would see what it computes:
             # then the check comes first).
-            unchecked = not hooked_inside(expert)
+            unchecked = not _hooked_inside(expert)
             placeholders: list[tuple[dict, str, Any]] = []
             lease = None
             try:
@@ -295,7 +295,7 @@ class ExpertStreamer:
             share = expected_share(top_k_index.numel() // max(1, k), k, s.num_experts)
             self._look_ahead(si, share, hidden_states, k)  # queued behind this layer's own reads
             held: list[tuple[tuple[int, int], Any]] = []
-            unchecked = not hooked_inside(module)
+            unchecked = not _hooked_inside(module)
             try:
                 if self._fit_together(len(keys)):
                     views = {}
@@ -588,7 +588,7 @@ def _strided(views: list[torch.Tensor | None]) -> torch.Tensor | None:
                             first.storage_offset())  # type: ignore[union-attr]
 
 
-def hooked_inside(module: nn.Module) -> bool:
+def _hooked_inside(module: nn.Module) -> bool:
     """Whether a hook could see what `module`'s forward computes before the forward returns: a forward
     (pre-)hook on a module inside it, or a global module hook. Hooks on `module` itself run outside it."""
     from torch.nn.modules import module as nn_module

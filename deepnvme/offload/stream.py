@@ -45,7 +45,7 @@ from torch import nn
 
 from deepnvme.offload import preflight
 from deepnvme.offload.bulk import read_into
-from deepnvme.offload.expert_stream import ExpertStreamer, hooked_inside, split_budget
+from deepnvme.offload.expert_stream import ExpertStreamer, split_budget
 from deepnvme.offload.model_map import _tensor_slots, _unit_modules, find_tensor
 from deepnvme.offload.placeholder import Placeholder
 from deepnvme.offload.store import (
@@ -105,7 +105,6 @@ class _Unit:
     copied: Any = None  # the CUDA event of the copy to the device
     depth: int = 0
     position: int | None = None  # its position in the read-ahead while it runs (None: read on demand)
-    unchecked: bool = False  # its lease's check may still run while it computes (see _Streamer.confirm)
     orig_forward: Any = None
     had_forward: bool = False
     orig_apply: Any = None
@@ -180,9 +179,8 @@ class _Streamer:
                 check(b, lease.view(x))
 
     # ------------------------------------------------------------------------------------------ reads
-    def _lease(self, i: int, checked: bool = True) -> Lease | None:
-        """The lease of unit i, read (or taken from what was read ahead) and waited for; with `checked`
-        False, read ahead units come back before their check ends (ReadAhead.take; see confirm)."""
+    def _lease(self, i: int) -> Lease | None:
+        """The lease of unit i, read (or taken from what was read ahead) and waited for."""
         u = self.units[i]
         t0 = time.perf_counter()
         if self.reader is None or i not in self.order:  # type: ignore[operator]
@@ -208,7 +206,7 @@ class _Streamer:
             cached = self.pos in self.recycled
             self.recycled.discard(self.pos)
             try:
-                lease = self.reader.take(self.pos, checked=checked)
+                lease = self.reader.take(self.pos)
             except BaseException:
                 self.reader.restart(self.pos)
                 self.recycled.clear()
@@ -245,11 +243,8 @@ class _Streamer:
         u.depth += 1
         if u.depth > 1:  # the unit calls itself (shared block): its tensors are in place already
             return
-        # The block computes while its bytes' CRCs are checked (confirm waits before its output leaves),
-        # unless a hook inside it would see what it computes.
-        u.unchecked = not hooked_inside(u.module)
         try:
-            lease = self._lease(i, checked=not u.unchecked)
+            lease = self._lease(i)
         except BaseException:
             u.depth -= 1
             raise
@@ -289,13 +284,6 @@ class _Streamer:
             u.depth -= 1
             raise
 
-    def confirm(self, i: int) -> None:
-        """Before unit i's output leaves its forward: wait for the check of the bytes it computed with
-        (raises the check's error: a StoreError naming the blob)."""
-        u = self.units[i]
-        if u.depth == 1 and u.unchecked and u.lease is not None:
-            u.lease.wait()
-
     def _restore(self, u: _Unit) -> None:
         for s in u.slots:
             s.put(s.placeholder)
@@ -318,9 +306,7 @@ class _Streamer:
             u.copied.synchronize()  # the locked buffer goes back to the pool once the device has it
             u.copied = None
         position, u.position = u.position, None
-        if lease is not None and lease.failed():  # a damaged read is never used again: read it anew
-            lease.release()
-        elif self.reader is not None and position is not None and self.reader.recycle(position, lease):
+        if self.reader is not None and position is not None and self.reader.recycle(position, lease):
             self.recycled.add(position + len(self.order))  # type: ignore[arg-type]
         elif lease is not None:
             lease.release()
@@ -537,9 +523,7 @@ def _wrap_unit(streamer: _Streamer, i: int, u: _Unit) -> None:
             streamer.adopt()
             streamer.enter(i)
             try:
-                out = u.orig_forward(*args, **kwargs)
-                streamer.confirm(i)
-                return out
+                return u.orig_forward(*args, **kwargs)
             finally:
                 streamer.leave(i)
 

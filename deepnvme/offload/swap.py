@@ -497,11 +497,7 @@ class ReadAhead:
             self._issued[self._next] = lease
             self._next += 1
 
-    def take(self, i: int, checked: bool = True) -> Lease | None:
-        """The lease of position i, read (see the class); with `checked` False it returns once the reads
-        are done while the check of the bytes may still run (see ExpertCache.acquire): the caller waits for
-        it (`lease.wait()`) before anything computed from them is used. A check that has already ended is
-        waited for here."""
+    def take(self, i: int) -> Lease | None:
         if i not in self._issued:
             if i != self._next:
                 raise ValueError(f"ReadAhead.take({i}) out of order (next is {self._next})")
@@ -516,10 +512,7 @@ class ReadAhead:
         self.pump()
         if lease is not None:
             try:
-                if checked or lease.done():
-                    lease.wait()
-                else:
-                    lease.wait_reads()
+                lease.wait()
             except BaseException:
                 lease.release()
                 raise
