@@ -39,7 +39,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from deepnvme.offload._doors import new_handle
@@ -59,6 +59,9 @@ class _Entry:
     fresh: bool = False  # its read was issued for the use pending now (that use is a miss)
     in_use: int = 0  # acquired and not released
     guessed: bool = False  # read by prefetch() and not used since (its first use decides used or wasted)
+    # Leases dropped from the cache while a holder still used them (a failed read or check): their memory
+    # goes back once no one holds the expert, never under a holder's feet.
+    orphans: list[Lease] = field(default_factory=list)
 
 
 class ExpertCache(Closing):
@@ -180,6 +183,8 @@ class ExpertCache(Closing):
             with self._lock:
                 entry.in_use -= 1
                 self._drop(key, entry)  # a failed or damaged read is never served from the cache
+                if not entry.in_use:
+                    self._release_orphans(entry)
             raise
         return lease
 
@@ -206,6 +211,8 @@ class ExpertCache(Closing):
         with self._lock:
             entry = self._entry(key)
             entry.in_use = max(entry.in_use - 1, 0)
+            if not entry.in_use:
+                self._release_orphans(entry)
             if not self.closed:
                 self._issue_waiting()
                 self._pump_ahead()
@@ -399,7 +406,16 @@ class ExpertCache(Closing):
         lease, entry.lease, entry.fresh = entry.lease, None, False
         self._lru.pop(key, None)
         if lease is not None:
-            lease.release()  # waits for a read still in flight before the memory goes back
+            if entry.in_use:
+                entry.orphans.append(lease)  # another holder still reads it: released at its release
+            else:
+                lease.release()  # waits for a read still in flight before the memory goes back
+
+    @staticmethod
+    def _release_orphans(entry: _Entry) -> None:
+        orphans, entry.orphans = entry.orphans, []
+        for lease in orphans:
+            lease.release()
 
     # ------------------------------------------------------------------------------------------ reporting
     def cached(self) -> list[Hashable]:
@@ -452,6 +468,9 @@ class ExpertCache(Closing):
         with self._lock:
             for key in list(self._lru):
                 self._drop(key, self._entries[key])
+            for entry in self._entries.values():
+                if not entry.in_use:
+                    self._release_orphans(entry)
             self._unreserve()
 
     def _unreserve(self) -> None:
@@ -468,6 +487,8 @@ class ExpertCache(Closing):
             return
         self._ahead = {}
         self.clear()
+        for entry in self._entries.values():  # closing ends every use: what holders kept goes too
+            self._release_orphans(entry)
         self.closed = True
         self.pool.close()
 

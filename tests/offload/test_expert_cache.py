@@ -248,6 +248,45 @@ def test_failed_check_never_handed_out_unchecked(store: tuple[Path, torch.Tensor
         assert not verdicts
 
 
+def test_failed_check_with_two_holders_keeps_memory_until_both_release(store: tuple[Path, torch.Tensor],
+                                                                       workdir: Path) -> None:
+    """Two holders of one expert whose check fails: the expert leaves the cache at the first confirm, but
+    its memory stays theirs until both release it (a new read of it goes elsewhere in the pool, never over
+    bytes a holder still reads), and the second holder's confirm fails too."""
+    path, data = store
+    verdicts = ["bad", "good"]
+    gate = threading.Event()
+
+    def check(_lease: object) -> None:
+        gate.wait(60)
+        if verdicts.pop(0) == "bad":
+            raise ValueError("CRC-32 mismatch (test)")
+
+    with SwapSpace(workdir, PAGE) as space, ExpertCache(space, 2 * EXPERT) as cache:
+        cache.add("x", [space.add_external("x", path, 0, EXPERT, pool=cache.pool)], check)
+        cache.request(["x"])
+        try:
+            first = cache.acquire("x", checked=False)
+            second = cache.acquire("x", checked=False)  # the check is held: both hold unchecked bytes
+        finally:
+            gate.set()
+        assert first is second and cache._entries["x"].in_use == 2
+        with pytest.raises(ValueError, match="CRC-32 mismatch"):
+            cache.confirm("x", first)
+        assert cache.cached() == [] and cache.pool.in_use == EXPERT  # still held by both
+        again = cache.acquire("x")  # read anew (checked: good), beside the held bytes
+        assert again is not first and cache.pool.in_use == 2 * EXPERT
+        assert torch.equal(again.view("x"), data[:EXPERT])
+        with pytest.raises(ValueError, match="CRC-32 mismatch"):
+            cache.confirm("x", second)
+        cache.release("x")
+        cache.release("x")
+        assert cache.pool.in_use == 2 * EXPERT  # the third use still holds the new read
+        cache.release("x")
+        assert cache.pool.in_use == EXPERT and cache.cached() == ["x"]  # the new read stays cached
+        assert not verdicts
+
+
 def test_bad_arguments(store: tuple[Path, torch.Tensor], workdir: Path) -> None:
     path, _ = store
     with SwapSpace(workdir, EXPERT) as space, ExpertCache(space, 2 * PAGE) as cache:
