@@ -46,6 +46,21 @@ def use(cache: ExpertCache, keys: list[int], data: torch.Tensor) -> None:
         cache.release(k)
 
 
+class HeldCheck:
+    """A check that waits for `gate` (set: it does not wait) and then passes or fails by the next of
+    `verdicts` ("good"/"bad"); `started` is set when a check begins."""
+
+    def __init__(self, *verdicts: str) -> None:
+        self.verdicts = list(verdicts)
+        self.gate, self.started = threading.Event(), threading.Event()
+
+    def __call__(self, _lease: object) -> None:
+        self.started.set()
+        self.gate.wait(60)
+        if self.verdicts.pop(0) == "bad":
+            raise ValueError("CRC-32 mismatch (test)")
+
+
 def test_only_requested_experts_are_read_and_lru_evicts(store: tuple[Path, torch.Tensor],
                                                         workdir: Path) -> None:
     path, data = store
@@ -171,15 +186,8 @@ def test_unchecked_acquire_then_confirm(store: tuple[Path, torch.Tensor], workdi
     here on an event), so a layer computes beside it; confirm() returns only after the check, and a failed
     check raises there and drops the expert from the cache: its next use reads it again."""
     path, data = store
-    gate, started = threading.Event(), threading.Event()
-    verdicts = ["bad", "good"]
-
-    def check(_lease: object) -> None:
-        started.set()
-        gate.wait(60)
-        if verdicts.pop(0) == "bad":
-            raise ValueError("CRC-32 mismatch (test)")
-
+    check = HeldCheck("bad", "good")
+    gate, started, verdicts = check.gate, check.started, check.verdicts
     with SwapSpace(workdir, PAGE) as space, ExpertCache(space, 2 * EXPERT) as cache:
         cache.add("x", [space.add_external("x", path, 0, EXPERT, pool=cache.pool)], check)
         cache.request(["x"])
@@ -219,14 +227,8 @@ def test_failed_check_never_handed_out_unchecked(store: tuple[Path, torch.Tensor
     then fails is not handed out again, checked or not: the next acquire raises the check's error and the
     expert leaves the cache."""
     path, data = store
-    gate = threading.Event()
-    verdicts = ["bad", "bad", "good"]
-
-    def check(_lease: object) -> None:
-        gate.wait(60)
-        if verdicts.pop(0) == "bad":
-            raise ValueError("CRC-32 mismatch (test)")
-
+    check = HeldCheck("bad", "bad", "good")
+    gate, verdicts = check.gate, check.verdicts
     with SwapSpace(workdir, PAGE) as space, ExpertCache(space, 2 * EXPERT) as cache:
         cache.add("x", [space.add_external("x", path, 0, EXPERT, pool=cache.pool)], check)
         try:
@@ -254,14 +256,8 @@ def test_failed_check_with_two_holders_keeps_memory_until_both_release(store: tu
     its memory stays theirs until both release it (a new read of it goes elsewhere in the pool, never over
     bytes a holder still reads), and the second holder's confirm fails too."""
     path, data = store
-    verdicts = ["bad", "good"]
-    gate = threading.Event()
-
-    def check(_lease: object) -> None:
-        gate.wait(60)
-        if verdicts.pop(0) == "bad":
-            raise ValueError("CRC-32 mismatch (test)")
-
+    check = HeldCheck("bad", "good")
+    gate, verdicts = check.gate, check.verdicts
     with SwapSpace(workdir, PAGE) as space, ExpertCache(space, 2 * EXPERT) as cache:
         cache.add("x", [space.add_external("x", path, 0, EXPERT, pool=cache.pool)], check)
         cache.request(["x"])
