@@ -181,10 +181,8 @@ class ExpertCache(Closing):
                 lease.wait_reads()
         except BaseException:
             with self._lock:
-                entry.in_use -= 1
+                self._unhold(entry)
                 self._drop(key, entry)  # a failed or damaged read is never served from the cache
-                if not entry.in_use:
-                    self._release_orphans(entry)
             raise
         return lease
 
@@ -209,10 +207,7 @@ class ExpertCache(Closing):
     def release(self, key: Hashable) -> None:
         """The layer is done with `key`: it stays cached (most recently used); waiting reads get issued."""
         with self._lock:
-            entry = self._entry(key)
-            entry.in_use = max(entry.in_use - 1, 0)
-            if not entry.in_use:
-                self._release_orphans(entry)
+            self._unhold(self._entry(key))
             if not self.closed:
                 self._issue_waiting()
                 self._pump_ahead()
@@ -411,6 +406,12 @@ class ExpertCache(Closing):
             else:
                 lease.release()  # waits for a read still in flight before the memory goes back
 
+    def _unhold(self, entry: _Entry) -> None:
+        """One holder less; with none left, the leases dropped under the holders go back."""
+        entry.in_use = max(entry.in_use - 1, 0)
+        if not entry.in_use:
+            self._release_orphans(entry)
+
     @staticmethod
     def _release_orphans(entry: _Entry) -> None:
         orphans, entry.orphans = entry.orphans, []
@@ -468,9 +469,6 @@ class ExpertCache(Closing):
         with self._lock:
             for key in list(self._lru):
                 self._drop(key, self._entries[key])
-            for entry in self._entries.values():
-                if not entry.in_use:
-                    self._release_orphans(entry)
             self._unreserve()
 
     def _unreserve(self) -> None:
