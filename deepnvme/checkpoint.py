@@ -74,6 +74,11 @@ COPY_AHEAD = 256 << 20
 GAP_SPILL = 8 << 20
 # Bytes read up front at each end of an archive when loading: its small records and its directory fit in them.
 EDGE = 4096
+# Archives' ends this close together are read as one request (a small item lies wholly inside the gap, or
+# one archive's directory is followed at once by the next one's records); one such read is at most
+# EDGE_READ_MAX bytes. Each request costs the disk a round trip, which dwarfs a few KiB more read.
+EDGE_GAP = 16 << 10
+EDGE_READ_MAX = 1 << 20
 
 
 def _handle_settings(handle: AioHandle | None, given: dict[str, Any]) -> dict[str, Any]:
@@ -521,22 +526,58 @@ class _FileView(SeekableReader):
 
 @dataclasses.dataclass
 class _Edges:
-    """The first and last bytes of one archive, read ahead of its parsing."""
+    """The first and last bytes of one archive, read ahead of its parsing (the whole archive in `head`
+    when it lies within one read)."""
 
     head: torch.Tensor
     tail: torch.Tensor
     tail_at: int  # offset of `tail` within the archive
 
+    def bytes_at(self, at: int, n: int) -> torch.Tensor | None:
+        """Bytes [at, at + n) of the archive when they were read with its ends, else None."""
+        if at + n <= self.head.numel():
+            return self.head[at:at + n]
+        if at >= self.tail_at and at + n <= self.tail_at + self.tail.numel():
+            return self.tail[at - self.tail_at:at - self.tail_at + n]
+        return None
 
-def _queue_edges(handle: AioHandle, fd: int, offset: int, length: int) -> _Edges:
-    """Queue the reads of an archive's two ends."""
-    head = torch.empty(min(length, EDGE), dtype=torch.uint8)
-    tail_at = max(head.numel(), length - EDGE)
-    tail = torch.empty(length - tail_at, dtype=torch.uint8)
-    for buf, at in ((head, offset), (tail, offset + tail_at)):
+
+def _queue_edges(handle: AioHandle, fd: int, archives: Sequence[tuple[int, int]]) -> list[_Edges]:
+    """Queue the reads of the two ends of each archive (offset, length) of one file, in file order, ends that
+    lie within EDGE_GAP of each other read together; their _Edges, in the order of `archives`."""
+    ends: list[tuple[int, int, int]] = []  # (file start, file end, 2 * archive + (0 head, 1 tail))
+    for i, (offset, length) in enumerate(archives):
+        head = min(length, EDGE)
+        tail_at = max(head, length - EDGE)
+        ends += [(offset, offset + head, 2 * i), (offset + tail_at, offset + length, 2 * i + 1)]
+    ends.sort()
+    runs: list[tuple[int, int, list[tuple[int, int, int]]]] = []
+    for end in ends:
+        if runs and end[0] - runs[-1][1] <= EDGE_GAP and end[1] - runs[-1][0] <= EDGE_READ_MAX:
+            start, stop, members = runs[-1]
+            members.append(end)
+            runs[-1] = (start, max(stop, end[1]), members)
+        else:
+            runs.append((end[0], end[1], [end]))
+    # Each end's read: (buffer, start and stop within it).
+    placed: list[tuple[torch.Tensor, int, int]] = [(_NOTHING, 0, 0)] * (2 * len(archives))
+    for start, stop, members in runs:
+        buf = torch.empty(stop - start, dtype=torch.uint8)
         if buf.numel():
-            handle.async_pread(buf, fd, at)
-    return _Edges(head, tail, tail_at)
+            handle.async_pread(buf, fd, start)
+        for a, b, which in members:
+            placed[which] = (buf, a - start, b - start)
+    found = []
+    for i, (_, length) in enumerate(archives):
+        (hbuf, ha, hb), (tbuf, ta, tb) = placed[2 * i], placed[2 * i + 1]
+        if hbuf is tbuf and tb - ha == length:  # both ends in one read: so is all between them
+            found.append(_Edges(hbuf[ha:tb], tbuf[tb:tb], length))
+        else:
+            found.append(_Edges(hbuf[ha:hb], tbuf[ta:tb], max(hb - ha, length - EDGE)))
+    return found
+
+
+_NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
 @dataclasses.dataclass
@@ -655,11 +696,11 @@ class AioStorageReader(FileSystemReader):
         # that the O_DIRECT reads fetch again.
         os.posix_fadvise(meta_fd, 0, 0, os.POSIX_FADV_RANDOM)
         data_fd = -1
-        edges: dict[int, _Edges] = {}
         try:
             data_fd = open_direct(path, os.O_RDONLY)
             size = os.fstat(meta_fd).st_size
             reqs = sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset)
+            archives: dict[int, tuple[int, int]] = {}  # tensor items by their index in reqs
             for i, req in enumerate(reqs):
                 info: _StorageInfo = self.storage_data[req.storage_index]
                 if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
@@ -667,7 +708,8 @@ class AioStorageReader(FileSystemReader):
                                                 f"{req.storage_index.fqn!r} needs bytes [{info.offset}, "
                                                 f"{info.offset + info.length}) of a {size}-byte file")
                 if req.type != LoadItemType.BYTE_IO:
-                    edges[i] = _queue_edges(handle, data_fd, info.offset, info.length)
+                    archives[i] = (info.offset, info.length)
+            edges = dict(zip(archives, _queue_edges(handle, data_fd, list(archives.values()))))
             # Every archive's small parts first, all in flight at once; then each payload is queued as
             # soon as its archive is parsed, so parsing the next overlaps reading this one.
             _finish(handle, [], planner, path)
@@ -737,12 +779,22 @@ class AioStorageReader(FileSystemReader):
         span = _leading_rows(saved, req.storage_offsets, req.lengths)
         if (span is not None and target.device.type == "cpu" and target.dtype == saved.dtype
                 and target.is_contiguous() and list(target.shape) == list(req.lengths) and span[1] > 0):
-            # The bytes wanted are one run of the payload: read them into the target itself.
-            handle.async_pread(target.reshape(-1).view(torch.uint8), data_fd, info.offset + start + span[0])
+            # The bytes wanted are one run of the payload: read them into the target itself, or copy them
+            # from the archive's ends when those hold them (a small item's payload).
+            inside = edges.bytes_at(start + span[0], span[1])
+            if inside is not None:
+                target.reshape(-1).view(torch.uint8).copy_(inside)
+            else:
+                handle.async_pread(target.reshape(-1).view(torch.uint8), data_fd,
+                                   info.offset + start + span[0])
             return _PendingRead(req, target), 0
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:
-            handle.async_pread(buf, data_fd, info.offset + start)
+        inside = edges.bytes_at(start, nbytes)
+        if inside is not None:
+            buf = inside.clone()
+        else:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            if nbytes:
+                handle.async_pread(buf, data_fd, info.offset + start)
         layout = torch.empty(0, dtype=saved.dtype).set_(buf.untyped_storage(), saved.storage_offset(),
                                                         saved.shape, saved.stride())
         return _PendingRead(req, target, layout), nbytes
