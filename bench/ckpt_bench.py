@@ -1,20 +1,22 @@
 #!/usr/bin/env python3
 """Checkpoint save/load speed against the bound: one raw transfer of the same bytes at the best settings.
 
-    python3 bench/ckpt_bench.py [--dir DIR] [--repeats 3] [--small | --medium-only] [--all] [--rest 1]
-                                [--out PREFIX]
+    python3 bench/ckpt_bench.py [--dir DIR] [--repeats 3] [--pilot 2] [--small | --quick] [--all]
+                                [--rest 0.5] [--out PREFIX]
 
 State dicts: a GPT-2-medium-like one (355 M float32 parameters, ~1.42 GB: many small, some large tensors)
 and one of 4 GiB (16 tensors of 256 MiB); --small uses GPT-2-small-like (~0.5 GB) and 1 GiB instead,
---medium-only the GPT-2-medium-like one alone.
+--quick the GPT-2-medium-like one alone.
 Contenders, each saving and then loading the same state dict, in an order rotated every repeat:
   * torch.save + fsync / torch.load (cold);
   * deepnvme.save / deepnvme.load, no handle passed (the checkpoint default, or a tuned file's);
   * deepnvme.checkpoint.AioStorageWriter / AioStorageReader with dcp.save / dcp.load in this process;
   * the bound: the bytes of deepnvme.save's file in one locked buffer, moved by one sync_pwrite (+ fsync)
-    to a new file and one sync_pread back into that buffer, at every point of a grid of handle settings
-    (block 1/4/8 MiB x queue depth 32/128 x 1/2 threads); the bound of each operation is the grid point
-    with the best median;
+    to a new file and one sync_pread back into that buffer. A pilot (--pilot repeats, before the run)
+    measures every point of a grid of handle settings (block 1/4/8 MiB x queue depth 32/128 x 1/2 threads);
+    the point with the best median of each operation is then measured again in the run, interleaved with
+    the contenders, and those samples are the bound (the pilot's best median is the largest of twelve noisy
+    ones, and would read high);
   * for reference: the raw write at the checkpoint default, under a temporary name, fsynced and committed
     as deepnvme.save commits (rename over the name, fsync of the directory): what atomicity adds to a save;
   * for reference, not bounds: one sync_pread of that file into fresh memory at the checkpoint default
@@ -27,6 +29,7 @@ Contenders, each saving and then loading the same state dict, in an order rotate
 --all adds torch.load(mmap=True) with every page touched, safetensors (when installed), DCP
 FileSystemWriter/Reader and AioStorageWriter/Reader in 2 processes (gloo).
 Loads start from a cold cache: every file of the checkpoint is evicted (fdatasync + fadvise) before it.
+Before every timed operation the garbage collector runs a full collection (see settle()).
 Every load of a whole file includes making its tensors. DCP loads into tensors the caller already has (a
 model's initialized state dict), so its destinations are made and written to (every page touched) before
 the timing, as a model's would be: timing fresh torch.empty destinations would charge DCP the first-touch
@@ -40,6 +43,7 @@ stdout and <out>.md, every sample to <out>.json (default bench/results/ckpt).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -187,12 +191,15 @@ class Contender:
     save: Callable[[dict[str, torch.Tensor], Path], Any] | None  # out of process: returns its seconds
     load: Callable[[Path, Any], Any] | None  # given the path and prepare(shapes), or the shapes
     kind: str  # which checkpoint the load reads: its own save's, or that of the contender of this kind
-    group: str = "main"  # "main" (the table), "grid" (the bound's candidates), "reference"
+    # "main" (the table), "grid" (the bound's candidates, measured in the pilot), "bound" (the pilot's best
+    # point measured again beside the contenders), "reference"
+    group: str = "main"
     samples: dict[str, list[float]] = field(default_factory=lambda: {
         "save": [], "load": [], "save_cpu": [], "load_cpu": [], "save_rss": [], "load_rss": []})
     in_process: bool = True
     # What the load is given, made before the timing (DCP: the caller's existing state dict).
     prepare: Callable[[Shapes], Any] | None = None
+    bound_for: tuple[str, ...] = ()  # group "bound": the operations ("save", "load") it is the bound of
 
 
 def initialized_like_shapes(shapes: Shapes) -> dict[str, torch.Tensor]:
@@ -226,12 +233,11 @@ class LockedBytes:
         self.handle.free_cpu_locked_tensor(self.buffer)
 
 
-def raw_contenders(source: LockedBytes) -> list[Contender]:
-    """The bound's grid: one raw write (+ fsync) and one raw read of the file's bytes per setting, and the
-    reference read into fresh memory at the checkpoint default (reading the default's own grid file)."""
+def raw_grid(source: LockedBytes) -> list[Contender]:
+    """The bound's candidates: one raw write (+ fsync) and one raw read of the file's bytes per setting."""
     from aio_cases import Setting, handle_settings
 
-    from deepnvme._core.handles import CHECKPOINT, new_handle
+    from deepnvme._core.handles import new_handle
 
     engine = source.handle.get_engine()
     out = []
@@ -242,18 +248,42 @@ def raw_contenders(source: LockedBytes) -> list[Contender]:
                 h = new_handle(**handle_settings(engine, depth, threads, block))
                 out.append(Contender(f"raw {point.label()}", raw_write(h, source), raw_read(h, source),
                                      f"raw-{block >> 20}M-{depth}-{threads}", group="grid"))
-    default = f"raw-{CHECKPOINT['block_size'] >> 20}M-{CHECKPOINT['queue_depth']}-" \
-              f"{CHECKPOINT['intra_op_parallelism']}"
+    return out
+
+
+def confirmed_bounds(grid: list[Contender], nbytes: int) -> list[Contender]:
+    """The pilot's best grid point for each operation, as contenders of their own for the measured run.
+
+    The pilot picks the setting; the bound's figure comes from these new samples. Taking the best of a
+    dozen medians as the figure itself would read high: on this host the medians of equal settings spread
+    by a third, and the largest of twelve is the luckiest, not the fastest."""
+    best = {op: bound_of(grid, nbytes, op) for op in ("save", "load")}
+    out = []
+    points = [best["save"]] + ([best["load"]] if best["load"] is not best["save"] else [])
+    for c in points:
+        ops = tuple(op for op in ("save", "load") if best[op] is c)
+        out.append(Contender(f"bound {c.name}", c.save, c.load, f"{c.kind}-bound", group="bound",
+                             bound_for=ops))
+    return out
+
+
+def raw_references(source: LockedBytes) -> list[Contender]:
+    """Raw transfers at the checkpoint default for reference: the write committed atomically, and reads of
+    its file into fresh memory."""
+    from aio_cases import handle_settings
+
+    from deepnvme._core.handles import CHECKPOINT, new_handle
+
+    engine = source.handle.get_engine()
     h = new_handle(**handle_settings(engine, CHECKPOINT["queue_depth"], CHECKPOINT["intra_op_parallelism"],
                                      CHECKPOINT["block_size"]))
-    out.append(Contender("raw write + fsync, then the atomic commit: rename over the name, fsync of the "
-                         "directory (checkpoint default settings)", raw_write(h, source, atomic=True), None,
-                         "raw-atomic", group="reference"))
-    out.append(Contender("raw read into fresh page-aligned memory (checkpoint default settings)", None,
-                         raw_read_fresh(source, 0), default, group="reference"))
-    out.append(Contender("raw read into fresh memory 64 bytes past a page, staged (checkpoint default "
-                         "settings)", None, raw_read_fresh(source, 64), default, group="reference"))
-    return out
+    return [Contender("raw write + fsync, then the atomic commit: rename over the name, fsync of the "
+                      "directory (checkpoint default settings)", raw_write(h, source, atomic=True), None,
+                      "raw-atomic", group="reference"),
+            Contender("raw read into fresh page-aligned memory (checkpoint default settings)", None,
+                      raw_read_fresh(source, 0), "raw-atomic", group="reference"),
+            Contender("raw read into fresh memory 64 bytes past a page, staged (checkpoint default "
+                      "settings)", None, raw_read_fresh(source, 64), "raw-atomic", group="reference")]
 
 
 def raw_write(h: AioHandle, source: LockedBytes, atomic: bool = False
@@ -370,6 +400,7 @@ def rank_main(rank: int, port: int, conn: Any, root: str) -> None:
             mine = halves(shapes)[rank]
             if cmd == "save":
                 sd = make_state(mine)
+                gc.collect()  # see settle()
                 dist.barrier()
                 t0 = time.perf_counter()
                 dcp.save(sd, storage_writer=AioStorageWriter(path))
@@ -378,6 +409,7 @@ def rank_main(rank: int, port: int, conn: Any, root: str) -> None:
                 del sd
             else:
                 sd = initialized_like_shapes(mine)  # the caller's state dict, as for the 1-process contender
+                gc.collect()
                 dist.barrier()
                 t0 = time.perf_counter()
                 dcp.load(sd, storage_reader=AioStorageReader(path))
@@ -449,6 +481,15 @@ class RankPool:
 
 
 # ------------------------------------------------------------------------------------------ the run
+def settle(rest: float) -> None:
+    """Before a timed operation: a full collection of the garbage the operations before it left, then the
+    rest. A full collection of this process's objects takes about 0.2 s on the 2-core VM; without it the
+    collector's thresholds charge it to whichever operation happens to cross them (the Python-heavy loads
+    far more often than a raw transfer), as timeit avoids by switching the collector off."""
+    gc.collect()
+    time.sleep(rest)
+
+
 def measure(c: Contender, sd: dict[str, torch.Tensor], shapes: list, workdir: Path, first: bool,
             rest: float, saved: dict[str, Path], pool: RankPool | None) -> None:
     # pool: the 2-process contender's ranks; told which tensors to make and whether to check them
@@ -458,7 +499,7 @@ def measure(c: Contender, sd: dict[str, torch.Tensor], shapes: list, workdir: Pa
     path = workdir / f"ckpt_{c.kind}{suffix}"
     if c.save is not None:
         remove(path)
-        time.sleep(rest)
+        settle(rest)
         if not c.in_process:
             if pool is not None:
                 pool.shapes, pool.check = shapes, first
@@ -474,7 +515,7 @@ def measure(c: Contender, sd: dict[str, torch.Tensor], shapes: list, workdir: Pa
     if c.load is not None:
         path = saved[c.kind]
         evict(path)
-        time.sleep(rest)
+        settle(rest)
         if not c.in_process:
             c.samples["load"].append(c.load(path, shapes))
             return
@@ -490,6 +531,24 @@ def measure(c: Contender, sd: dict[str, torch.Tensor], shapes: list, workdir: Pa
         if first and got is not None:
             check_state(got, shapes, c.name)
         del got
+
+
+def run_repeats(cs: list[Contender], repeats: int, label: str, sd: dict[str, torch.Tensor], shapes: Shapes,
+                workdir: Path, rest: float, pool: RankPool | None, started: float) -> None:
+    """`repeats` rounds of every contender, grouped by file, the groups' order rotated every round (nobody
+    always goes first); the first round checks what the loads return."""
+    groups = by_file(cs)
+    for rep in range(repeats):
+        for group in groups[rep % len(groups):] + groups[:rep % len(groups)]:
+            saved: dict[str, Path] = {}
+            try:
+                for c in group:
+                    measure(c, sd, shapes, workdir, rep == 0, rest, saved, pool)
+            finally:
+                for p in saved.values():  # one checkpoint on the disk at a time
+                    remove(p)
+        print(f"[{label}] repeat {rep + 1}/{repeats} done at {time.time() - started:.0f} s", file=sys.stderr,
+              flush=True)
 
 
 def by_file(cs: list[Contender]) -> list[list[Contender]]:
@@ -535,10 +594,11 @@ def bound_of(grid: list[Contender], nbytes: int, op: str) -> Contender:
     return max(grid, key=lambda c: median_rate(nbytes, c.samples[op]))
 
 
-def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: int) -> tuple[list[str], dict]:
+def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: int,
+           pilot: int) -> tuple[list[str], dict]:
     """The tables and ratios for one state dict, and the ratios as a record."""
     grid = [c for c in cs if c.group == "grid"]
-    bounds = {op: bound_of(grid, nbytes, op) for op in ("save", "load")}
+    bounds = {op: next(c for c in cs if c.group == "bound" and op in c.bound_for) for op in ("save", "load")}
     lines = [f"### {label}: {nbytes / 1e9:.2f} GB in {count} tensors, {repeats} repeats", "",
              "| contender | save GB/s | save CPU s/GB | load GB/s (cold) | load CPU s/GB | peak extra RSS: "
              "save / load (the loaded state included) |", "| --- | --- | --- | --- | --- | --- |"]
@@ -548,12 +608,16 @@ def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: in
                      f"{cpu_cell(nbytes, c.samples['load_cpu'])} | "
                      f"{mib_cell(c.samples['save_rss'])} / {mib_cell(c.samples['load_rss'])} |")
     w, r = bounds["save"], bounds["load"]
-    lines.append(f"| **bound**: one raw transfer of the file's bytes, locked buffer, best grid point "
-                 f"(write: {w.name[4:]}; read: {r.name[4:]}) | {cell(nbytes, w.samples['save'])} | "
-                 f"{cpu_cell(nbytes, w.samples['save_cpu'])} | {cell(nbytes, r.samples['load'])} | "
-                 f"{cpu_cell(nbytes, r.samples['load_cpu'])} | — |")
-    lines += ["", "The bound's grid (one sync_pwrite + fsync / one sync_pread of the file's bytes), medians:",
-              "",
+    pw, pr = bound_of(grid, nbytes, "save"), bound_of(grid, nbytes, "load")
+    lines.append(f"| **bound**: one raw transfer of the file's bytes, locked buffer, the pilot's best grid "
+                 f"point (write: {w.name[len('bound raw '):]}; read: {r.name[len('bound raw '):]}) | "
+                 f"{cell(nbytes, w.samples['save'])} | {cpu_cell(nbytes, w.samples['save_cpu'])} | "
+                 f"{cell(nbytes, r.samples['load'])} | {cpu_cell(nbytes, r.samples['load_cpu'])} | — |")
+    best_w, best_r = median_rate(nbytes, pw.samples["save"]), median_rate(nbytes, pr.samples["load"])
+    lines += ["", "The bound's grid (one sync_pwrite + fsync / one sync_pread of the file's bytes), medians "
+              f"of the pilot ({pilot} repeats before the run). Its best, {best_w:.2f} write and {best_r:.2f} "
+              "read, picked the setting; the bound is that setting measured again, interleaved with the "
+              "contenders (the largest of twelve noisy medians reads high).", "",
               "| setting | write GB/s | read GB/s |", "| --- | --- | --- |"]
     lines += [f"| {c.name[4:]} | {median_rate(nbytes, c.samples['save']):.2f} | "
               f"{median_rate(nbytes, c.samples['load']):.2f} |" for c in grid]
@@ -605,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=str(ROOT / "_bench_out" / "ckpt"), help="where checkpoints are written")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--pilot", type=int, default=2,
+                    help="repeats of the settings grid that pick the bound's setting, before the run")
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--small", action="store_true", help="GPT-2-small-like (~0.5 GB) and 1 GiB state dicts")
     size.add_argument("--quick", action="store_true", help="the GPT-2-medium-like state dict only")
@@ -614,8 +680,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "ckpt"),
                     help="output prefix (.md, .json)")
     args = ap.parse_args(argv)
-    if args.repeats < 1 or args.rest < 0:
-        ap.error("--repeats must be >= 1 and --rest >= 0")
+    if args.repeats < 1 or args.pilot < 1 or args.rest < 0:
+        ap.error("--repeats and --pilot must be >= 1 and --rest >= 0")
     workdir = Path(args.dir)
     workdir.mkdir(parents=True, exist_ok=True)
 
@@ -641,23 +707,15 @@ def main(argv: list[str] | None = None) -> int:
             locked = LockedBytes(sd, workdir)
             engine = locked.handle.get_engine()
             try:
-                cs = contenders(pool, args.all) + raw_contenders(locked)
-                groups = by_file(cs)
-                for rep in range(args.repeats):
-                    # rotate: nobody always goes first
-                    for group in groups[rep % len(groups):] + groups[:rep % len(groups)]:
-                        saved: dict[str, Path] = {}
-                        try:
-                            for c in group:
-                                measure(c, sd, shapes, workdir, rep == 0, args.rest, saved, pool)
-                        finally:
-                            for p in saved.values():  # one checkpoint on the disk at a time
-                                remove(p)
-                    print(f"[{label}] repeat {rep + 1}/{args.repeats} done at {time.time() - started:.0f} s",
-                          file=sys.stderr, flush=True)
+                grid = raw_grid(locked)
+                run_repeats(grid, args.pilot, f"{label}, pilot", sd, shapes, workdir, args.rest, pool,
+                            started)
+                cs = contenders(pool, args.all) + raw_references(locked) + confirmed_bounds(grid, nbytes)
+                run_repeats(cs, args.repeats, label, sd, shapes, workdir, args.rest, pool, started)
+                cs += grid
             finally:
                 locked.free()
-            table, ratios = report(label, nbytes, len(shapes), cs, args.repeats)
+            table, ratios = report(label, nbytes, len(shapes), cs, args.repeats, args.pilot)
             loads = [round(x, 1) for x in (*load_before, *os.getloadavg())]
             table[2:2] = [f"Load average (1, 5, 15 min) before: {loads[:3]}, after: {loads[3:]}.", ""]
             lines += table
