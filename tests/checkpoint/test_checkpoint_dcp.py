@@ -14,6 +14,8 @@ import dcp_workers
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -399,3 +401,82 @@ def test_save_at_4_load_at_2_resharded(tmp_path: Path) -> None:
 
 def test_async_save_during_training(tmp_path: Path) -> None:
     dcp_workers.run(2, dcp_workers.async_world, str(tmp_path / "c"))
+
+
+class _CountingHandle:
+    """A real handle whose async_pread calls are counted (the reader's requests)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle, self.reads = handle, []
+
+    def async_pread(self, buf: torch.Tensor, fd: int, offset: int) -> int:
+        self.reads.append((offset, buf.numel()))
+        return self.handle.async_pread(buf, fd, offset)
+
+    def wait(self) -> int:
+        return self.handle.wait()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=st.lists(st.tuples(st.integers(-20_000, 40_000), st.integers(0, 30_000)), min_size=1,
+                       max_size=12))
+def test_archive_ends_are_the_files_bytes_whatever_the_layout(tmp_path: Path, handle: Any,
+                                                               layout: list[tuple[int, int]]) -> None:
+    """Archives adjacent, apart, overlapping, empty or larger than a merged read: each one's ends (and the
+    whole of it, where one read holds it) are the file's bytes at its place, and bytes_at never answers
+    for bytes it does not hold."""
+    import deepnvme.checkpoint as backend
+
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    path = tmp_path / "archives"
+    path.write_bytes(data.numpy().tobytes())
+    at, archives = 0, []
+    for step, length in layout:  # a negative step overlaps the archive before
+        at = max(0, at + step)
+        archives.append((at, min(length, data.numel() - at)))
+        at += length
+    counting = _CountingHandle(handle)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        found = backend._queue_edges(counting, fd, archives)
+        counting.wait()
+    finally:
+        os.close(fd)
+    assert len(counting.reads) <= 2 * len(archives)
+    for (offset, length), edges in zip(archives, found):
+        want = data[offset:offset + length]
+        head = min(length, backend.EDGE)
+        assert edges.head.numel() in (head, length)
+        assert torch.equal(edges.head, want[:edges.head.numel()])
+        assert torch.equal(edges.tail, want[edges.tail_at:edges.tail_at + edges.tail.numel()])
+        if edges.head.numel() < length:
+            assert edges.tail_at == max(head, length - backend.EDGE)
+            assert edges.tail_at + edges.tail.numel() == length
+        for a, n in ((0, length), (0, head), (max(0, length - 10), min(10, length)), (head // 2, head)):
+            n = min(n, length - a)  # inside the archive
+            got = edges.bytes_at(a, n)
+            if got is not None:
+                assert torch.equal(got, want[a:a + n])
+            elif edges.head.numel() == length:
+                raise AssertionError(f"the whole archive was read, yet bytes [{a}, {a + n}) are not given")
+
+
+def test_small_items_come_with_the_archive_ends(tmp_path: Path, handle: Any,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small item's payload lies in its archive's ends, read together with its neighbours': it is copied
+    from there, not read again; only the large payloads are requests of their own."""
+
+    g = torch.Generator().manual_seed(4)
+    sd = {}
+    for i in range(6):
+        sd[f"w{i}"] = torch.randn(256, 1024, generator=g)  # 1 MiB: a payload read of its own
+        sd[f"b{i}"] = torch.randn(1024 + i, generator=g)  # 4 KiB: inside its archive's ends
+        sd[f"n{i}"] = torch.randn(3, generator=g)
+    dcp.save(sd, storage_writer=AioStorageWriter(tmp_path / "c"))
+    counting = _CountingHandle(handle)
+    monkeypatch.setattr(AioStorageReader, "handle", property(lambda self: counting))
+    _check(_load(tmp_path / "c", AioStorageReader, sd), sd)
+    payloads = [n for _, n in counting.reads if n == 1 << 20]
+    assert len(payloads) == 6
+    # The ends: one read per run of neighbours, not two per item.
+    assert len(counting.reads) - len(payloads) <= 7, counting.reads
