@@ -535,6 +535,8 @@ class _Edges:
 
     def bytes_at(self, at: int, n: int) -> torch.Tensor | None:
         """Bytes [at, at + n) of the archive when they were read with its ends, else None."""
+        if at < 0 or n < 0:  # a slice would count from the end: bytes of another place
+            return None
         if at + n <= self.head.numel():
             return self.head[at:at + n]
         if at >= self.tail_at and at + n <= self.tail_at + self.tail.numel():

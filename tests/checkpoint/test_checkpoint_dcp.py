@@ -417,12 +417,55 @@ class _CountingHandle:
         return self.handle.wait()
 
 
+def _queued_edges(path: Path, handle: Any, archives: list[tuple[int, int]]) -> tuple[list[Any], list]:
+    """_queue_edges over `archives` of the file at `path` through a real handle, waited for: the edges
+    and the reads it made."""
+    import deepnvme.checkpoint as backend
+
+    counting = _CountingHandle(handle)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        found = backend._queue_edges(counting, fd, archives)
+        counting.wait()
+    finally:
+        os.close(fd)
+    return found, counting.reads
+
+
+def _check_edges(data: torch.Tensor, archives: list[tuple[int, int]], found: list[Any]) -> None:
+    """Each archive's edges hold the file's bytes at its place, and bytes_at answers, with exactly those
+    bytes, for every range its ends hold and for no other: probed at and around every boundary (the
+    start, the head's end, the tail's start, the end, and before the start)."""
+    import deepnvme.checkpoint as backend
+
+    for (offset, length), edges in zip(archives, found):
+        want = data[offset:offset + length]
+        head = min(length, backend.EDGE)
+        assert edges.head.numel() in (head, length)
+        assert torch.equal(edges.head, want[:edges.head.numel()])
+        assert torch.equal(edges.tail, want[edges.tail_at:edges.tail_at + edges.tail.numel()])
+        if edges.head.numel() < length:
+            assert edges.tail_at == max(head, length - backend.EDGE)
+            assert edges.tail_at + edges.tail.numel() == length
+        held = [(0, edges.head.numel()), (edges.tail_at, edges.tail_at + edges.tail.numel())]
+        marks = {0, head, edges.tail_at, length, edges.head.numel()}
+        for a in sorted({m + d for m in marks for d in (-2, -1, 0, 1)}):
+            for n in (0, 1, 2, 17, backend.EDGE):
+                got = edges.bytes_at(a, n)
+                inside = any(lo <= a and a + n <= hi for lo, hi in held) and a >= 0
+                if got is None:
+                    assert not inside, f"bytes [{a}, {a + n}) of a {length}-byte archive are held, not given"
+                else:
+                    assert 0 <= a and a + n <= length, f"bytes [{a}, {a + n}) given, outside the archive"
+                    assert torch.equal(got, want[a:a + n]), (a, n, length)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(layout=st.lists(st.tuples(st.integers(-20_000, 40_000), st.integers(0, 30_000)), min_size=1,
                        max_size=12))
 def test_archive_ends_are_the_files_bytes_whatever_the_layout(tmp_path: Path, handle: Any,
                                                                layout: list[tuple[int, int]]) -> None:
-    """Archives adjacent, apart, overlapping, empty or larger than a merged read: each one's ends (and the
+    """Archives adjacent, apart, overlapping, empty or at the end of the file: each one's ends (and the
     whole of it, where one read holds it) are the file's bytes at its place, and bytes_at never answers
     for bytes it does not hold."""
     import deepnvme.checkpoint as backend
@@ -435,30 +478,33 @@ def test_archive_ends_are_the_files_bytes_whatever_the_layout(tmp_path: Path, ha
         at = max(0, at + step)
         archives.append((at, min(length, data.numel() - at)))
         at += length
-    counting = _CountingHandle(handle)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        found = backend._queue_edges(counting, fd, archives)
-        counting.wait()
-    finally:
-        os.close(fd)
-    assert len(counting.reads) <= 2 * len(archives)
-    for (offset, length), edges in zip(archives, found):
-        want = data[offset:offset + length]
-        head = min(length, backend.EDGE)
-        assert edges.head.numel() in (head, length)
-        assert torch.equal(edges.head, want[:edges.head.numel()])
-        assert torch.equal(edges.tail, want[edges.tail_at:edges.tail_at + edges.tail.numel()])
-        if edges.head.numel() < length:
-            assert edges.tail_at == max(head, length - backend.EDGE)
-            assert edges.tail_at + edges.tail.numel() == length
-        for a, n in ((0, length), (0, head), (max(0, length - 10), min(10, length)), (head // 2, head)):
-            n = min(n, length - a)  # inside the archive
-            got = edges.bytes_at(a, n)
-            if got is not None:
-                assert torch.equal(got, want[a:a + n])
-            elif edges.head.numel() == length:
-                raise AssertionError(f"the whole archive was read, yet bytes [{a}, {a + n}) are not given")
+    archives.append((data.numel() - 5000, 5000))  # one that ends where the file does
+    found, reads = _queued_edges(path, handle, archives)
+    assert len(reads) <= 2 * len(archives)
+    assert all(n <= backend.EDGE_READ_MAX for _, n in reads)
+    _check_edges(data, archives, found)
+
+
+def test_merged_edge_reads_stop_at_their_cap(tmp_path: Path, handle: Any) -> None:
+    """Small archives side by side over more than EDGE_READ_MAX bytes (and the same archive named again
+    and again): the merged reads never pass the cap, never read a byte twice beyond one end's overlap,
+    and every archive's bytes are still right."""
+    import deepnvme.checkpoint as backend
+
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    path = tmp_path / "archives"
+    path.write_bytes(data.numpy().tobytes())
+    # 2.5 MiB of 6000-byte archives (head 4096 bytes, tail 1904): the cap falls between an archive's head
+    # and its tail (archive 174's), whose ends then come from two reads.
+    archives = [(at, 6000) for at in range(0, (5 << 20) // 2, 6000)]
+    small = len(archives)
+    archives += [(1 << 20, 1 << 20)] * 1000  # one 1 MiB range named a thousand times
+    found, reads = _queued_edges(path, handle, archives)
+    assert all(n <= backend.EDGE_READ_MAX for _, n in reads), sorted(n for _, n in reads)[-3:]
+    # Three reads of at most 1 MiB, overlapping by less than an end: a range named many times is read once.
+    assert len(reads) == 3 and sum(n for _, n in reads) <= (5 << 20) // 2 + 2 * backend.EDGE, reads
+    assert found[174].head.numel() == backend.EDGE  # split by the cap
+    _check_edges(data, archives[:small + 2], found[:small + 2])
 
 
 def test_small_items_come_with_the_archive_ends(tmp_path: Path, handle: Any,
