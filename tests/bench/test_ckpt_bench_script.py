@@ -55,3 +55,36 @@ def test_one_point_best_at_both_is_one_bound() -> None:
             contender("raw bs 4M QD32 x1", "raw-4M-32-1", [0.5] * 2, [0.5] * 2, "grid")]
     bounds = ckpt_bench.confirmed_bounds(grid, GB)
     assert [(b.name, b.bound_for) for b in bounds] == [("bound raw bs 4M QD32 x1", ("save", "load"))]
+
+
+def test_the_write_bound_reads_nothing_and_the_read_bound_writes_its_own_file() -> None:
+    """Two points: the write's bound is not also timed reading (a cold read nobody reports), the read's
+    bound writes the file it reads."""
+    def write(sd: dict, path: Path) -> None: ...
+
+    def read(path: Path, shapes: list) -> None: ...
+
+    grid = [contender("raw bs 1M QD32 x1", "raw-1M-32-1", [1.0], [0.25], "grid"),
+            contender("raw bs 8M QD32 x2", "raw-8M-32-2", [0.5], [0.5], "grid")]
+    for c in grid:
+        c.save, c.load = write, read
+    save_bound, load_bound = ckpt_bench.confirmed_bounds(grid, GB)
+    assert (save_bound.bound_for, save_bound.save, save_bound.load) == (("save",), write, None)
+    assert (load_bound.bound_for, load_bound.save, load_bound.load) == (("load",), write, read)
+    (both,) = ckpt_bench.confirmed_bounds(grid[1:], GB)
+    assert (both.bound_for, both.save, both.load) == (("save", "load"), write, read)
+    groups = ckpt_bench.by_file([*ckpt_bench.confirmed_bounds(grid, GB)])
+    assert [[c.name for c in g] for g in groups] == [["bound raw bs 8M QD32 x2"], ["bound raw bs 1M QD32 x1"]]
+
+
+def test_the_json_says_which_samples_are_the_pilots_and_which_the_bound() -> None:
+    grid = [contender("raw bs 1M QD32 x1", "raw-1M-32-1", [1.0], [0.25], "grid")]
+    bound = ckpt_bench.confirmed_bounds(grid, GB)
+    ours = contender("deepnvme.save / deepnvme.load", "deepnvme", [0.5], [0.5])
+    record = ckpt_bench.contenders_record([ours, *bound, *grid])
+    assert record["raw bs 1M QD32 x1"]["group"] == "grid"
+    assert record["raw bs 1M QD32 x1"]["save"] == [1.0]
+    assert record["bound raw bs 1M QD32 x1"]["group"] == "bound"
+    assert record["bound raw bs 1M QD32 x1"]["bound_for"] == ["save", "load"]
+    assert record["deepnvme.save / deepnvme.load"]["group"] == "main"
+    assert "bound_for" not in record["deepnvme.save / deepnvme.load"]
