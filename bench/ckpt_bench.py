@@ -17,9 +17,9 @@ Contenders, each saving and then loading the same state dict, in an order rotate
     the point with the best median of each operation is then measured again in the run, interleaved with
     the contenders, and those samples are the bound (the pilot's best median is the largest of twelve noisy
     ones, and would read high);
-  * for reference: the raw write at the checkpoint default, under a temporary name, fsynced and committed
+  * for reference: the raw write with deepnvme.save's handle, under a temporary name, fsynced and committed
     as deepnvme.save commits (rename over the name, fsync of the directory): what atomicity adds to a save;
-  * for reference, not bounds: one sync_pread of that file into fresh memory at the checkpoint default
+  * for reference, not bounds: one sync_pread of that file into fresh memory with that handle
     (what any load that returns new tensors pays: the memory's first-touch faults), page-aligned (read
     O_DIRECT into it, the pages faulted by the reads) and 64 bytes past a page (where torch's allocator
     puts a tensor: the handle reads into its locked staging pool and its worker threads copy out, faulting
@@ -278,22 +278,16 @@ def contenders_record(cs: list[Contender]) -> dict[str, Any]:
 
 
 def raw_references(source: LockedBytes) -> list[Contender]:
-    """Raw transfers at the checkpoint default for reference: the write committed atomically, and reads of
-    its file into fresh memory."""
-    from aio_cases import handle_settings
-
-    from deepnvme._core.handles import CHECKPOINT, new_handle
-
-    engine = source.handle.get_engine()
-    h = new_handle(**handle_settings(engine, CHECKPOINT["queue_depth"], CHECKPOINT["intra_op_parallelism"],
-                                     CHECKPOINT["block_size"]))
+    """Raw transfers with deepnvme.save's own handle for reference (the checkpoint default, or the
+    directory's tuned settings: the ratios to deepnvme.save/load compare like with like): the write
+    committed atomically, and reads of its file into fresh memory."""
     return [Contender("raw write + fsync, then the atomic commit: rename over the name, fsync of the "
-                      "directory (checkpoint default settings)", raw_write(h, source, atomic=True), None,
+                      "directory (checkpoint handle)", raw_write(source.handle, source, atomic=True), None,
                       "raw-atomic", group="reference"),
-            Contender("raw read into fresh page-aligned memory (checkpoint default settings)", None,
+            Contender("raw read into fresh page-aligned memory (checkpoint handle)", None,
                       raw_read_fresh(source, 0), "raw-atomic", group="reference"),
-            Contender("raw read into fresh memory 64 bytes past a page, staged (checkpoint default "
-                      "settings)", None, raw_read_fresh(source, 64), "raw-atomic", group="reference")]
+            Contender("raw read into fresh memory 64 bytes past a page, staged (checkpoint handle)", None,
+                      raw_read_fresh(source, 64), "raw-atomic", group="reference")]
 
 
 def raw_write(h: AioHandle, source: LockedBytes, atomic: bool = False

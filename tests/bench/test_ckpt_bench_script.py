@@ -88,3 +88,27 @@ def test_the_json_says_which_samples_are_the_pilots_and_which_the_bound() -> Non
     assert record["bound raw bs 1M QD32 x1"]["bound_for"] == ["save", "load"]
     assert record["deepnvme.save / deepnvme.load"]["group"] == "main"
     assert "bound_for" not in record["deepnvme.save / deepnvme.load"]
+
+
+def test_the_references_use_the_handle_deepnvme_save_uses(tmp_path: Path) -> None:
+    """With a tuned file in the checkpoint directory, the raw write committed atomically (the measure of
+    what atomicity adds to deepnvme.save) moves the bytes with deepnvme.save's handle, not the built-in
+    settings."""
+    import json
+
+    import torch
+
+    from deepnvme._core.handles import TUNED_FILE, checkpoint_handle
+
+    (tmp_path / TUNED_FILE).write_text(json.dumps({"block_size": 2 << 20, "queue_depth": 8,
+                                                   "intra_op_parallelism": 1}))
+    locked = ckpt_bench.LockedBytes({"w": torch.arange(1000, dtype=torch.float32)}, tmp_path)
+    try:
+        atomic, *_ = ckpt_bench.raw_references(locked)
+        atomic.save({}, tmp_path / "raw.bin")
+        assert (tmp_path / "raw.bin").read_bytes() == locked.buffer.numpy().tobytes()
+        h = atomic.save.__closure__[[n for n in atomic.save.__code__.co_freevars].index("h")].cell_contents
+        assert h is checkpoint_handle(tmp_path)
+        assert (h.get_block_size(), h.get_queue_depth()) == (2 << 20, 8)
+    finally:
+        locked.free()
