@@ -1,5 +1,5 @@
-"""bench/ckpt_bench.py: the pilot's best grid point of each operation is measured again as the bound, and
-ratios are taken to those new samples. Nothing here is timed: the samples are made up."""
+"""bench/ckpt_bench.py: the pilot's best grid points of each operation are measured again, the best of those
+new samples is the bound, and ratios are taken to it. Nothing here is timed: the samples are made up."""
 
 from __future__ import annotations
 
@@ -23,62 +23,74 @@ def contender(name: str, kind: str, save: list[float], load: list[float],
     return c
 
 
-def test_bound_is_the_pilots_best_point_measured_again_and_ratios_use_it() -> None:
-    grid = [contender("raw bs 1M QD32 x1", "raw-1M-32-1", [1.0, 1.0, 1.0], [0.25, 0.25, 0.25], "grid"),
-            contender("raw bs 8M QD32 x2", "raw-8M-32-2", [0.5, 0.6, 0.4], [0.5, 0.5, 0.5], "grid")]
-    assert ckpt_bench.bound_of(grid, 2 * GB, "save") is grid[1]  # 4 GB/s write in the pilot
-    assert ckpt_bench.bound_of(grid, 2 * GB, "load") is grid[0]  # 8 GB/s read in the pilot
+def grid_of(save: list[float], load: list[float]) -> list[ckpt_bench.Contender]:
+    """One grid point per (save seconds, load seconds) pair, in the pilot."""
+    return [contender(f"raw bs {i + 1}M QD32 x1", f"raw-{i + 1}M-32-1", [w], [r], "grid")
+            for i, (w, r) in enumerate(zip(save, load))]
+
+
+def rerun(c: ckpt_bench.Contender, save: float, load: float) -> None:
+    """The run's samples of a candidate (3 alike), 0.1 / 0.2 CPU-s each."""
+    c.samples["save"], c.samples["load"] = [save] * 3, [load] * 3
+    c.samples["save_cpu"], c.samples["load_cpu"] = [0.1] * 3, [0.2] * 3
+
+
+def test_bound_is_the_best_candidate_measured_again_and_ratios_use_it() -> None:
+    # Pilot (2 GB): writes 2, 4, 2.5, 1, 3.2 GB/s; reads 8, 4, 2, 5, 6.4 GB/s.
+    grid = grid_of([1.0, 0.5, 0.8, 2.0, 0.625], [0.25, 0.5, 1.0, 0.4, 0.3125])
     bounds = ckpt_bench.confirmed_bounds(grid, 2 * GB)
+    # The 3 best of each operation: writes 2M, 5M, 3M; reads 1M, 5M, 4M.
     assert [(b.name, b.bound_for, b.group) for b in bounds] == [
-        ("bound raw bs 8M QD32 x2", ("save",), "bound"), ("bound raw bs 1M QD32 x1", ("load",), "bound")]
-    assert bounds[0].kind != grid[1].kind  # a file of its own
-    # Measured again beside the contenders: slower than the pilot's luckiest medians.
-    bounds[0].samples["save"], bounds[0].samples["load"] = [0.625, 0.625, 0.625], [0.4, 0.4, 0.4]
-    bounds[1].samples["save"], bounds[1].samples["load"] = [2.0, 2.0, 2.0], [0.4, 0.4, 0.4]
-    for b in bounds:
-        b.samples["save_cpu"], b.samples["load_cpu"] = [0.1] * 3, [0.2] * 3
+        ("bound raw bs 1M QD32 x1", ("load",), "bound"), ("bound raw bs 2M QD32 x1", ("save",), "bound"),
+        ("bound raw bs 3M QD32 x1", ("save",), "bound"), ("bound raw bs 4M QD32 x1", ("load",), "bound"),
+        ("bound raw bs 5M QD32 x1", ("save", "load"), "bound")]
+    assert all(b.kind != g.kind for b in bounds for g in grid)  # files of their own
+    # Measured again beside the contenders: the pilot's best are not the run's best, and all read lower.
+    for b, (w, r) in zip(bounds, [(2.0, 0.4), (1.0, 1.0), (0.625, 1.0), (1.0, 0.5), (0.8, 0.5)]):
+        rerun(b, w, r)
     ours = contender("deepnvme.save / deepnvme.load", "deepnvme", [0.625, 0.625, 0.625], [0.5, 0.5, 0.5])
     lines, ratios = ckpt_bench.report("sd", 2 * GB, 3, [ours, *bounds, *grid], 3, 2)
-    assert ratios["deepnvme.save / bound write"] == 1.0  # against 3.2 GB/s, not the pilot's 4
-    assert ratios["deepnvme.load / bound read"] == 0.8  # against 5 GB/s, not the pilot's 8
+    assert ratios["deepnvme.save / bound write"] == 1.0  # against 3M's 3.2 GB/s in the run, not 4 (pilot)
+    assert ratios["deepnvme.load / bound read"] == 0.8  # against 1M's 5 GB/s in the run, not 8 (pilot)
     text = "\n".join(lines)
-    assert "best grid point (write: bs 8M QD32 x2; read: bs 1M QD32 x1) | 3.20 (3.20–3.20)" in text
-    assert "Its best, 4.00 write and 8.00 read, picked the setting" in text
+    assert "measured again (write: bs 3M QD32 x1; read: bs 1M QD32 x1) | 3.20 (3.20–3.20)" in text
+    assert "| bs 1M QD32 x1 | — | 8.00 → 5.00 |" in text
+    assert "| bs 5M QD32 x1 | 3.20 → 2.50 | 6.40 → 4.00 |" in text
     assert "deepnvme.save / bound write: 1.00× (per-repeat 1.00×; target ≥ 0.9×: met)" in text
     assert "deepnvme.load / bound read: 0.80× (per-repeat 0.80×; target ≥ 0.9×: NOT met)" in text
     assert "| deepnvme.save / deepnvme.load | 3.20 (3.20–3.20) | 0.05 | 4.00 (4.00–4.00) | 0.10 |" in text
-    assert "| bs 1M QD32 x1 | 2.00 | 8.00 |" in text  # the pilot's grid table
+    assert "| bs 2M QD32 x1 | 4.00 | 4.00 |" in text  # the pilot's grid table
 
 
-def test_one_point_best_at_both_is_one_bound() -> None:
-    grid = [contender("raw bs 1M QD32 x1", "raw-1M-32-1", [1.0] * 2, [1.0] * 2, "grid"),
-            contender("raw bs 4M QD32 x1", "raw-4M-32-1", [0.5] * 2, [0.5] * 2, "grid")]
-    bounds = ckpt_bench.confirmed_bounds(grid, GB)
-    assert [(b.name, b.bound_for) for b in bounds] == [("bound raw bs 4M QD32 x1", ("save", "load"))]
+def test_one_point_best_at_both_is_one_candidate() -> None:
+    grid = grid_of([0.5, 1.0], [0.5, 1.0])
+    bounds = ckpt_bench.confirmed_bounds(grid[:1], GB)
+    assert [(b.name, b.bound_for) for b in bounds] == [("bound raw bs 1M QD32 x1", ("save", "load"))]
 
 
-def test_the_write_bound_reads_nothing_and_the_read_bound_writes_its_own_file() -> None:
-    """Two points: the write's bound is not also timed reading (a cold read nobody reports), the read's
-    bound writes the file it reads."""
+def test_write_candidates_read_nothing_and_read_candidates_write_their_own_file() -> None:
+    """A write's candidate is not also timed reading (a cold read nobody reports); a read's candidate writes
+    the file it reads."""
     def write(sd: dict, path: Path) -> None: ...
 
     def read(path: Path, shapes: list) -> None: ...
 
-    grid = [contender("raw bs 1M QD32 x1", "raw-1M-32-1", [1.0], [0.25], "grid"),
-            contender("raw bs 8M QD32 x2", "raw-8M-32-2", [0.5], [0.5], "grid")]
+    # Pilot: writes best at 1M-4M, reads best at 5M-8M (each set of CANDIDATES = 3 plus spares).
+    grid = grid_of([0.5, 0.5, 0.5, 0.6, 2.0, 2.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0, 0.5, 0.5, 0.5, 0.6])
     for c in grid:
         c.save, c.load = write, read
-    save_bound, load_bound = ckpt_bench.confirmed_bounds(grid, GB)
-    assert (save_bound.bound_for, save_bound.save, save_bound.load) == (("save",), write, None)
-    assert (load_bound.bound_for, load_bound.save, load_bound.load) == (("load",), write, read)
-    (both,) = ckpt_bench.confirmed_bounds(grid[1:], GB)
-    assert (both.bound_for, both.save, both.load) == (("save", "load"), write, read)
-    groups = ckpt_bench.by_file([*ckpt_bench.confirmed_bounds(grid, GB)])
-    assert [[c.name for c in g] for g in groups] == [["bound raw bs 8M QD32 x2"], ["bound raw bs 1M QD32 x1"]]
+    bounds = ckpt_bench.confirmed_bounds(grid, GB)
+    assert [(b.name[len("bound raw bs "):], b.bound_for) for b in bounds] == [
+        ("1M QD32 x1", ("save",)), ("2M QD32 x1", ("save",)), ("3M QD32 x1", ("save",)),
+        ("5M QD32 x1", ("load",)), ("6M QD32 x1", ("load",)), ("7M QD32 x1", ("load",))]
+    assert all((b.save, b.load) == (write, None) for b in bounds[:3])
+    assert all((b.save, b.load) == (write, read) for b in bounds[3:])
+    groups = ckpt_bench.by_file(bounds)
+    assert [[c.name for c in g] for g in groups] == [[b.name] for b in bounds]
 
 
 def test_the_json_says_which_samples_are_the_pilots_and_which_the_bound() -> None:
-    grid = [contender("raw bs 1M QD32 x1", "raw-1M-32-1", [1.0], [0.25], "grid")]
+    grid = grid_of([1.0], [0.25])
     bound = ckpt_bench.confirmed_bounds(grid, GB)
     ours = contender("deepnvme.save / deepnvme.load", "deepnvme", [0.5], [0.5])
     record = ckpt_bench.contenders_record([ours, *bound, *grid])
