@@ -191,8 +191,8 @@ class Contender:
     save: Callable[[dict[str, torch.Tensor], Path], Any] | None  # out of process: returns its seconds
     load: Callable[[Path, Any], Any] | None  # given the path and prepare(shapes), or the shapes
     kind: str  # which checkpoint the load reads: its own save's, or that of the contender of this kind
-    # "main" (the table), "grid" (the bound's candidates, measured in the pilot), "bound" (the pilot's best
-    # point measured again beside the contenders), "reference"
+    # "main" (the table), "grid" (measured in the pilot), "bound" (one of the pilot's best points, measured
+    # again beside the contenders), "reference"
     group: str = "main"
     samples: dict[str, list[float]] = field(default_factory=lambda: {
         "save": [], "load": [], "save_cpu": [], "load_cpu": [], "save_rss": [], "load_rss": []})
@@ -412,7 +412,7 @@ def rank_main(rank: int, port: int, conn: Any, root: str) -> None:
             mine = halves(shapes)[rank]
             if cmd == "save":
                 sd = make_state(mine)
-                gc.collect()  # see settle()
+                settle(0)
                 dist.barrier()
                 t0 = time.perf_counter()
                 dcp.save(sd, storage_writer=AioStorageWriter(path))
@@ -421,7 +421,7 @@ def rank_main(rank: int, port: int, conn: Any, root: str) -> None:
                 del sd
             else:
                 sd = initialized_like_shapes(mine)  # the caller's state dict, as for the 1-process contender
-                gc.collect()
+                settle(0)
                 dist.barrier()
                 t0 = time.perf_counter()
                 dcp.load(sd, storage_reader=AioStorageReader(path))

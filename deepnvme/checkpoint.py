@@ -547,22 +547,19 @@ class _Edges:
 def _queue_edges(handle: AioHandle, fd: int, archives: Sequence[tuple[int, int]]) -> list[_Edges]:
     """Queue the reads of the two ends of each archive (offset, length) of one file, in file order, ends that
     lie within EDGE_GAP of each other read together; their _Edges, in the order of `archives`."""
+    tails_at = [max(min(length, EDGE), length - EDGE) for _, length in archives]  # within each archive
     ends: list[tuple[int, int, int]] = []  # (file start, file end, 2 * archive + (0 head, 1 tail))
-    for i, (offset, length) in enumerate(archives):
-        head = min(length, EDGE)
-        tail_at = max(head, length - EDGE)
-        ends += [(offset, offset + head, 2 * i), (offset + tail_at, offset + length, 2 * i + 1)]
+    for i, ((offset, length), tail_at) in enumerate(zip(archives, tails_at)):
+        ends += [(offset, offset + min(length, EDGE), 2 * i), (offset + tail_at, offset + length, 2 * i + 1)]
     ends.sort()
-    runs: list[tuple[int, int, list[tuple[int, int, int]]]] = []
+    runs: list[list[Any]] = []  # [file start, file end, the ends read together]
     for end in ends:
         if runs and end[0] - runs[-1][1] <= EDGE_GAP and end[1] - runs[-1][0] <= EDGE_READ_MAX:
-            start, stop, members = runs[-1]
-            members.append(end)
-            runs[-1] = (start, max(stop, end[1]), members)
+            runs[-1][1] = max(runs[-1][1], end[1])
+            runs[-1][2].append(end)
         else:
-            runs.append((end[0], end[1], [end]))
-    # Each end's read: (buffer, start and stop within it).
-    placed: list[tuple[torch.Tensor, int, int]] = [(_NOTHING, 0, 0)] * (2 * len(archives))
+            runs.append([end[0], end[1], [end]])
+    placed: dict[int, tuple[torch.Tensor, int, int]] = {}  # each end: its read's buffer, start and stop in it
     for start, stop, members in runs:
         buf = torch.empty(stop - start, dtype=torch.uint8)
         if buf.numel():
@@ -570,16 +567,13 @@ def _queue_edges(handle: AioHandle, fd: int, archives: Sequence[tuple[int, int]]
         for a, b, which in members:
             placed[which] = (buf, a - start, b - start)
     found = []
-    for i, (_, length) in enumerate(archives):
+    for i, ((_, length), tail_at) in enumerate(zip(archives, tails_at)):
         (hbuf, ha, hb), (tbuf, ta, tb) = placed[2 * i], placed[2 * i + 1]
-        if hbuf is tbuf and tb - ha == length:  # both ends in one read: so is all between them
+        if hbuf is tbuf:  # both ends in one read: so is all between them
             found.append(_Edges(hbuf[ha:tb], tbuf[tb:tb], length))
         else:
-            found.append(_Edges(hbuf[ha:hb], tbuf[ta:tb], max(hb - ha, length - EDGE)))
+            found.append(_Edges(hbuf[ha:hb], tbuf[ta:tb], tail_at))
     return found
-
-
-_NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
 @dataclasses.dataclass
