@@ -73,6 +73,10 @@ PREFETCH_OWN_BYTES = 64 << 10
 # batches read slower (each hand-over between the two handles thins the disk's queue), larger ones leave
 # more CRC work after the last read; of 64 MiB to 512 MiB, this size came closest to the raw read.
 BATCH_BYTES = 256 << 20
+# The batches shrink towards the end of the file, each at most half of what is left to read and at least
+# this: the CRCs of the last batch are checked after every read has ended, and a short last batch leaves
+# little of that work on the clock.
+TAIL_BATCH_BYTES = 16 << 20
 # Whether load places each large payload's memory off its file offset's page residue (by STAGED_SHIFT
 # bytes), so that the handle reads it through its locked staging pool and its worker threads copy it into
 # place, rather than O_DIRECT straight into it. A fresh storage's pages are made by whoever touches them
@@ -662,15 +666,12 @@ class _Prefetched:
         self._scratch_mem = memory_of(self._scratch)
         pieces += [_Piece(a, self._scratch[s:s + b - a]) for a, b, s in self._gap_at]
         pieces.sort(key=lambda p: p.offset)
-        batch, filled = 0, 0
-        for p in pieces:
-            if filled >= BATCH_BYTES:
-                batch, filled = batch + 1, 0
+        batches = _batches([p.tensor.numel() for p in pieces])
+        for p, batch in zip(pieces, batches):
             p.batch = batch
-            filled += p.tensor.numel()
         # What to finish after each batch: the members whose last byte it read.
         ends = [p.offset + p.tensor.numel() for p in pieces]
-        finish: list[list[Record]] = [[] for _ in range(batch + 1)]
+        finish: list[list[Record]] = [[] for _ in range(batches[-1] + 1 if batches else 1)]
         for r in ordered:
             if r.size and (verify and r.crc is not None or r.offset in self._tensors or r.header_offset >= 0):
                 finish[pieces[bisect.bisect_left(ends, r.end)].batch].append(r)
@@ -777,6 +778,25 @@ class _Prefetched:
         if offset + n > b:
             return None
         return self._scratch_mem[s + offset - a:s + offset - a + n]
+
+
+def _batches(sizes: list[int]) -> list[int]:
+    """The batch of each of load's reads (of `sizes` bytes, in file order): a batch ends once it holds
+    BATCH_BYTES, or half of what was left to read when it began, whichever is less, but TAIL_BATCH_BYTES
+    at least."""
+    def limit(left: int) -> int:
+        return min(BATCH_BYTES, max(TAIL_BATCH_BYTES, left // 2))
+
+    left = sum(sizes)
+    out = []
+    batch, filled, full = 0, 0, limit(left)
+    for n in sizes:
+        if filled >= full:
+            batch, filled, full = batch + 1, 0, limit(left)
+        out.append(batch)
+        filled += n
+        left -= n
+    return out
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:

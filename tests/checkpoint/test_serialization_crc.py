@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import deepnvme
 from deepnvme import serialization
@@ -265,3 +267,23 @@ def test_many_read_batches_on_two_handles(tmp_path: Path, aio_module: ModuleType
     else:
         got = deepnvme.load(path)
         assert all(torch.equal(got[k], obj[k]) for k in obj)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 64 << 20), min_size=1, max_size=60), st.sampled_from([1 << 20, 256 << 20]))
+def test_read_batches_shrink_towards_the_end(sizes: list[int], batch_bytes: int) -> None:
+    """Load's reads in batches: in file order, each batch at most BATCH_BYTES before its last read, and the
+    last one short (at most TAIL_BATCH_BYTES before its last read, or mostly that one read), so that little
+    CRC checking is left once every read has ended."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(serialization, "BATCH_BYTES", batch_bytes)
+        got = serialization._batches(sizes)
+    assert got[0] == 0 and all(b - a in (0, 1) for a, b in zip(got, got[1:]))
+    per: dict[int, list[int]] = {}
+    for n, b in zip(sizes, got):
+        per.setdefault(b, []).append(n)
+    tail = serialization.TAIL_BATCH_BYTES
+    for members in per.values():
+        assert sum(members[:-1]) < batch_bytes
+    last = per[got[-1]]
+    assert sum(last[:-1]) < tail or last[-1] > sum(last) // 2
