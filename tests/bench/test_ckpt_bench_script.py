@@ -124,3 +124,34 @@ def test_the_references_use_the_handle_deepnvme_save_uses(tmp_path: Path) -> Non
         assert (h.get_block_size(), h.get_queue_depth()) == (2 << 20, 8)
     finally:
         locked.free()
+
+
+def test_the_load_into_memory_made_before_uses_that_memory_and_loads_exactly(tmp_path: Path) -> None:
+    """The reference load whose memory exists before the clock: every large payload lands in the memory
+    made for it (so the row measures a load without making memory), the state dict loads exactly, and
+    deepnvme.load makes its own memory again afterwards."""
+    import deepnvme
+    from deepnvme import serialization
+
+    shapes = [("a", (300, 1000)), ("b", (40,)), ("c", (512, 1024)), ("d", (300, 1000))]
+    sd = ckpt_bench.make_state(shapes)
+    path = tmp_path / "m.pt"
+    deepnvme.save(sd, path)
+    (made_before,) = [c for c in ckpt_bench.contenders(None, False) if c.name == ckpt_bench.MADE_BEFORE]
+    pool = made_before.prepare(shapes)
+    blocks = [b for bs in pool.values() for b in bs]
+    spans = []
+    for b in blocks:
+        start = ckpt_bench.torch.frombuffer(b, dtype=ckpt_bench.torch.uint8).data_ptr()
+        spans.append((start, start + len(b)))
+    got = made_before.load(path, pool)
+    ckpt_bench.check_state(got, shapes, made_before.name)
+    large = [k for k, t in got.items() if t.nbytes >= serialization.PREFETCH_OWN_BYTES]
+    assert large == ["a", "c", "d"]
+    for k in large:
+        p = got[k].data_ptr()
+        assert any(a <= p < e for a, e in spans), k
+    assert sum(map(len, pool.values())) == 1  # the small tensor's block, unused
+    assert serialization._payload_memory.__name__ == "_payload_memory"
+    again = deepnvme.load(path)
+    assert not any(a <= again["a"].data_ptr() < e for a, e in spans)
