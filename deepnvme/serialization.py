@@ -70,8 +70,8 @@ READ_CHUNK_BYTES = 4 << 20
 # one scratch buffer): a page of alignment slack is small beside them.
 PREFETCH_OWN_BYTES = 64 << 10
 # Bytes per batch of load's reads: the CRCs of one batch are checked while the next is read. Smaller
-# batches read slower (each hand-over between the two handles thins the disk's queue), larger ones leave
-# more CRC work after the last read; of 64 MiB to 512 MiB, this size came closest to the raw read.
+# batches read slower (each hand-over between the two handles thins the disk's queue), larger ones start
+# the checking later; of 64 MiB to 512 MiB, this size came closest to the raw read.
 BATCH_BYTES = 256 << 20
 # The batches shrink towards the end of the file, each at most half of what is left to read and at least
 # this: the CRCs of the last batch are checked after every read has ended, and a short last batch leaves
