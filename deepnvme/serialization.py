@@ -73,9 +73,10 @@ PREFETCH_OWN_BYTES = 64 << 10
 # batches read slower (each hand-over between the two handles thins the disk's queue), larger ones start
 # the checking later; of 64 MiB to 512 MiB, this size came closest to the raw read.
 BATCH_BYTES = 256 << 20
-# The batches shrink towards the end of the file, each at most half of what is left to read and at least
-# this: the CRCs of the last batch are checked after every read has ended, and a short last batch leaves
-# little of that work on the clock.
+# The batches shrink towards the end of the file (see _batches: a batch ends once it holds half of what was
+# left when it began, but this at least): the CRCs of the last batch are checked after every read has
+# ended, and a short last batch leaves little of that work on the clock. Reads are never split, so a file
+# that ends in payloads of BATCH_BYTES or more keeps its last one whole.
 TAIL_BATCH_BYTES = 16 << 20
 # Whether load places each large payload's memory off its file offset's page residue (by STAGED_SHIFT
 # bytes), so that the handle reads it through its locked staging pool and its worker threads copy it into

@@ -250,10 +250,11 @@ class Opaque:
 @pytest.mark.parametrize("damaged", [False, True])
 def test_many_read_batches_on_two_handles(tmp_path: Path, aio_module: ModuleType,
                                           monkeypatch: pytest.MonkeyPatch, damaged: bool) -> None:
-    """Batches far smaller than the payloads: the reads alternate between the default handle and this
-    thread's second one, each batch's CRCs are checked while the next is read, a damaged member stops
-    the load with its name, and an intact file loads exactly."""
+    """Batches far smaller than the payloads, shrinking towards the end: the reads alternate between the
+    default handle and this thread's second one, each batch's CRCs are checked while the next is read, a
+    damaged member stops the load with its name, and an intact file loads exactly."""
     monkeypatch.setattr(serialization, "BATCH_BYTES", 16 * PAGE)
+    monkeypatch.setattr(serialization, "TAIL_BATCH_BYTES", 2 * PAGE)  # and shrinking towards the end
     obj = {f"w{i}": torch.randn(BIG // 4 + 1000 * i) for i in range(6)} | {"s": torch.arange(9)}
     path = tmp_path / "m.pt"
     deepnvme.save(obj, path)
@@ -272,18 +273,25 @@ def test_many_read_batches_on_two_handles(tmp_path: Path, aio_module: ModuleType
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(1, 64 << 20), min_size=1, max_size=60), st.sampled_from([1 << 20, 256 << 20]))
 def test_read_batches_shrink_towards_the_end(sizes: list[int], batch_bytes: int) -> None:
-    """Load's reads in batches: in file order, each batch at most BATCH_BYTES before its last read, and the
-    last one short (at most TAIL_BATCH_BYTES before its last read, or mostly that one read), so that little
-    CRC checking is left once every read has ended."""
+    """Load's reads in batches, in file order: a batch ends with the read that brings it to BATCH_BYTES or
+    half of what was left when it began, whichever is less, but TAIL_BATCH_BYTES at least; so the last one
+    is short (under TAIL_BATCH_BYTES before its last read, or mostly that one read) and little CRC checking
+    is left once every read has ended."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(serialization, "BATCH_BYTES", batch_bytes)
         got = serialization._batches(sizes)
+        assert serialization._batches([]) == []
     assert got[0] == 0 and all(b - a in (0, 1) for a, b in zip(got, got[1:]))
     per: dict[int, list[int]] = {}
     for n, b in zip(sizes, got):
         per.setdefault(b, []).append(n)
     tail = serialization.TAIL_BATCH_BYTES
-    for members in per.values():
-        assert sum(members[:-1]) < batch_bytes
+    left = sum(sizes)
+    for b, members in sorted(per.items()):
+        limit = min(batch_bytes, max(tail, left // 2))
+        assert sum(members[:-1]) < limit
+        if b != got[-1]:
+            assert sum(members) >= limit
+        left -= sum(members)
     last = per[got[-1]]
     assert sum(last[:-1]) < tail or last[-1] > sum(last) // 2
