@@ -387,7 +387,7 @@ def contenders(pool: RankPool | None, every: bool) -> list[Contender]:
             return torch.frombuffer(pool[nbytes].pop(), dtype=torch.uint8, count=nbytes, offset=residue)
 
         original = serialization._payload_memory
-        serialization._payload_memory = take
+        serialization._payload_memory = lambda: take
         try:
             return deepnvme.load(path)
         finally:

@@ -43,7 +43,7 @@ import pickle
 import stat
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -645,11 +645,12 @@ class _Prefetched:
         pieces: list[_Piece] = []
         gaps: list[tuple[int, int]] = []  # file ranges read into scratch
         at = 0
+        new_memory = _payload_memory()
         for r in large:
             body_start, body_end = round_up(r.offset), r.end // PAGE * PAGE
             if body_start > at:
                 gaps.append((at, body_start))
-            tensor = _payload_memory(r.size, (r.offset + STAGED_SHIFT * STAGE_PAYLOADS) % PAGE)
+            tensor = new_memory(r.size, (r.offset + STAGED_SHIFT * STAGE_PAYLOADS) % PAGE)
             self._tensors[r.offset] = tensor
             pieces.append(_Piece(body_start, tensor[body_start - r.offset:body_end - r.offset]))
             at = body_end
@@ -780,11 +781,12 @@ class _Prefetched:
         return self._scratch_mem[s + offset - a:s + offset - a + n]
 
 
-def _payload_memory(nbytes: int, residue: int) -> Any:
-    """New memory for one large payload of load: a uint8 tensor whose storage holds exactly `nbytes`,
-    starting `residue` bytes past a page. A function of its own so that bench/ckpt_bench.py can hand load
-    memory made before its clock starts, and so measure what making new memory costs a load."""
-    return aio_module().empty_at_residue(nbytes, residue)
+def _payload_memory() -> Callable[[int, int], Any]:
+    """What makes the new memory of load's large payloads: called (nbytes, residue), it returns a uint8
+    tensor whose storage holds exactly `nbytes`, starting `residue` bytes past a page. Looked up once per
+    load (the op's lookup costs microseconds); a function of its own so that bench/ckpt_bench.py can hand
+    load memory made before its clock starts, and so measure what making new memory costs a load."""
+    return aio_module().empty_at_residue
 
 
 def _batches(sizes: list[int]) -> list[int]:
