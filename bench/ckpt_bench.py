@@ -29,6 +29,8 @@ Contenders, each saving and then loading the same state dict, in an order rotate
   * for reference: deepnvme.load as it runs by default, its large payloads' memory made before the clock
     (mappings of the tensors' sizes, every page written), so that it and deepnvme.load differ only by what
     making new memory costs a load here;
+  * for reference, reading nothing: the state dict's bytes of new memory made on every core at once, a
+    ceiling for any load that returns new tensors on this machine;
 --all adds torch.load(mmap=True) with every page touched, safetensors (when installed), DCP
 FileSystemWriter/Reader and AioStorageWriter/Reader in 2 processes (gloo).
 Loads start from a cold cache: every file of the checkpoint is evicted (fdatasync + fadvise) before it.
@@ -216,6 +218,49 @@ DIRECT = "deepnvme.load, large payloads read O_DIRECT into their own memory"
 # The reference load whose new tensors' memory exists before the clock starts: what a load that returns new
 # tensors pays for making their pages is the difference between it and deepnvme.load.
 MADE_BEFORE = "deepnvme.load, its payloads' memory made (every page written) before the clock"
+
+
+# The reference that reads nothing: the loaded state's bytes of new memory made, on every core at once. A load
+# that returns new tensors makes at least that much memory on at most that many cores, so its figure is a
+# ceiling for such a load on this machine, whatever the disk does.
+MEMORY_ONLY = ("no read: the state dict's bytes of new memory made, nothing else (pages faulted in on every "
+               "core at once, MADV_POPULATE_WRITE)")
+
+
+def unmade_memory(shapes: Shapes) -> mmap.mmap:
+    """An anonymous mapping of the state dict's bytes, none of its pages made yet (mmap faults none in)."""
+    return mmap.mmap(-1, nbytes_of(shapes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def make_memory(block: mmap.mmap, threads: int | None = None) -> None:
+    """Fault in every page of `block`, `threads` (default: one per core) each making one contiguous share
+    of it, 8 MiB per call (ctypes lets go of the GIL, so the threads run at once); RuntimeError when the
+    kernel refuses (a figure for memory not made would be no figure)."""
+    import threading
+
+    from deepnvme._core.memory import MADV_POPULATE_WRITE, POPULATE_CHUNK_BYTES, madvise
+
+    view = torch.frombuffer(block, dtype=torch.uint8)
+    base, size = view.data_ptr(), len(block)
+    threads = threads or os.cpu_count() or 1
+    share = -(-size // threads) // mmap.PAGESIZE * mmap.PAGESIZE + mmap.PAGESIZE
+    refused: list[int] = []
+
+    def run(start: int, end: int) -> None:
+        for at in range(start, end, POPULATE_CHUNK_BYTES):
+            err = madvise(base + at, min(POPULATE_CHUNK_BYTES, end - at), MADV_POPULATE_WRITE)
+            if err:
+                refused.append(err)
+                return
+
+    workers = [threading.Thread(target=run, args=(a, min(a + share, size))) for a in range(0, size, share)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    del view
+    if refused:
+        raise RuntimeError(f"{MEMORY_ONLY}: madvise(MADV_POPULATE_WRITE) refused: {os.strerror(refused[0])}")
 
 
 def memory_made_before(shapes: Shapes) -> dict[int, list[mmap.mmap]]:
@@ -424,7 +469,9 @@ def contenders(pool: RankPool | None, every: bool) -> list[Contender]:
                       dcp_load(AioStorageReader), "dcp-aio", prepare=initialized_like_shapes),
             Contender(DIRECT, None, direct_load, "deepnvme", group="reference"),
             Contender(MADE_BEFORE, None, made_before_load, "deepnvme", group="reference",
-                      prepare=memory_made_before)]
+                      prepare=memory_made_before),
+            Contender(MEMORY_ONLY, None, lambda p, block: make_memory(block), "deepnvme", group="reference",
+                      prepare=unmade_memory)]
     if pool is not None:
         out.append(Contender("DCP AioStorageWriter / AioStorageReader, 2 processes (gloo)",
                              pool.save, pool.load, "dcp-aio-2p", in_process=False))
@@ -691,6 +738,8 @@ def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: in
             by["deepnvme-made-before"] = c
         elif c.name == DIRECT:
             by["deepnvme-direct"] = c
+        elif c.name == MEMORY_ONLY:
+            by["memory-only"] = c
     atomic = [c for c in cs if c.kind == "raw-atomic"]
     if atomic:
         by["raw-atomic"] = atomic[0]
@@ -716,6 +765,9 @@ def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: in
             ratio("deepnvme", "raw-atomic", "save", None, "deepnvme.save / raw write committed atomically"),
             ratio("fresh", "bound-load", "load", None, "best raw read into fresh memory / bound read"),
             ratio("deepnvme", "fresh", "load", None, "deepnvme.load / best raw read into fresh memory"),
+            ratio("memory-only", "bound-load", "load", None, "new memory made alone, nothing read / bound "
+                  "read (a load into new tensors cannot beat this here)"),
+            ratio("deepnvme", "memory-only", "load", None, "deepnvme.load / new memory made alone"),
             ratio("deepnvme-made-before", "bound-load", "load", None,
                   "deepnvme.load into memory made before the clock / bound read"),
             ratio("deepnvme", "deepnvme-made-before", "load", None,

@@ -51,7 +51,12 @@ def test_bound_is_the_best_candidate_measured_again_and_ratios_use_it() -> None:
     for b, (w, r) in zip(bounds, [(2.0, 0.4), (1.0, 1.0), (0.625, 1.0), (1.0, 0.5), (0.8, 0.5)]):
         rerun(b, w, r)
     ours = contender("deepnvme.save / deepnvme.load", "deepnvme", [0.625, 0.625, 0.625], [0.5, 0.5, 0.5])
-    lines, ratios = ckpt_bench.report("sd", 2 * GB, 3, [ours, *bounds, *grid], 3, 2)
+    memory = contender(ckpt_bench.MEMORY_ONLY, "deepnvme", [], [0.8, 0.8, 0.8], "reference")
+    lines, ratios = ckpt_bench.report("sd", 2 * GB, 3, [ours, memory, *bounds, *grid], 3, 2)
+    # The memory alone (2.5 GB/s) against the bound's 5: half; the load's 4 GB/s against the memory's 2.5.
+    assert ratios["new memory made alone, nothing read / bound read (a load into new tensors cannot beat "
+                  "this here)"] == 0.5
+    assert ratios["deepnvme.load / new memory made alone"] == 1.6
     assert ratios["deepnvme.save / bound write"] == 1.0  # against 3M's 3.2 GB/s in the run, not 4 (pilot)
     assert ratios["deepnvme.load / bound read"] == 0.8  # against 1M's 5 GB/s in the run, not 8 (pilot)
     text = "\n".join(lines)
@@ -163,3 +168,34 @@ def test_the_load_into_memory_made_before_uses_that_memory_and_loads_exactly(tmp
     assert serialization._payload_memory is original
     again = deepnvme.load(path)
     assert not any(a <= again["a"].data_ptr() < e for a, e in spans)
+
+
+def resident_pages(block) -> list[bool]:
+    """Which of the mapping's pages are in memory (mincore(2))."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    pages = -(-len(block) // mmap.PAGESIZE)
+    out = ctypes.create_string_buffer(pages)
+    view = ckpt_bench.torch.frombuffer(block, dtype=ckpt_bench.torch.uint8)
+    if libc.mincore(view.data_ptr(), len(block), out) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return [bool(b & 1) for b in out.raw]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_memory_only_reference_makes_every_page_of_the_state_dicts_bytes(threads: int) -> None:
+    """The ceiling row reads nothing and makes the state dict's bytes of memory: its mapping starts with no
+    page made, and after it every page is in memory, however the shares fall between threads (a size that
+    is no multiple of a page or of the thread count included)."""
+    shapes = [("a", (300, 1001)), ("b", (7,)), ("c", (1000, 1000))]
+    block = ckpt_bench.unmade_memory(shapes)
+    assert len(block) == ckpt_bench.nbytes_of(shapes)
+    assert not any(resident_pages(block))
+    ckpt_bench.make_memory(block, threads)
+    assert all(resident_pages(block))
+    (row,) = [c for c in ckpt_bench.contenders(None, False) if c.name == ckpt_bench.MEMORY_ONLY]
+    again = row.prepare(shapes)
+    assert row.load(Path("unused"), again) is None and all(resident_pages(again))
