@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -199,3 +200,28 @@ def test_the_memory_only_reference_makes_every_page_of_the_state_dicts_bytes(thr
     (row,) = [c for c in ckpt_bench.contenders(None, False) if c.name == ckpt_bench.MEMORY_ONLY]
     again = row.prepare(shapes)
     assert row.load(Path("unused"), again) is None and all(resident_pages(again))
+
+
+def test_a_load_only_reference_reads_a_file_written_just_before_its_load(tmp_path: Path) -> None:
+    """A reference with `rewrite` loads a file written again (untimed) after the saving contender's load,
+    the old one removed first; one without reads the saving contender's file as it is."""
+    events: list[Any] = []
+
+    def save(sd: dict, path: Path) -> None:
+        path.write_bytes(b"first")
+
+    def rewrite(sd: dict, path: Path) -> None:
+        events.append(("rewrite", path.exists()))
+        path.write_bytes(b"again")
+
+    def load(path: Path, given: Any) -> None:
+        events.append(("load", path.read_bytes()))
+
+    saving = ckpt_bench.Contender("saves", save, load, "k")
+    again = ckpt_bench.Contender("rewrites", None, load, "k", group="reference", rewrite=rewrite)
+    plain = ckpt_bench.Contender("reads", None, load, "k", group="reference")
+    saved: dict[str, Path] = {}
+    for c in (saving, again, plain):
+        ckpt_bench.measure(c, {}, [], tmp_path, False, 0.0, saved, None)
+    assert events == [("load", b"first"), ("rewrite", False), ("load", b"again"), ("load", b"again")]
+    assert len(again.samples["load"]) == 1 and not again.samples["save"]  # the rewrite is not timed
