@@ -29,8 +29,9 @@ Contenders, each saving and then loading the same state dict, in an order rotate
   * for reference: deepnvme.load as it runs by default, its large payloads' memory made before the clock
     (mappings of the tensors' sizes, every page written), so that it and deepnvme.load differ only by what
     making new memory costs a load here;
-  * for reference, reading nothing: the state dict's bytes of new memory made on every core at once, a
-    ceiling for any load that returns new tensors on this machine;
+  * for reference, reading nothing: the state dict's bytes of new anonymous memory made on every core at
+    once, in 4 KiB pages and in transparent huge pages; the faster is a ceiling on this machine for any load
+    that returns its tensors in memory new to the process (see MEMORY_ONLY);
 --all adds torch.load(mmap=True) with every page touched, safetensors (when installed), DCP
 FileSystemWriter/Reader and AioStorageWriter/Reader in 2 processes (gloo).
 Loads start from a cold cache: every file of the checkpoint is evicted (fdatasync + fadvise) before it.
@@ -226,35 +227,49 @@ DIRECT = "deepnvme.load, large payloads read O_DIRECT into their own memory"
 MADE_BEFORE = "deepnvme.load, its payloads' memory made (every page written) before the clock"
 
 
-# The reference that reads nothing: the loaded state's bytes of new memory made, on every core at once. A load
-# that returns new tensors makes at least that much memory on at most that many cores, so its figure is a
-# ceiling for such a load on this machine, whatever the disk does.
-MEMORY_ONLY = ("no read: the state dict's bytes of new memory made, nothing else (pages faulted in on every "
-               "core at once, MADV_POPULATE_WRITE)")
+# The references that read nothing: the loaded state's bytes of new anonymous memory made, on every core at
+# once, in 4 KiB pages and in transparent huge pages. A load that returns its tensors in anonymous memory new
+# to the process makes at least that much of it, on at most that many cores: the faster row is a ceiling for
+# such a load on this machine, whatever the disk does. Not for a load whose tensors are the file's page cache
+# (torch.load(mmap=True)) or memory the process held before.
+MEMORY_ONLY = ("no read: the state dict's bytes of new memory made, nothing else (4 KiB pages faulted in on "
+               "every core at once, MADV_POPULATE_WRITE)")
+MEMORY_ONLY_HUGE = ("no read: the state dict's bytes of new memory made, nothing else (transparent huge "
+                    "pages, MADV_HUGEPAGE, faulted in on every core at once)")
 
 
-def unmade_memory(shapes: Shapes) -> mmap.mmap:
-    """An anonymous mapping of the state dict's bytes, none of its pages made yet (mmap faults none in)."""
-    return mmap.mmap(-1, nbytes_of(shapes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+def unmade_memory(shapes: Shapes, huge: bool = False) -> mmap.mmap:
+    """An anonymous mapping of the state dict's bytes, none of its pages made yet (mmap faults none in);
+    `huge`: advised for transparent huge pages (RuntimeError when refused)."""
+    block = mmap.mmap(-1, nbytes_of(shapes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge:
+        try:
+            block.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError) as exc:  # no such advice here, or the kernel refuses it
+            raise RuntimeError(f"{MEMORY_ONLY_HUGE}: madvise(MADV_HUGEPAGE) refused: {exc}") from exc
+    return block
 
 
 def make_memory(block: mmap.mmap, threads: int | None = None) -> None:
-    """Fault in every page of `block`, `threads` (default: one per core) each making one contiguous share
-    of it, 8 MiB per call (ctypes lets go of the GIL, so the threads run at once); RuntimeError when the
-    kernel refuses (a figure for memory not made would be no figure)."""
+    """Fault in every page of `block`, `threads` (default: one per core this process may run on) each
+    making one contiguous share of it, POPULATE_CHUNK_BYTES per call (ctypes lets go of the GIL, so the
+    threads run at once); RuntimeError when the kernel refuses (a figure for memory not made would be no
+    figure)."""
     import threading
 
-    from deepnvme._core.memory import MADV_POPULATE_WRITE, POPULATE_CHUNK_BYTES, madvise
+    from deepnvme._core import memory
 
     view = torch.frombuffer(block, dtype=torch.uint8)
     base, size = view.data_ptr(), len(block)
-    threads = threads or os.cpu_count() or 1
-    share = -(-size // threads) // mmap.PAGESIZE * mmap.PAGESIZE + mmap.PAGESIZE
+    threads = threads or len(os.sched_getaffinity(0))
+    per = -(-size // threads)
+    share = -(-per // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages, the last share the rest
+    chunk = memory.POPULATE_CHUNK_BYTES
     refused: list[int] = []
 
     def run(start: int, end: int) -> None:
-        for at in range(start, end, POPULATE_CHUNK_BYTES):
-            err = madvise(base + at, min(POPULATE_CHUNK_BYTES, end - at), MADV_POPULATE_WRITE)
+        for at in range(start, end, chunk):
+            err = memory.madvise(base + at, min(chunk, end - at), memory.MADV_POPULATE_WRITE)
             if err:
                 refused.append(err)
                 return
@@ -267,6 +282,21 @@ def make_memory(block: mmap.mmap, threads: int | None = None) -> None:
     del view
     if refused:
         raise RuntimeError(f"{MEMORY_ONLY}: madvise(MADV_POPULATE_WRITE) refused: {os.strerror(refused[0])}")
+
+
+def memory_rows() -> list[Contender]:
+    """The rows that read nothing (MEMORY_ONLY, MEMORY_ONLY_HUGE), each only where this kernel does what it
+    needs (tried on a small mapping first: a refusal in the run would end it)."""
+    out = []
+    for name, huge in ((MEMORY_ONLY, False), (MEMORY_ONLY_HUGE, True)):
+        try:
+            make_memory(unmade_memory([("probe", (1 << 19,))], huge), 1)
+        except RuntimeError as exc:
+            print(f"not measured: {exc}", file=sys.stderr)
+            continue
+        out.append(Contender(name, None, lambda p, block: make_memory(block), "deepnvme", group="reference",
+                             prepare=lambda shapes, huge=huge: unmade_memory(shapes, huge)))
+    return out
 
 
 def memory_made_before(shapes: Shapes) -> dict[int, list[mmap.mmap]]:
@@ -454,7 +484,8 @@ def contenders(pool: RankPool | None, every: bool) -> list[Contender]:
     out = [Contender("torch.save + fsync / torch.load", torch_save,
                      lambda p, s: torch.load(p, weights_only=True), "torch")]
     if every:
-        out.append(Contender("torch.load(mmap=True), every page touched", None, mmap_load, "torch"))
+        out.append(Contender("torch.load(mmap=True), every page touched", None, mmap_load, "torch",
+                             rewrite=torch_save))
         try:
             from safetensors.torch import load_file, save_file
 
@@ -478,8 +509,7 @@ def contenders(pool: RankPool | None, every: bool) -> list[Contender]:
             Contender(DIRECT, None, direct_load, "deepnvme", group="reference", rewrite=deepnvme.save),
             Contender(MADE_BEFORE, None, made_before_load, "deepnvme", group="reference",
                       prepare=memory_made_before, rewrite=deepnvme.save),
-            Contender(MEMORY_ONLY, None, lambda p, block: make_memory(block), "deepnvme", group="reference",
-                      prepare=unmade_memory)]
+            *memory_rows()]
     if pool is not None:
         out.append(Contender("DCP AioStorageWriter / AioStorageReader, 2 processes (gloo)",
                              pool.save, pool.load, "dcp-aio-2p", in_process=False))
@@ -749,8 +779,9 @@ def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: in
             by["deepnvme-made-before"] = c
         elif c.name == DIRECT:
             by["deepnvme-direct"] = c
-        elif c.name == MEMORY_ONLY:
-            by["memory-only"] = c
+    made = [c for c in cs if c.name in (MEMORY_ONLY, MEMORY_ONLY_HUGE) and c.samples["load"]]
+    if made:
+        by["memory-only"] = max(made, key=lambda c: median_rate(nbytes, c.samples["load"]))
     atomic = [c for c in cs if c.kind == "raw-atomic"]
     if atomic:
         by["raw-atomic"] = atomic[0]
@@ -776,8 +807,8 @@ def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: in
             ratio("deepnvme", "raw-atomic", "save", None, "deepnvme.save / raw write committed atomically"),
             ratio("fresh", "bound-load", "load", None, "best raw read into fresh memory / bound read"),
             ratio("deepnvme", "fresh", "load", None, "deepnvme.load / best raw read into fresh memory"),
-            ratio("memory-only", "bound-load", "load", None, "new memory made alone, nothing read / bound "
-                  "read (a load into new tensors cannot beat this here)"),
+            ratio("memory-only", "bound-load", "load", None, "new memory made alone, nothing read (the "
+                  "faster page size) / bound read: a ceiling here for a load into memory new to the process"),
             ratio("deepnvme", "memory-only", "load", None, "deepnvme.load / new memory made alone"),
             ratio("deepnvme-made-before", "bound-load", "load", None,
                   "deepnvme.load into memory made before the clock / bound read"),
