@@ -38,8 +38,10 @@ Loads start from a cold cache: every file of the checkpoint is evicted (fdatasyn
 Every timed read is of a file written moments before: the load-only references write theirs again,
 untimed, before their loads (a second read of a file soon after its first often ran slower here).
 Before every timed operation the garbage collector runs a full collection (see settle()).
-Every load of a whole file includes making its tensors. DCP loads into tensors the caller already has (a
-model's initialized state dict), so its destinations are made and written to (every page touched) before
+Every load of a whole file includes making its tensors, in new memory as a process's first load does
+(glibc's mmap threshold is fixed, so no load reuses memory an earlier one freed:
+_harness.large_allocations_new). DCP loads into tensors the caller already has (a model's initialized
+state dict), so its destinations are made and written to (every page touched) before
 the timing, as a model's would be: timing fresh torch.empty destinations would charge DCP the first-touch
 faults of memory no real DCP load makes. The first repeat checks every loaded tensor against the saved one.
 For each in-process operation: wall seconds, CPU seconds of this process (all threads), and the peak extra
@@ -68,7 +70,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _harness import ROOT, PeakMemory, timed  # puts this checkout on sys.path before deepnvme is imported
+
+# _harness first: it puts this checkout on sys.path before deepnvme is imported
+from _harness import ROOT, PeakMemory, large_allocations_new, timed
 
 from deepnvme._core.aio_types import AioHandle  # noqa: E402
 from deepnvme.tools.pagecache import drop_file_cache, o_direct_works  # noqa: E402
@@ -521,6 +525,7 @@ def rank_main(rank: int, port: int, conn: Any, root: str) -> None:
     """A rank of the 2-process DCP contender: saves/loads its half of the tensors on command, timed
     between barriers so the figure covers both ranks' work."""
     sys.path.insert(0, root)
+    large_allocations_new()  # as in the parent (see main)
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -824,6 +829,10 @@ def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: in
     return lines, found
 
 
+FRESH_NOTE = "glibc's mmap threshold fixed at 128 KiB: every large allocation is new memory"
+NOT_FRESH_NOTE = "NO fixed mmap threshold (not glibc?): a load may reuse memory that earlier ones freed"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every contender over both state dicts, interleaved, and write the tables."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -844,6 +853,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--repeats and --pilot must be >= 1 and --rest >= 0")
     workdir = Path(args.dir)
     workdir.mkdir(parents=True, exist_ok=True)
+    # Every load makes its tensors in new memory, as the first load of a process does, whatever loads ran
+    # before it in this one.
+    fresh = large_allocations_new()
 
     from deepnvme._core.handles import checkpoint_settings
 
@@ -892,6 +904,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{torch.__version__}; checkpoints in {workdir} "
             f"(O_DIRECT {'works' if o_direct_works(str(workdir)) else 'refused'}); checkpoint handle "
             f"{settings} ({source}, engine {engine}); "
+            f"{FRESH_NOTE if fresh else NOT_FRESH_NOTE}; "
             f"run took {time.time() - started:.0f} s. GB/s are state-dict bytes (10^9) per second.", ""]
     record["seconds"] = round(time.time() - started, 1)
     text = "\n".join(head + lines)

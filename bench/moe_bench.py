@@ -48,13 +48,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from _harness import ROOT, PeakMemory, timed, wall  # first: puts this checkout on sys.path
+from _harness import MMAP_THRESHOLD, ROOT, PeakMemory, timed, wall  # first: puts this checkout on sys.path
 
 HIDDEN = 1024
 CAPACITY_FACTOR = 1.25
 MIN_CAPACITY = 4
 AUX_COEFF = 0.01
-MMAP_THRESHOLD = 128 * 1024
 CONTENDERS = ("deepnvme op", "deepnvme torch", "DeepSpeed", "dense mask")
 SCOPES = {"routing": "routing alone (gate, dispatch, combine; the buffer goes from dispatch to combine)",
           "layer": "whole layer with elementwise experts"}

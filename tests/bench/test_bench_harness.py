@@ -3,6 +3,7 @@ the one timer counts the CPU of every thread of the process."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
@@ -12,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import _harness  # noqa: E402
+import pytest  # noqa: E402
 
 
 def test_peak_memory_sees_a_freed_peak() -> None:
@@ -81,3 +83,31 @@ def test_evict_tree_leaves_no_page_cached(tmp_path: Path) -> None:
     assert cached_pages(tmp_path / "a.bin") > 0
     assert _harness.evict_tree(tmp_path, tmp_path / "missing") == 0
     assert cached_pages(tmp_path / "d" / "b.bin") == 0
+
+
+FREED_TWICE = """
+import sys
+sys.path.insert(0, {bench!r})
+import _harness, torch
+def anon():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon:"))
+fixed = _harness.large_allocations_new() if {fix} else None
+for _ in range(2):  # the first free raises glibc's own threshold to 16 MiB, unless it is fixed
+    before = anon()
+    t = torch.empty(16 << 20, dtype=torch.uint8).fill_(1)
+    del t
+print(fixed, anon() - before)
+"""
+
+
+@pytest.mark.parametrize("fix", [False, True])
+def test_large_allocations_stay_new_memory_once_the_threshold_is_fixed(fix: bool) -> None:
+    """With glibc's threshold fixed, 16 MiB allocated and freed a second time goes back to the kernel (the
+    next load makes its memory anew); left to glibc, the second one stays in its heap, its pages made."""
+    out = subprocess.run([sys.executable, "-c", FREED_TWICE.format(bench=str(ROOT / "bench"), fix=fix)],
+                         capture_output=True, text=True, check=True).stdout.split()
+    kept = int(out[1])
+    if fix:
+        assert out[0] == "True" and kept < 1 << 20
+    else:
+        assert kept >= 15 << 20
