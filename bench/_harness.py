@@ -15,6 +15,7 @@ its period and spends a core's share on the sampling itself, which the measured 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import resource
@@ -30,27 +31,35 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # this checkout's deepnvme, not an installed one
 
 __all__ = ["MMAP_THRESHOLD", "ROOT", "PeakMemory", "children_cpu", "cpu_self", "evict_tree", "interleave",
-           "large_allocations_new", "median_range", "spread", "status_bytes", "timed", "wall"]
+           "large_allocations_new", "median_range", "release_freed", "spread", "status_bytes", "timed",
+           "wall"]
 
 T = TypeVar("T")
 
-# glibc's starting mmap threshold: allocations this large or larger get mappings of their own. glibc raises
-# the threshold (up to 32 MiB) each time such a mapping is freed, and from then on keeps allocations that
-# large in its heap, whose freed memory it reuses: the fixed threshold keeps every large allocation new.
+# glibc's starting mmap threshold: allocations this large or larger get mappings of their own when its heap
+# has no free space for them. glibc raises the threshold (up to 32 MiB) each time such a mapping is freed,
+# and from then on keeps allocations that large in its heap, whose freed memory it reuses.
 MMAP_THRESHOLD = 128 * 1024
 
 
 def large_allocations_new() -> bool:
-    """From now on, every allocation of MMAP_THRESHOLD bytes or more in this process is new memory from the
-    kernel, as in a process that has just started: glibc's threshold is fixed (mallopt M_MMAP_THRESHOLD,
-    which also stops its adjustment). Why: a bench process loads checkpoints over and over, and once glibc
-    has raised its threshold, later loads find memory that earlier ones freed, its pages already made, so
-    their figures would depend on what ran before. False where the C library has no mallopt (not glibc)."""
-    import ctypes
-
+    """From now on, allocations of MMAP_THRESHOLD bytes or more in this process are not served from memory
+    glibc kept after freeing them (unless free heap space below its top fits them: see release_freed):
+    glibc's threshold is fixed (mallopt M_MMAP_THRESHOLD, which also stops its adjustment). Why: a bench
+    process loads checkpoints over and over, and once glibc has raised its threshold, later loads find
+    memory that earlier ones freed, its pages already made, so their figures would depend on what ran
+    before. False where the C library has no mallopt or refuses (not glibc)."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     m_mmap_threshold = -3
     return bool(mallopt is not None and mallopt(m_mmap_threshold, MMAP_THRESHOLD) == 1)
+
+
+def release_freed() -> None:
+    """Hand the heap's freed pages back to the kernel (glibc's malloc_trim), so that no later allocation,
+    large or small, finds memory an earlier one made; nothing where the C library lacks it."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def cpu_self() -> float:

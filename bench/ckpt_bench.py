@@ -39,11 +39,12 @@ Every timed read is of a file written moments before: the load-only references w
 untimed, before their loads (a second read of a file soon after its first often ran slower here).
 Before every timed operation the garbage collector runs a full collection (see settle()).
 Every load of a whole file includes making its tensors, in new memory as a process's first load does
-(glibc's mmap threshold is fixed, so no load reuses memory an earlier one freed:
-_harness.large_allocations_new). DCP loads into tensors the caller already has (a model's initialized
-state dict), so its destinations are made and written to (every page touched) before
-the timing, as a model's would be: timing fresh torch.empty destinations would charge DCP the first-touch
-faults of memory no real DCP load makes. The first repeat checks every loaded tensor against the saved one.
+(glibc's mmap threshold is fixed and freed memory handed back before each operation, so no load reuses
+memory an earlier one freed: _harness.large_allocations_new, release_freed). DCP loads into tensors the
+caller already has (a model's initialized state dict), so its destinations are made and written to (every
+page touched) before the timing, as a model's would be: timing fresh torch.empty destinations would charge
+DCP the first-touch faults of memory no real DCP load makes. The first repeat checks every loaded tensor
+against the saved one.
 For each in-process operation: wall seconds, CPU seconds of this process (all threads), and the peak extra
 resident memory (the kernel's high-water mark, bench/_harness.py; a load's includes the state it returns,
 less any memory the allocator reuses). GB = 10^9 bytes; cells are median (min-max). Writes markdown to
@@ -72,7 +73,7 @@ from typing import Any
 import torch
 
 # _harness first: it puts this checkout on sys.path before deepnvme is imported
-from _harness import ROOT, PeakMemory, large_allocations_new, timed
+from _harness import MMAP_THRESHOLD, ROOT, PeakMemory, large_allocations_new, release_freed, timed
 
 from deepnvme._core.aio_types import AioHandle  # noqa: E402
 from deepnvme.tools.pagecache import drop_file_cache, o_direct_works  # noqa: E402
@@ -525,7 +526,8 @@ def rank_main(rank: int, port: int, conn: Any, root: str) -> None:
     """A rank of the 2-process DCP contender: saves/loads its half of the tensors on command, timed
     between barriers so the figure covers both ranks' work."""
     sys.path.insert(0, root)
-    large_allocations_new()  # as in the parent (see main)
+    if not large_allocations_new():  # as in the parent (see main)
+        print(f"rank {rank}: {NOT_FRESH_NOTE}", file=sys.stderr)
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -629,6 +631,7 @@ def settle(rest: float) -> None:
     collector's thresholds charge it to whichever operation happens to cross them (the Python-heavy loads
     far more often than a raw transfer), as timeit avoids by switching the collector off."""
     gc.collect()
+    release_freed()  # what the collection freed goes back to the kernel: the next load makes its memory anew
     time.sleep(rest)
 
 
@@ -829,7 +832,8 @@ def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: in
     return lines, found
 
 
-FRESH_NOTE = "glibc's mmap threshold fixed at 128 KiB: every large allocation is new memory"
+FRESH_NOTE = (f"glibc's mmap threshold fixed at {MMAP_THRESHOLD >> 10} KiB and freed memory trimmed before "
+              "each operation: every load's large allocations are new memory")
 NOT_FRESH_NOTE = "NO fixed mmap threshold (not glibc?): a load may reuse memory that earlier ones freed"
 
 

@@ -291,4 +291,3 @@ def test_a_load_only_reference_reads_a_file_written_just_before_its_load(
         ("load", b"first"), ("rewrite", False), ("load", b"again"), ("load", b"again")]
     at = events.index(("rewrite", False))
     assert events[at - 1] == "clock off" and events[at + 1:at + 3] == ["evict", "clock on"]
-
