@@ -42,6 +42,11 @@ T = TypeVar("T")
 MMAP_THRESHOLD = 128 * 1024
 
 
+def _libc() -> Any:
+    """This process's C library (dlopen of the process itself: cheap, and the same handle each time)."""
+    return ctypes.CDLL(None)
+
+
 def large_allocations_new() -> bool:
     """From now on, allocations of MMAP_THRESHOLD bytes or more in this process are not served from memory
     glibc kept after freeing them (unless free heap space below its top fits them: see release_freed):
@@ -49,7 +54,7 @@ def large_allocations_new() -> bool:
     process loads checkpoints over and over, and once glibc has raised its threshold, later loads find
     memory that earlier ones freed, its pages already made, so their figures would depend on what ran
     before. False where the C library has no mallopt or refuses (not glibc)."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    mallopt = getattr(_libc(), "mallopt", None)
     m_mmap_threshold = -3
     return bool(mallopt is not None and mallopt(m_mmap_threshold, MMAP_THRESHOLD) == 1)
 
@@ -57,7 +62,7 @@ def large_allocations_new() -> bool:
 def release_freed() -> None:
     """Hand the heap's freed pages back to the kernel (glibc's malloc_trim), so that no later allocation,
     large or small, finds memory an earlier one made; nothing where the C library lacks it."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)
 

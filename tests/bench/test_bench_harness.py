@@ -87,15 +87,30 @@ def test_evict_tree_leaves_no_page_cached(tmp_path: Path) -> None:
     assert cached_pages(tmp_path / "d" / "b.bin") == 0
 
 
+# What each child below measures with: its resident anonymous memory, from the harness.
+CHILD_PRELUDE = """
+import sys
+sys.path.insert(0, {bench!r})
+import _harness
+def anon():
+    return _harness.status_bytes("RssAnon")["RssAnon"]
+"""
+
+
+def run_child(code: str) -> str:
+    """stdout of `code` run after CHILD_PRELUDE in a new interpreter, clean of anything in the environment
+    that sets the allocator."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+    prelude = CHILD_PRELUDE.format(bench=str(ROOT / "bench"))
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, check=True,
+                          env=env).stdout
+
 
 # In a child: 20 MiB allocated, filled and freed (which raises glibc's own threshold to 20 MiB), then the
 # threshold fixed (or not), then three blocks of 16 MiB: how much each grew RssAnon, and kept of it freed.
 FREED_AGAIN = """
-import sys
-sys.path.insert(0, {bench!r})
-import _harness, torch
-def anon():
-    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon:"))
+import torch
 torch.empty(20 << 20, dtype=torch.uint8).fill_(1)
 fixed = _harness.large_allocations_new() if {fix} else None
 grew, kept = [], []
@@ -116,10 +131,7 @@ def test_large_allocations_are_new_memory_once_the_threshold_is_fixed(fix: bool)
     made, for the next to reuse; after large_allocations_new, every next block is new memory (RssAnon
     grows by it when it is filled) and goes back to the kernel when freed. Run clean of anything that sets
     the allocator."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
-    out = subprocess.run([sys.executable, "-c", FREED_AGAIN.format(bench=str(ROOT / "bench"), fix=fix)],
-                         capture_output=True, text=True, check=True, env=env).stdout.split()
+    out = run_child(FREED_AGAIN.format(fix=fix)).split()
     grew, kept = int(out[1]), int(out[2])
     if fix:
         assert out[0] == "True"
@@ -128,14 +140,10 @@ def test_large_allocations_are_new_memory_once_the_threshold_is_fixed(fix: bool)
         assert kept >= 15 << 20
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator and its malloc_trim")
 def test_release_freed_hands_the_heaps_free_pages_back() -> None:
     """Small blocks freed stay in glibc's heap; release_freed gives their pages back to the kernel."""
-    code = f"""
-import sys
-sys.path.insert(0, {str(ROOT / "bench")!r})
-import _harness
-def anon():
-    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon:"))
+    out = run_child("""
 _harness.large_allocations_new()
 keep = []
 blocks = [bytearray(100 << 10) for _ in range(400)]  # 40 MB of heap blocks under the threshold
@@ -144,8 +152,5 @@ del blocks
 before = anon()
 _harness.release_freed()
 print(before - anon())
-"""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    assert int(out.stdout) >= 30 << 20
+""")
+    assert int(out) >= 30 << 20

@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import _harness  # noqa: E402
 import ckpt_bench  # noqa: E402
 
 GB = 10**9
@@ -190,10 +191,7 @@ def resident_pages(block: mmap.mmap) -> list[bool]:
 
 def anon_bytes() -> int:
     """This process's resident anonymous memory (RssAnon): pages it made, not the shared zero page."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
+    return _harness.status_bytes("RssAnon")["RssAnon"]
 
 
 @pytest.mark.parametrize("huge", [False, True])
