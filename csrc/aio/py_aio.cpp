@@ -79,6 +79,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("dest"), py::arg("src"));
     m.def("empty_at_residue", &empty_at_residue, py::arg("nbytes"), py::arg("residue"),
           "A uint8 CPU tensor whose memory starts `residue` bytes past a page boundary (deepnvme.load).");
+    m.def("empty_fresh", &empty_fresh, py::arg("nbytes"), py::arg("residue"),
+          "empty_at_residue's tensor over memory whose whole pages a read fills without the kernel zeroing them "
+          "first (userfaultfd; plain memory where fresh_memory_status() is not 'ok'). Call settle_fresh() on it "
+          "once its reads are done.");
+    m.def("settle_fresh", [](const at::Tensor& t) {
+              if (FreshBlock* b = fresh_block_of(t)) fresh_settle(*b);
+          }, py::arg("tensor"),
+          "Makes an empty_fresh tensor's memory plain memory (pages not filled read as zero); nothing for others.");
+    m.def("fresh_memory_status", &fresh_memory_status,
+          "'ok' when empty_fresh's memory is filled without zeroing here, else why not.");
     m.def("staging_pool_stats", [] {
         StagingArena::Stats s = StagingArena::shared().stats();
         py::dict d;

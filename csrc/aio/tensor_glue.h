@@ -11,6 +11,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "aligned_tensor.h"
 #include "error.h"
 #include "handle.h"
 #include "pinned.h"
@@ -247,11 +248,16 @@ inline bool free_locked_tensor(const at::Tensor& t) {
 // The host-side request for `buffer` (a CPU tensor, or a device tensor through its copier) at `target`.
 inline IoHandle::Params host_params(const at::Tensor& buffer, const Target& target, bool write, bool validate,
                                     bool async, int64_t file_offset) {
-    BufferArg b = buffer_arg(resolved_for_io(buffer, write));
+    const at::Tensor resolved = resolved_for_io(buffer, write);
+    BufferArg b = buffer_arg(resolved);
     IoHandle::Params p;
     p.write = write;
     p.mem = b.mem;
     p.copier = std::move(b.copier);
+    // Memory still armed for filling (aligned_tensor.h): staged, and filled without being zeroed first.
+    FreshBlock* fresh = b.mem != nullptr && b.nbytes > 0 ? fresh_block_of(resolved) : nullptr;
+    if (fresh != nullptr && fresh->armed.load(std::memory_order_acquire))
+        p.copier = std::make_shared<FreshCopier>(fresh, b.mem);
     p.nbytes = b.nbytes;
     p.offset = static_cast<uint64_t>(file_offset);
     p.path = target.path;
