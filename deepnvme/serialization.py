@@ -87,6 +87,12 @@ TAIL_BATCH_BYTES = 16 << 20
 # workers' copies in CPU.
 STAGE_PAYLOADS = True
 STAGED_SHIFT = 64
+# Whether load fills its large payloads' new memory through userfaultfd (the op's empty_fresh,
+# csrc/aio/fresh_memory.h) where this process may use it: the handle stages the reads and its workers fill
+# each page as it is made, so the kernel never zeroes it first, and a page costs one copy, not a fault, a
+# zeroing and a copy. The memory is at its file offset's residue (staged all the same) and is plain memory
+# again before load returns. Where userfaultfd is unavailable, or with this False, STAGE_PAYLOADS applies.
+FILL_FRESH = True
 # Re-exported: the names users and tests have imported from here.
 __all__ = ["TEMP_SUFFIX", "CheckpointFormatError", "load", "save"]
 
@@ -645,12 +651,13 @@ class _Prefetched:
         pieces: list[_Piece] = []
         gaps: list[tuple[int, int]] = []  # file ranges read into scratch
         at = 0
-        new_memory = _payload_memory()
+        new_memory, self._fresh = _payload_memory()
+        shift = 0 if self._fresh else STAGED_SHIFT * STAGE_PAYLOADS
         for r in large:
             body_start, body_end = round_up(r.offset), r.end // PAGE * PAGE
             if body_start > at:
                 gaps.append((at, body_start))
-            tensor = new_memory(r.size, (r.offset + STAGED_SHIFT * STAGE_PAYLOADS) % PAGE)
+            tensor = new_memory(r.size, (r.offset + shift) % PAGE)
             self._tensors[r.offset] = tensor
             pieces.append(_Piece(body_start, tensor[body_start - r.offset:body_end - r.offset]))
             at = body_end
@@ -683,8 +690,9 @@ class _Prefetched:
         inflight: collections.deque[tuple[Any, int]] = collections.deque()
         worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deepnvme-load-check")
         checks: list[concurrent.futures.Future[None]] = []
-        # The payloads' fresh pages faulted in ahead of the reads, beside them (see Populator).
-        populator = Populator(list(self._tensors.values())).start()
+        # Memory made the usual way has its pages faulted in ahead of the reads, beside them (see Populator);
+        # memory filled fresh must not be touched before its reads fill it.
+        populator = None if self._fresh else Populator(list(self._tensors.values())).start()
         try:
             i = 0
             for batch in range(len(finish)):
@@ -711,8 +719,13 @@ class _Prefetched:
                 raise CheckpointFormatError(self._path, f"truncated while being read ({exc})") from exc
             raise
         finally:
-            populator.close()
+            if populator is not None:
+                populator.close()
             worker.shutdown(wait=True, cancel_futures=True)
+            if self._fresh:  # every read has ended: plain memory from here on
+                settle = aio_module().settle_fresh
+                for t in self._tensors.values():
+                    settle(t)
 
     def _complete(self, inflight: collections.deque[tuple[Any, int]], finish: list[list[Record]],
                   worker: Any, checks: list[Any], verify: bool) -> None:
@@ -781,12 +794,16 @@ class _Prefetched:
         return self._scratch_mem[s + offset - a:s + offset - a + n]
 
 
-def _payload_memory() -> Callable[[int, int], Any]:
-    """What makes the new memory of load's large payloads: called (nbytes, residue), it returns a uint8
-    tensor whose storage holds exactly `nbytes`, starting `residue` bytes past a page. Looked up once per
-    load (the op's lookup costs microseconds); a function of its own so that bench/ckpt_bench.py can hand
-    load memory made before its clock starts, and so measure what making new memory costs a load."""
-    return aio_module().empty_at_residue
+def _payload_memory() -> tuple[Callable[[int, int], Any], bool]:
+    """What makes the new memory of load's large payloads, and whether that memory is filled fresh (see
+    FILL_FRESH). The maker, called (nbytes, residue), returns a uint8 tensor whose storage holds exactly
+    `nbytes`, starting `residue` bytes past a page. Looked up once per load (the op's lookups cost
+    microseconds); a function of its own so that bench/ckpt_bench.py can hand load memory made before its
+    clock starts, and so measure what making new memory costs a load."""
+    op = aio_module()
+    if FILL_FRESH and op.fresh_memory_status() == "ok":
+        return op.empty_fresh, True
+    return op.empty_at_residue, False
 
 
 def _batches(sizes: list[int]) -> list[int]:

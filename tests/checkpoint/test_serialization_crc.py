@@ -95,15 +95,28 @@ def test_checksum_false_leaves_the_crcs_zero(tmp_path: Path, handle: Any) -> Non
     assert {pair for pair in _descriptor_crcs(path).values()} == {(0, 0)}
 
 
-@pytest.mark.parametrize("staged", [False, True])
-def test_loaded_storages_match_torch_loads_and_sit_at_their_file_offset(
-        tmp_path: Path, handle: Any, staged: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Storage sizes, resizability, dtypes, views as torch.load gives them; each large payload's memory is
-    at its file offset modulo the page (read O_DIRECT into place), or STAGED_SHIFT bytes past it with
-    STAGE_PAYLOADS (the default: read through the staging pool), for ours (page-aligned) and stock
-    torch.save files (64-aligned)."""
-    from deepnvme._core.memory import byte_view
+# How load makes and reads its large payloads' memory: (FILL_FRESH, STAGE_PAYLOADS), and the offset of each
+# payload's memory from its file offset's page residue.
+MODES = {"fresh": ((True, True), 0), "staged": ((False, True), serialization.STAGED_SHIFT),
+         "direct": ((False, False), 0)}
 
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_loaded_storages_match_torch_loads_and_sit_at_their_file_offset(
+        tmp_path: Path, handle: Any, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Storage sizes, resizability, dtypes, views as torch.load gives them; each large payload's memory is
+    at its file offset modulo the page (filled fresh, the default, or read O_DIRECT into place), or
+    STAGED_SHIFT bytes past it (memory made the usual way, read through the staging pool), for ours
+    (page-aligned) and stock torch.save files (64-aligned). Memory filled fresh is plain memory once load
+    returns (no longer registered with userfaultfd)."""
+    from deepnvme._core.memory import byte_view
+    from deepnvme._core.op import aio_module
+    from tests.support.vm import vm_flags
+
+    (fill, staged), shift = MODES[mode]
+    if fill and aio_module().fresh_memory_status() != "ok":
+        pytest.skip(f"userfaultfd unavailable here: {aio_module().fresh_memory_status()}")
+    monkeypatch.setattr(serialization, "FILL_FRESH", fill)
     monkeypatch.setattr(serialization, "STAGE_PAYLOADS", staged)
 
     base = torch.randn(BIG // 4)
@@ -129,18 +142,26 @@ def test_loaded_storages_match_torch_loads_and_sit_at_their_file_offset(
             assert torch.equal(got[k], obj[k])
             if g.nbytes() >= serialization.PREFETCH_OWN_BYTES:
                 offset = spans[bytes(byte_view(g).numpy())]
-                shift = serialization.STAGED_SHIFT * staged
                 assert g.data_ptr() % PAGE == (offset + shift) % PAGE, (saver, k)
+                assert "um" not in vm_flags(g.data_ptr() + PAGE), (saver, k)
 
 
+@pytest.mark.parametrize("mode", ["fresh", "staged"])
 @pytest.mark.parametrize("saver", [deepnvme.save, torch.save])
 def test_staged_payloads_load_the_same_bytes_and_still_catch_damage(tmp_path: Path, handle: Any, saver: Any,
+                                                                     mode: str,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """With STAGE_PAYLOADS (the default) each large payload's memory lies STAGED_SHIFT bytes off its file
-    offset's page residue (so the handle copies it through its staging pool rather than reading it
-    O_DIRECT): the tensors are still right, and a byte damaged inside a payload's body is still found by its
-    CRC."""
-    monkeypatch.setattr(serialization, "STAGE_PAYLOADS", True)
+    """The two ways load stages its large payloads through the handle's pool: into memory filled fresh (the
+    default), or into memory made the usual way, placed STAGED_SHIFT bytes off its file offset's page residue
+    so that the handle does not read it O_DIRECT. Either way the tensors are right, and a byte damaged inside
+    a payload's body is still found by its CRC."""
+    from deepnvme._core.op import aio_module
+
+    (fill, staged), shift = MODES[mode]
+    if fill and aio_module().fresh_memory_status() != "ok":
+        pytest.skip(f"userfaultfd unavailable here: {aio_module().fresh_memory_status()}")
+    monkeypatch.setattr(serialization, "FILL_FRESH", fill)
+    monkeypatch.setattr(serialization, "STAGE_PAYLOADS", staged)
     obj = {"a": torch.randn(BIG // 4), "b": torch.randn(BIG // 8 + 3).to(torch.float64),
            "small": torch.arange(9, dtype=torch.int32)}
     path = tmp_path / "staged.pt"
@@ -150,7 +171,7 @@ def test_staged_payloads_load_the_same_bytes_and_still_catch_damage(tmp_path: Pa
     data = bytearray(path.read_bytes())
     at = data.find(obj["a"].numpy().tobytes())
     assert at >= 0
-    assert got["a"].data_ptr() % PAGE == (at + serialization.STAGED_SHIFT) % PAGE
+    assert got["a"].data_ptr() % PAGE == (at + shift) % PAGE
     data[at + BIG // 2] ^= 0x40  # inside the page-aligned body, which the handle reads
     path.write_bytes(bytes(data))
     with pytest.raises(deepnvme.CheckpointFormatError, match="CRC-32"):
