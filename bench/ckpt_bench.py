@@ -29,9 +29,13 @@ Contenders, each saving and then loading the same state dict, in an order rotate
   * for reference: deepnvme.load as it runs by default, its large payloads' memory made before the clock
     (mappings of the tensors' sizes, every page written), so that it and deepnvme.load differ only by what
     making new memory costs a load here;
+  * for reference: deepnvme.load with its new memory zeroed by the kernel before the staged copies
+    (serialization.FILL_FRESH off), beside the default, which fills new pages without zeroing them
+    (userfaultfd), and the raw read into new memory filled that way; both only where this process may use
+    userfaultfd;
   * for reference, reading nothing: the state dict's bytes of new anonymous memory made on every core at
     once, in 4 KiB pages and in transparent huge pages; the faster is a ceiling on this machine for any load
-    that returns its tensors in memory new to the process (see MEMORY_ONLY);
+    whose new memory the kernel zeroes (see MEMORY_ONLY);
 --all adds torch.load(mmap=True) with every page touched, safetensors (when installed), DCP
 FileSystemWriter/Reader and AioStorageWriter/Reader in 2 processes (gloo).
 Loads start from a cold cache: every file of the checkpoint is evicted (fdatasync + fadvise) before it.
@@ -227,15 +231,21 @@ def initialized_like_shapes(shapes: Shapes) -> dict[str, torch.Tensor]:
 
 # The reference load whose large payloads are read O_DIRECT into their own memory, not staged.
 DIRECT = "deepnvme.load, large payloads read O_DIRECT into their own memory"
+# The reference load whose new memory the kernel zeroes before the staged reads' copies overwrite it, as
+# before deepnvme.load filled it through userfaultfd (serialization.FILL_FRESH).
+ZEROED = "deepnvme.load, its new memory zeroed by the kernel first (FILL_FRESH off), staged"
+# The raw read into new memory that deepnvme.load's own payloads get.
+FILLED_FRESH = ("raw read into fresh memory filled without zeroing (userfaultfd), staged (checkpoint handle)")
 # The reference load whose new tensors' memory exists before the clock starts: what a load that returns new
 # tensors pays for making their pages is the difference between it and deepnvme.load.
 MADE_BEFORE = "deepnvme.load, its payloads' memory made (every page written) before the clock"
 
 
-# The references that read nothing: the loaded state's bytes of new anonymous memory made, on every core at
-# once, in 4 KiB pages and in transparent huge pages. A load that returns its tensors in anonymous memory new
-# to the process makes at least that much of it, on at most that many cores: the faster row is a ceiling for
-# such a load on this machine, whatever the disk does. Not for a load whose tensors are the file's page cache
+# The references that read nothing: the loaded state's bytes of new anonymous memory made (the kernel zeroes
+# each page), on every core at once, in 4 KiB pages and in transparent huge pages. A load that lets the kernel
+# zero its new memory makes at least that much of it, on at most that many cores: the faster row is a ceiling
+# for such a load on this machine, whatever the disk does. Not for deepnvme.load where it fills its pages
+# without their zeroing (serialization.FILL_FRESH), nor for a load whose tensors are the file's page cache
 # (torch.load(mmap=True)) or memory the process held before.
 MEMORY_ONLY = ("no read: the state dict's bytes of new memory made, nothing else (4 KiB pages faulted in on "
                "every core at once, MADV_POPULATE_WRITE)")
@@ -406,7 +416,10 @@ def raw_references(source: LockedBytes) -> list[Contender]:
                       rewrite=raw_write(source.handle, source)),
             Contender("raw read into fresh memory 64 bytes past a page, staged (checkpoint handle)", None,
                       raw_read_fresh(source, 64), "raw-atomic", group="reference",
-                      rewrite=raw_write(source.handle, source))]
+                      rewrite=raw_write(source.handle, source)),
+            *([Contender(FILLED_FRESH, None, raw_read_fresh(source, 0, filled=True), "raw-atomic",
+                         group="reference", rewrite=raw_write(source.handle, source))]
+              if fresh_filling() else [])]
 
 
 def raw_write(h: AioHandle, source: LockedBytes, atomic: bool = False
@@ -432,15 +445,27 @@ def raw_read(h: AioHandle, source: LockedBytes) -> Callable[[Path, Shapes], None
     return load
 
 
-def raw_read_fresh(source: LockedBytes, residue: int) -> Callable[[Path, Shapes], None]:
+def raw_read_fresh(source: LockedBytes, residue: int, filled: bool = False) -> Callable[[Path, Shapes], None]:
     """One sync_pread of the whole file into memory made for it (never touched before), starting `residue`
-    bytes past a page."""
+    bytes past a page; `filled`: memory whose pages the read fills without the kernel zeroing them first
+    (the op's empty_fresh, as deepnvme.load's own)."""
     from deepnvme._core.op import aio_module
 
     def load(path: Path, shapes: Shapes) -> None:
-        fresh = aio_module().empty_at_residue(source.nbytes, residue)
+        op = aio_module()
+        fresh = (op.empty_fresh if filled else op.empty_at_residue)(source.nbytes, residue)
         source.handle.sync_pread(fresh, str(path))
+        if filled:
+            op.settle_fresh(fresh)
     return load
+
+
+def fresh_filling() -> bool:
+    """Whether this process fills new memory without zeroing it (userfaultfd: the op's fresh_memory_status),
+    as deepnvme.load then does; the rows about it are left out where it does not."""
+    from deepnvme._core.op import aio_module
+
+    return aio_module().fresh_memory_status() == "ok"
 
 
 def contenders(pool: RankPool | None, every: bool) -> list[Contender]:
@@ -456,14 +481,20 @@ def contenders(pool: RankPool | None, every: bool) -> list[Contender]:
             return out
         return load
 
-    def direct_load(path: Path, shapes: list) -> Any:
+    def with_settings(**settings: bool) -> Callable[[Path, list], Any]:
+        """deepnvme.load with serialization's switches set as given for the load, restored after it."""
         from deepnvme import serialization
 
-        serialization.STAGE_PAYLOADS = False
-        try:
-            return deepnvme.load(path)
-        finally:
-            serialization.STAGE_PAYLOADS = True
+        def load(path: Path, shapes: list) -> Any:
+            before = {k: getattr(serialization, k) for k in settings}
+            for k, v in settings.items():
+                setattr(serialization, k, v)
+            try:
+                return deepnvme.load(path)
+            finally:
+                for k, v in before.items():
+                    setattr(serialization, k, v)
+        return load
 
     def made_before_load(path: Path, pool: dict[int, list[mmap.mmap]]) -> Any:
         from deepnvme import serialization
@@ -475,7 +506,7 @@ def contenders(pool: RankPool | None, every: bool) -> list[Contender]:
             return torch.frombuffer(pool[nbytes].pop(), dtype=torch.uint8, count=nbytes, offset=residue)
 
         original = serialization._payload_memory
-        serialization._payload_memory = lambda: take
+        serialization._payload_memory = lambda: (take, False)
         try:
             return deepnvme.load(path)
         finally:
@@ -511,7 +542,10 @@ def contenders(pool: RankPool | None, every: bool) -> list[Contender]:
             Contender("DCP AioStorageWriter / AioStorageReader, 1 process",
                       lambda sd, p: dcp.save(sd, storage_writer=AioStorageWriter(p)),
                       dcp_load(AioStorageReader), "dcp-aio", prepare=initialized_like_shapes),
-            Contender(DIRECT, None, direct_load, "deepnvme", group="reference", rewrite=deepnvme.save),
+            Contender(DIRECT, None, with_settings(FILL_FRESH=False, STAGE_PAYLOADS=False), "deepnvme",
+                      group="reference", rewrite=deepnvme.save),
+            *([Contender(ZEROED, None, with_settings(FILL_FRESH=False), "deepnvme", group="reference",
+                         rewrite=deepnvme.save)] if fresh_filling() else []),
             Contender(MADE_BEFORE, None, made_before_load, "deepnvme", group="reference",
                       prepare=memory_made_before, rewrite=deepnvme.save),
             *memory_rows()]
@@ -787,6 +821,8 @@ def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: in
             by["deepnvme-made-before"] = c
         elif c.name == DIRECT:
             by["deepnvme-direct"] = c
+        elif c.name == ZEROED:
+            by["deepnvme-zeroed"] = c
     made = [c for c in cs if c.name in (MEMORY_ONLY, MEMORY_ONLY_HUGE) and c.samples["load"]]
     if made:
         by["memory-only"] = max(made, key=lambda c: median_rate(nbytes, c.samples["load"]))
@@ -815,9 +851,12 @@ def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: in
             ratio("deepnvme", "raw-atomic", "save", None, "deepnvme.save / raw write committed atomically"),
             ratio("fresh", "bound-load", "load", None, "best raw read into fresh memory / bound read"),
             ratio("deepnvme", "fresh", "load", None, "deepnvme.load / best raw read into fresh memory"),
-            ratio("memory-only", "bound-load", "load", None, "new memory made alone, nothing read (the "
-                  "faster page size) / bound read: a ceiling here for a load into memory new to the process"),
+            ratio("memory-only", "bound-load", "load", None,
+                  "new memory made alone, nothing read (the faster page size) / bound read: a ceiling here "
+                  "for a load into new memory the kernel zeroes"),
             ratio("deepnvme", "memory-only", "load", None, "deepnvme.load / new memory made alone"),
+            ratio("deepnvme", "deepnvme-zeroed", "load", None,
+                  "deepnvme.load / deepnvme.load into new memory zeroed by the kernel first"),
             ratio("deepnvme-made-before", "bound-load", "load", None,
                   "deepnvme.load into memory made before the clock / bound read"),
             ratio("deepnvme", "deepnvme-made-before", "load", None,

@@ -58,12 +58,14 @@ def test_bound_is_the_best_candidate_measured_again_and_ratios_use_it() -> None:
     ours = contender("deepnvme.save / deepnvme.load", "deepnvme", [0.625, 0.625, 0.625], [0.5, 0.5, 0.5])
     small = contender(ckpt_bench.MEMORY_ONLY, "deepnvme", [], [0.8, 0.8, 0.8], "reference")
     huge = contender(ckpt_bench.MEMORY_ONLY_HUGE, "deepnvme", [], [1.0, 1.0, 1.0], "reference")
-    lines, ratios = ckpt_bench.report("sd", 2 * GB, 3, [ours, small, huge, *bounds, *grid], 3, 2)
+    zeroed = contender(ckpt_bench.ZEROED, "deepnvme", [], [0.8, 0.8, 0.8], "reference")
+    lines, ratios = ckpt_bench.report("sd", 2 * GB, 3, [ours, small, huge, zeroed, *bounds, *grid], 3, 2)
     # The faster memory row (2.5 GB/s, 4 KiB pages) against the bound's 5: half; the load's 4 GB/s against
-    # it: above it, which only a load into memory it did not make can be.
+    # it: above it, which only a load whose new pages the kernel does not zero can be.
     assert ratios["new memory made alone, nothing read (the faster page size) / bound read: a ceiling here "
-                  "for a load into memory new to the process"] == 0.5
+                  "for a load into new memory the kernel zeroes"] == 0.5
     assert ratios["deepnvme.load / new memory made alone"] == 1.6
+    assert ratios["deepnvme.load / deepnvme.load into new memory zeroed by the kernel first"] == 1.6
     assert ratios["deepnvme.save / bound write"] == 1.0  # against 3M's 3.2 GB/s in the run, not 4 (pilot)
     assert ratios["deepnvme.load / bound read"] == 0.8  # against 1M's 5 GB/s in the run, not 8 (pilot)
     text = "\n".join(lines)
