@@ -849,7 +849,8 @@ def report(label: str, nbytes: int, count: int, cs: list[Contender], repeats: in
             ratio("dcp-aio", "bound-load", "load", 0.85, "AioStorageReader 1 proc / bound read"),
             ratio("raw-atomic", "bound-save", "save", None, "raw write committed atomically / bound write"),
             ratio("deepnvme", "raw-atomic", "save", None, "deepnvme.save / raw write committed atomically"),
-            ratio("fresh", "bound-load", "load", None, "best raw read into fresh memory / bound read"),
+            ratio("fresh", "bound-load", "load", None,
+                  "best raw read into fresh memory (zeroed O_DIRECT, zeroed staged, or filled) / bound read"),
             ratio("deepnvme", "fresh", "load", None, "deepnvme.load / best raw read into fresh memory"),
             ratio("memory-only", "bound-load", "load", None,
                   "new memory made alone, nothing read (the faster page size) / bound read: a ceiling here "

@@ -11,9 +11,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <thread>
+#include <utility>
 
 #include "bulk_copy.h"
 #include "error.h"
@@ -37,100 +40,115 @@ uintptr_t round_down(uintptr_t v, size_t a) { return v / a * a; }
 
 #if DNV_HAVE_UFFD
 
-// The process's userfaultfd and the thread answering stray faults. One per process, never destroyed (no work
-// runs in a static destructor); a forked child replaces its inherited copy on first use.
-class Uffd {
-public:
-    // This process's instance, or nullptr (why: `reason`) when userfaultfd is unavailable here.
-    static Uffd* get(std::string* reason = nullptr) {
-        std::lock_guard<std::mutex> lock(mu());
-        static bool hooked = [] {
-            ::pthread_atfork([] { mu().lock(); }, [] { mu().unlock(); }, [] { mu().unlock(); });
-            return true;
-        }();
-        (void)hooked;
-        long pid = static_cast<long>(::getpid());
-        if (pid_ != pid) {  // first use, or a forked child holding its parent's descriptor
-            if (fd_ >= 0) ::close(fd_);  // the child's copy only: the parent's stays open
-            fd_ = -1;
-            pid_ = pid;
-            why_ = open_here(&fd_);
-            if (fd_ >= 0) std::thread(serve, fd_).detach();
-        }
-        if (reason != nullptr) *reason = why_;
-        return fd_ >= 0 ? &instance() : nullptr;
-    }
+// The environment variable that turns fresh filling off ("0"): for a seccomp filter that kills a process
+// calling userfaultfd(2) instead of refusing it, which no probe survives.
+constexpr const char* kSwitch = "DEEPNVME_FILL_FRESH";
 
-    int fd() const { return fd_; }
-    long pid() const { return pid_; }
-
-private:
-    static Uffd& instance() {
-        static Uffd u;
-        return u;
-    }
-    static std::mutex& mu() {
-        static std::mutex m;
-        return m;
-    }
-
-    // Opens and handshakes a userfaultfd into *fd; "ok", or why it could not.
-    static std::string open_here(int* fd) {
-        int f = static_cast<int>(::syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK));
-        if (f < 0 && errno == EPERM)  // unprivileged (vm.unprivileged_userfaultfd=0): user-mode faults only
-            f = static_cast<int>(::syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK | UFFD_USER_MODE_ONLY));
-        if (f < 0) return "userfaultfd: " + errno_text(errno);
-        uffdio_api api{};
-        api.api = UFFD_API;
-        if (::ioctl(f, UFFDIO_API, &api) != 0) {
-            std::string why = "userfaultfd UFFDIO_API: " + errno_text(errno);
-            ::close(f);
-            return why;
-        }
-        *fd = f;
-        return "ok";
-    }
-
-    // Answers every fault on an armed page with a zeroed page (what the kernel gives a fresh page anyway): only
-    // a touch before fill() faults there, and it must not hang.
-    static void serve(int fd) {
-        const size_t page = page_size();
-        for (;;) {
-            pollfd p{fd, POLLIN, 0};
-            if (::poll(&p, 1, -1) < 0) {
-                if (errno == EINTR) continue;
-                return;
-            }
-            if (p.revents & (POLLERR | POLLNVAL)) return;  // closed in a forked child's replacement
-            uffd_msg msg{};
-            ssize_t n = ::read(fd, &msg, sizeof msg);
-            if (n != static_cast<ssize_t>(sizeof msg)) continue;  // EAGAIN: another reader took it
-            if (msg.event != UFFD_EVENT_PAGEFAULT) continue;
-            uffdio_zeropage z{};
-            z.range.start = round_down(msg.arg.pagefault.address, page);
-            z.range.len = page;
-            for (int tries = 0; tries < 100; ++tries) {
-                if (::ioctl(fd, UFFDIO_ZEROPAGE, &z) == 0) break;
-                if (errno == EAGAIN) continue;  // the address space was changing: again
-                // EEXIST: filled meanwhile; anything else (unregistered, unmapped): wake the waiter, whose
-                // fault then goes the ordinary way.
-                uffdio_range r{z.range.start, page};
-                ::ioctl(fd, UFFDIO_WAKE, &r);
-                break;
-            }
-        }
-    }
-
-    static inline int fd_ = -1;
-    static inline long pid_ = 0;
-    static inline std::string why_;
+// The process's userfaultfd, why there is none, and which process generation it belongs to. Never destroyed
+// (no work runs in a static destructor). fork() hands the child the descriptor's number, whose ioctls would
+// act on the parent's memory, but not the thread that serves it: the child closes it at once (pthread_atfork,
+// before anything can reuse the number), starts a new generation, and opens its own on first use.
+struct UffdState {
+    std::mutex mu;
+    bool tried = false;
+    int fd = -1;
+    unsigned long generation = 1;  // blocks armed in another generation are plain memory here
+    std::string why;
 };
 
-// The descriptor that armed `b`, if it belongs to this process and the block is still armed; else -1.
+UffdState& state() {
+    static UffdState* s = [] {
+        auto* st = new UffdState;
+        ::pthread_atfork([] { state().mu.lock(); }, [] { state().mu.unlock(); },
+                         [] {
+                             UffdState& c = state();
+                             if (c.fd >= 0) ::close(c.fd);
+                             c.fd = -1;
+                             c.tried = false;
+                             c.why.clear();
+                             ++c.generation;
+                             c.mu.unlock();
+                         });
+        return st;
+    }();
+    return *s;
+}
+
+// Answers every fault on an armed page with a zeroed page (what the kernel gives a new page anyway): only a
+// touch before fill() faults there, and it must not hang. Never returns: a waiter left unanswered would hang.
+void serve(int fd) {
+    const size_t page = page_size();
+    for (;;) {
+        pollfd p{fd, POLLIN, 0};
+        if (::poll(&p, 1, -1) < 0) {
+            if (errno != EINTR) ::usleep(1000);  // out of memory for the poll: again, shortly
+            continue;
+        }
+        uffd_msg msg{};
+        ssize_t n = ::read(fd, &msg, sizeof msg);
+        if (n != static_cast<ssize_t>(sizeof msg) || msg.event != UFFD_EVENT_PAGEFAULT) continue;
+        uffdio_zeropage z{};
+        z.range.start = round_down(msg.arg.pagefault.address, page);
+        z.range.len = page;
+        int tries = 0;
+        while (::ioctl(fd, UFFDIO_ZEROPAGE, &z) != 0 && errno == EAGAIN && ++tries < 100) {
+        }
+        // Whatever the outcome (made, filled meanwhile, unregistered, unmapped), wake the waiter: its fault
+        // is retried, and goes the ordinary way where the page is no longer armed.
+        uffdio_range r{z.range.start, page};
+        ::ioctl(fd, UFFDIO_WAKE, &r);
+    }
+}
+
+// Opens and handshakes a userfaultfd and starts its server; the descriptor, or -1 with *why saying why not.
+int open_here(std::string* why) {
+    const char* off = std::getenv(kSwitch);
+    if (off != nullptr && std::string(off) == "0") {
+        *why = std::string("turned off (") + kSwitch + "=0)";
+        return -1;
+    }
+    int f = static_cast<int>(::syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK));
+    if (f < 0 && errno == EPERM)  // unprivileged (vm.unprivileged_userfaultfd=0): user-mode faults only
+        f = static_cast<int>(::syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK | UFFD_USER_MODE_ONLY));
+    if (f < 0) {
+        *why = "userfaultfd: " + errno_text(errno);
+        return -1;
+    }
+    uffdio_api api{};
+    api.api = UFFD_API;
+    if (::ioctl(f, UFFDIO_API, &api) != 0) {
+        *why = "userfaultfd UFFDIO_API: " + errno_text(errno);
+        ::close(f);
+        return -1;
+    }
+    try {
+        std::thread(serve, f).detach();
+    } catch (const std::exception& e) {  // e.g. a pids limit: without the server an early touch would hang
+        *why = std::string("userfaultfd: cannot start the thread that serves it: ") + e.what();
+        ::close(f);
+        return -1;
+    }
+    *why = "ok";
+    return f;
+}
+
+// This process's userfaultfd and generation (fd -1 when unavailable; why: `why`).
+std::pair<int, unsigned long> uffd(std::string* why = nullptr) {
+    UffdState& s = state();
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (!s.tried) {
+        s.tried = true;
+        s.fd = open_here(&s.why);
+    }
+    if (why != nullptr) *why = s.why;
+    return {s.fd, s.generation};
+}
+
+// The descriptor that armed `b`, if it is this process's and the block is still armed; else -1.
 int armed_fd(const FreshBlock& b) {
     if (!b.armed.load(std::memory_order_acquire)) return -1;
-    Uffd* u = Uffd::get();
-    return u != nullptr && u->pid() == b.owner ? u->fd() : -1;
+    auto [fd, generation] = uffd();
+    return generation == b.generation ? fd : -1;
 }
 
 // UFFDIO_COPY of the armed pages [dst, dst+n) from src; the pages it cannot fill that way are copied plainly.
@@ -145,7 +163,7 @@ void fill_pages(int fd, uintptr_t dst, const char* src, size_t n) {
         int rc = ::ioctl(fd, UFFDIO_COPY, &c);
         if (c.copy > 0) done += static_cast<size_t>(c.copy);
         if (rc == 0 || errno == EAGAIN) continue;  // EAGAIN: part copied (counted above), the rest again
-        if (errno == EEXIST) {  // a page present already (touched early): copy over it plainly
+        if (errno == EEXIST) {  // a page present already (touched early, or a partial page): copy over it
             bulk_copy(reinterpret_cast<char*>(dst + done), src + done, page);
             done += page;
             continue;
@@ -155,6 +173,36 @@ void fill_pages(int fd, uintptr_t dst, const char* src, size_t n) {
     }
 }
 
+// Registers the whole of `b`'s mapping and makes its partial first and last pages (zeroed, filled by whoever
+// writes the tensor's edges): the whole mapping, so that neighbouring blocks' mappings merge (one per block
+// would reach vm.max_map_count on a checkpoint of tens of thousands of tensors); those pages made now, so
+// that writing the edges later faults nothing. False (the block left plain) when anything is refused.
+bool arm(int fd, FreshBlock& b, size_t residue, size_t nbytes) {
+    const size_t page = page_size();
+    uffdio_register reg{};
+    reg.range.start = reinterpret_cast<uintptr_t>(b.base);
+    reg.range.len = b.len;
+    reg.mode = UFFDIO_REGISTER_MODE_MISSING;
+    if (::ioctl(fd, UFFDIO_REGISTER, &reg) != 0) return false;
+    bool ok = (reg.ioctls & (uint64_t{1} << _UFFDIO_COPY)) != 0;
+    alignas(64) static const char zeros[1 << 16] = {};
+    auto make = [&](uintptr_t at) {
+        uffdio_copy c{};
+        c.dst = at;
+        c.src = reinterpret_cast<uintptr_t>(zeros);
+        c.len = page;
+        return page <= sizeof zeros && (::ioctl(fd, UFFDIO_COPY, &c) == 0 || errno == EEXIST);
+    };
+    const uintptr_t first = reg.range.start, last = first + b.len - page;
+    if (ok && (residue != 0 || nbytes < page)) ok = make(first);
+    if (ok && last != first && (residue + nbytes) % page != 0) ok = make(last);
+    if (!ok) {
+        uffdio_range r{reg.range.start, reg.range.len};
+        ::ioctl(fd, UFFDIO_UNREGISTER, &r);
+    }
+    return ok;
+}
+
 #endif  // DNV_HAVE_UFFD
 
 }  // namespace
@@ -162,46 +210,41 @@ void fill_pages(int fd, uintptr_t dst, const char* src, size_t n) {
 std::string fresh_memory_status() {
 #if DNV_HAVE_UFFD
     std::string why;
-    Uffd::get(&why);
+    uffd(&why);
     return why;
 #else
     return "userfaultfd is not available on this platform";
 #endif
 }
 
+namespace {
+struct Unmap {
+    size_t len;
+    void operator()(char* p) const { ::munmap(p, len); }
+};
+}  // namespace
+
 FreshBlock* fresh_allocate(size_t nbytes, size_t residue) {
     const size_t page = page_size();
     if (residue >= page) throw ArgError("residue must be in [0, " + std::to_string(page) + ")");
+    if (nbytes > (size_t(1) << 60)) throw std::bad_alloc();
     size_t len = round_up(nbytes + residue, page);
     if (len == 0) len = page;
     void* p = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
-    auto* b = new (std::nothrow) FreshBlock;
-    if (b == nullptr) {
-        ::munmap(p, len);
-        throw std::bad_alloc();
-    }
-    b->base = static_cast<char*>(p);
+    std::unique_ptr<char, Unmap> mapping(static_cast<char*>(p), Unmap{len});
+    auto b = std::make_unique<FreshBlock>();
+    b->base = mapping.get();
     b->len = len;
 #if DNV_HAVE_UFFD
-    uintptr_t data = reinterpret_cast<uintptr_t>(p) + residue;
-    uintptr_t begin = round_up(data, page), end = round_down(data + nbytes, page);
-    Uffd* u = Uffd::get();
-    if (u != nullptr && begin < end) {
-        uffdio_register reg{};
-        reg.range.start = begin;
-        reg.range.len = end - begin;
-        reg.mode = UFFDIO_REGISTER_MODE_MISSING;
-        // A refusal (e.g. out of mappings) leaves a plain block: the same memory, made the usual way.
-        if (::ioctl(u->fd(), UFFDIO_REGISTER, &reg) == 0 && (reg.ioctls & (uint64_t{1} << _UFFDIO_COPY))) {
-            b->armed_begin = begin;
-            b->armed_end = end;
-            b->owner = u->pid();
-            b->armed.store(true, std::memory_order_release);
-        }
+    auto [fd, generation] = uffd();
+    if (fd >= 0 && nbytes > 0 && arm(fd, *b, residue, nbytes)) {
+        b->generation = generation;
+        b->armed.store(true, std::memory_order_release);
     }
 #endif
-    return b;
+    mapping.release();
+    return b.release();
 }
 
 void fresh_free(void* block) {
@@ -215,9 +258,9 @@ void fresh_fill(FreshBlock& b, char* dst, const char* src, size_t n) {
     int fd = armed_fd(b);
     if (fd >= 0) {
         const size_t page = page_size();
-        uintptr_t d = reinterpret_cast<uintptr_t>(dst);
-        uintptr_t a = std::max(round_up(d, page), b.armed_begin);
-        uintptr_t z = std::min(round_down(d + n, page), b.armed_end);
+        const uintptr_t d = reinterpret_cast<uintptr_t>(dst), begin = reinterpret_cast<uintptr_t>(b.base);
+        uintptr_t a = std::max(round_up(d, page), begin);
+        uintptr_t z = std::min(round_down(d + n, page), begin + b.len);
         if (a < z) {
             bulk_copy(dst, src, a - d);
             fill_pages(fd, a, src + (a - d), z - a);
@@ -230,13 +273,16 @@ void fresh_fill(FreshBlock& b, char* dst, const char* src, size_t n) {
 }
 
 void fresh_settle(FreshBlock& b) {
-    if (!b.armed.exchange(false, std::memory_order_acq_rel)) return;
 #if DNV_HAVE_UFFD
-    Uffd* u = Uffd::get();
-    if (u == nullptr || u->pid() != b.owner) return;  // a forked child: its mappings were never registered
-    uffdio_range r{b.armed_begin, b.armed_end - b.armed_begin};
-    ::ioctl(u->fd(), UFFDIO_UNREGISTER, &r);  // wakes any fault still waiting there, which then goes the usual way
+    int fd = armed_fd(b);
+    if (fd >= 0) {
+        // Unregistered first, plain after: a read submitted meanwhile is still staged, and its fill, refused
+        // once the pages are unregistered (ENOENT), copies plainly. A refusal leaves the block armed.
+        uffdio_range r{reinterpret_cast<uintptr_t>(b.base), b.len};
+        if (::ioctl(fd, UFFDIO_UNREGISTER, &r) != 0) return;
+    }
 #endif
+    b.armed.store(false, std::memory_order_release);  // a forked child's copy was never registered
 }
 
 void FreshCopier::to_host(void* dst, size_t offset, size_t len) const { std::memcpy(dst, mem_ + offset, len); }

@@ -7,8 +7,10 @@ a forked child, a read that fails. Real files, real userfaultfd; the page faults
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,6 +25,8 @@ from tests.support.vm import vm_flags
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MIB = 1 << 20
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +50,18 @@ def data_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Ten
     return path, data
 
 
-def minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def resident(address: int, pages: int) -> list[bool]:
+    """Whether each of the `pages` pages from page-aligned `address` is present (mincore(2))."""
+    vec = ctypes.create_string_buffer(pages)
+    if _libc.mincore(ctypes.c_void_p(address), pages * PAGE, vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return [bool(b & 1) for b in vec.raw]
+
+
+def faults() -> int:
+    """Page faults of this process so far: minor and major (a fault a userfaultfd answers counts as major)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
 
 
 def test_the_status_says_ok_or_why_not(aio_module: ModuleType) -> None:
@@ -77,13 +91,13 @@ def test_the_fill_makes_the_pages_itself_without_faulting_them(fresh_op: ModuleT
     nbytes, pages = 16 * MIB, 16 * MIB // PAGE
     handle.sync_pread(fresh_op.empty_at_residue(MIB, 64), str(path))  # the staging pool made before counting
     plain = fresh_op.empty_at_residue(nbytes, 64)
-    before = minor_faults()
+    before = faults()
     handle.sync_pread(plain, str(path))
-    plain_faults = minor_faults() - before
+    plain_faults = faults() - before
     fresh = fresh_op.empty_fresh(nbytes, 0)
-    before = minor_faults()
+    before = faults()
     handle.sync_pread(fresh, str(path))
-    fresh_faults = minor_faults() - before
+    fresh_faults = faults() - before
     fresh_op.settle_fresh(fresh)
     assert torch.equal(fresh, data[:nbytes]) and torch.equal(plain, data[:nbytes])
     assert plain_faults >= pages // 2, plain_faults
@@ -92,24 +106,53 @@ def test_the_fill_makes_the_pages_itself_without_faulting_them(fresh_op: ModuleT
 
 def test_memory_stays_armed_until_settled_and_settling_twice_is_harmless(fresh_op: ModuleType) -> None:
     t = fresh_op.empty_fresh(4 * MIB, 0)
-    assert "um" in vm_flags(t.data_ptr())  # registered with userfaultfd, missing-page mode
+    assert "um" in vm_flags(t.data_ptr() + PAGE)  # registered with userfaultfd, missing-page mode
     fresh_op.settle_fresh(t)
-    assert "um" not in vm_flags(t.data_ptr())
+    assert "um" not in vm_flags(t.data_ptr() + PAGE)
     fresh_op.settle_fresh(t)
     fresh_op.settle_fresh(torch.empty(10, dtype=torch.uint8))  # not fresh memory: nothing to do
     assert int(t.sum()) == 0  # never filled: reads as zero, like any new memory
 
 
-def test_only_whole_pages_inside_the_tensor_are_armed(fresh_op: ModuleType) -> None:
-    """The partial first and last pages are plain memory: deepnvme.load copies them in itself."""
+def test_the_partial_first_and_last_pages_are_made_at_once(fresh_op: ModuleType) -> None:
+    """The whole mapping is armed, but its partial pages, which only the caller writes (deepnvme.load copies
+    the payload's edges in itself), are present from the start: writing them faults nothing."""
     t = fresh_op.empty_fresh(3 * PAGE, 100)
-    assert "um" not in vm_flags(t.data_ptr())  # the first page, shared with nothing but partial
-    assert "um" in vm_flags(t.data_ptr() - 100 + PAGE)
-    assert "um" not in vm_flags(t.data_ptr() - 100 + 3 * PAGE)
+    assert "um" in vm_flags(t.data_ptr()) and "um" in vm_flags(t.data_ptr() + 3 * PAGE - 1)
+    assert resident(t.data_ptr() - 100, 4) == [True, False, False, True]
     t[0] = 7
     t[-1] = 9
     fresh_op.settle_fresh(t)
     assert int(t[0]) == 7 and int(t[-1]) == 9 and int(t[1:-1].sum()) == 0
+
+
+def test_neighbouring_blocks_share_mappings(fresh_op: ModuleType) -> None:
+    """Thousands of small payloads (a checkpoint of many tensors, at torch.save's 64-byte residues) must not
+    take a mapping or two each: vm.max_map_count (65530 by default) would end the process."""
+    maps = len(Path("/proc/self/maps").read_text().splitlines())
+    blocks = [fresh_op.empty_fresh(64 << 10, 100) for _ in range(3000)]
+    grown = len(Path("/proc/self/maps").read_text().splitlines()) - maps
+    assert all("um" in vm_flags(b.data_ptr() + PAGE) for b in blocks[::500])
+    for b in blocks:
+        fresh_op.settle_fresh(b)
+    settled = len(Path("/proc/self/maps").read_text().splitlines()) - maps
+    assert grown < 300 and settled < 300, (grown, settled)
+
+
+def test_a_write_from_partly_filled_armed_memory_writes_its_bytes(fresh_op: ModuleType, handle: Any,
+                                                                  data_file: tuple[Path, torch.Tensor],
+                                                                  tmp_path: Path) -> None:
+    """Unfilled pages read as zero; the handle reads the memory from user space (staged), never through the
+    kernel, so this holds with a user-mode-only userfaultfd too."""
+    path, data = data_file
+    t = fresh_op.empty_fresh(MIB, 0)
+    handle.sync_pread(t[:MIB // 2], str(path))
+    want = torch.cat([data[:MIB // 2], torch.zeros(MIB // 2, dtype=torch.uint8)])
+    for validate in (False, True):
+        out = tmp_path / f"w{validate}.bin"
+        handle.pwrite(t, str(out), validate, False)  # DeepSpeed's (buffer, filename, validate, async)
+        assert torch.equal(torch.from_file(str(out), size=MIB, dtype=torch.uint8), want)
+    fresh_op.settle_fresh(t)
 
 
 def test_a_read_into_part_of_it_leaves_the_rest_alone(fresh_op: ModuleType, handle: Any,
@@ -174,8 +217,10 @@ def test_bad_arguments_raise_naming_them(fresh_op: ModuleType) -> None:
     assert fresh_op.empty_fresh(0, 0).numel() == 0
 
 
-def run_script(body: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """A Python child with the op loaded; killed (and the test failed) if it hangs."""
+def run_script(body: str, timeout: float = 60, env: dict[str, str] | None = None,
+               wrap: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """A Python child with the op loaded (`env` added to its environment, its command line after `wrap`);
+    killed (and the test failed) if it hangs."""
     prelude = textwrap.dedent("""
         import os, sys, torch
         torch.set_num_threads(1)
@@ -185,9 +230,9 @@ def run_script(body: str, timeout: float = 60) -> subprocess.CompletedProcess[st
         PAGE = os.sysconf("SC_PAGE_SIZE")
     """)
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(body)], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    full = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {}))
+    return subprocess.run([*(wrap or []), sys.executable, "-c", prelude + textwrap.dedent(body)],
+                          capture_output=True, text=True, timeout=timeout, env=full)
 
 
 def test_touching_armed_memory_before_its_read_neither_hangs_nor_changes_the_result(
@@ -216,9 +261,25 @@ def test_a_forked_child_never_fills_its_parents_memory(fresh_op: ModuleType,
     proc = run_script(f"""
         data = torch.from_file({str(path)!r}, size=8 << 20, dtype=torch.uint8)
         t = op.empty_fresh(4 << 20, 0)
+        def uffds():
+            found = []
+            for n in os.listdir("/proc/self/fd"):
+                try:
+                    if "userfaultfd" in os.readlink(f"/proc/self/fd/{{n}}"):
+                        found.append(n)
+                except OSError:  # listdir's own descriptor, closed by now
+                    pass
+            return found
+        assert len(uffds()) == 1
         pid = os.fork()
         if pid == 0:
             try:
+                if uffds():  # the parent's descriptor, closed at the fork
+                    os._exit(5)
+                mine = os.open({str(path)!r}, os.O_RDONLY)  # may take the number the descriptor had
+                op.fresh_memory_status()
+                if os.readlink(f"/proc/self/fd/{{mine}}") != {str(path)!r}:
+                    os._exit(6)
                 hc = op.aio_handle(block_size=1 << 20, queue_depth=8, intra_op_parallelism=2)
                 hc.sync_pread(t, {str(path)!r})
                 u = op.empty_fresh(4 << 20, 0)
@@ -236,4 +297,66 @@ def test_a_forked_child_never_fills_its_parents_memory(fresh_op: ModuleType,
         assert torch.equal(t, data[PAGE:PAGE + (4 << 20)])
         print("ok")
     """)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_the_switch_turns_fresh_filling_off(data_file: tuple[Path, torch.Tensor]) -> None:
+    """DEEPNVME_FILL_FRESH=0: no userfaultfd is opened (for a seccomp filter that would kill the process);
+    the memory is plain and reads into it are right."""
+    path, _ = data_file
+    proc = run_script(f"""
+        assert op.fresh_memory_status() == "turned off (DEEPNVME_FILL_FRESH=0)", op.fresh_memory_status()
+        data = torch.from_file({str(path)!r}, size=1 << 20, dtype=torch.uint8)
+        t = op.empty_fresh(1 << 20, 0)
+        h.sync_pread(t, {str(path)!r})
+        assert torch.equal(t, data)
+        fds = [f"/proc/self/fd/{{n}}" for n in os.listdir("/proc/self/fd")]
+        assert not any("userfaultfd" in os.readlink(f) for f in fds if os.path.exists(f))
+        print("ok")
+    """, env={"DEEPNVME_FILL_FRESH": "0"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_without_the_ptrace_capability_user_mode_faults_only_still_work(
+        fresh_op: ModuleType, data_file: tuple[Path, torch.Tensor], tmp_path: Path) -> None:
+    """Most users may not handle kernel-mode faults (vm.unprivileged_userfaultfd=0 and no CAP_SYS_PTRACE):
+    their userfaultfd is user-mode only, and any read the kernel did into armed memory would fail with EFAULT.
+    As such a process: reads into fresh memory (whole, partial, unaligned), an early touch, a write from
+    partly filled memory, and deepnvme.load of a torch.save file filled fresh."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to drop CAP_SYS_PTRACE")
+    path, _ = data_file
+    ckpt = tmp_path / "c.pt"
+    torch.save({"a": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(70_000)}, ckpt)
+    proc = run_script(f"""
+        from pathlib import Path
+        import errno
+        caps = [l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("CapEff:")]
+        assert not int(caps[0].split()[1], 16) & (1 << 19), caps  # CAP_SYS_PTRACE is bit 19
+        assert op.fresh_memory_status() == "ok"
+        u = op.empty_fresh(1 << 20, 0)  # the mode itself: the kernel may not fault armed pages in
+        fd = os.open({str(path)!r}, os.O_RDONLY)
+        try:
+            os.preadv(fd, [memoryview(u.numpy())], 0)
+            raise SystemExit("a kernel read into armed memory went through: not user-mode only")
+        except OSError as e:
+            assert e.errno == errno.EFAULT, e
+        os.close(fd)
+        data = torch.from_file({str(path)!r}, size=8 << 20, dtype=torch.uint8)
+        t = op.empty_fresh(4 << 20, 100)
+        assert int(t[3 * PAGE]) == 0
+        h.sync_pread(t[:2 << 20], {str(path)!r}, 100)
+        h.sync_pread(t[(2 << 20) + 7:], {str(path)!r}, (2 << 20) + 107)
+        h.sync_pwrite(t, {str(tmp_path / "out.bin")!r})
+        op.settle_fresh(t)
+        assert torch.equal(t[:2 << 20], data[100:(2 << 20) + 100])
+        assert torch.equal(t[(2 << 20) + 7:], data[(2 << 20) + 107:(4 << 20) + 100])
+        import deepnvme
+        from deepnvme import serialization
+        assert serialization.FILL_FRESH
+        got = deepnvme.load({str(ckpt)!r})
+        assert torch.equal(got["a"], torch.arange(300_000, dtype=torch.float32))
+        assert torch.equal(got["b"], torch.ones(70_000))
+        print("ok")
+    """, wrap=["setpriv", "--bounding-set", "-sys_ptrace", "--inh-caps", "-sys_ptrace", "--"])
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
