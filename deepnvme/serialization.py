@@ -447,11 +447,10 @@ class _ArchiveReader(SeekableReader):
 
     Without prefetch() every member torch asks for is read on demand (_read_member). After prefetch()
     the whole file already sits in memory, read by the handle in a few deep batches: each large storage
-    payload in a storage of its own, placed so that handle reads it O_DIRECT with no copy, and everything
-    else (headers, the pickle, small payloads, the directory) in one scratch buffer that reads are served
-    from. torch then still allocates each payload's memory and asks for it; that read is skipped and the
-    map_location hook from substituting() hands torch the prefetched storage instead, so the bytes are
-    never copied.
+    payload in a storage of its own (see _Prefetched for how), and everything else (headers, the pickle,
+    small payloads, the directory) in one scratch buffer that reads are served from. torch then still
+    allocates each payload's memory and asks for it; that read is skipped and the map_location hook from
+    substituting() hands torch the prefetched storage instead, so the bytes are never copied.
     """
 
     def __init__(self, fd: int, path: str, records: dict[int, Record], handle: AioHandle,
@@ -631,12 +630,12 @@ class _Prefetched:
     """The whole archive read into memory by the handles (see _ArchiveReader), CRCs checked.
 
     The file is cut at the page-aligned interior ("body") of every large storage payload: each body is
-    read into a storage of the payload's size whose memory lies at the payload's offset from a page, so
-    the handle reads it O_DIRECT straight into place; the gaps between bodies (headers, small members,
-    the payloads' partial first and last pages, the directory) are read into one page-aligned scratch
-    buffer. The reads go in batches of about BATCH_BYTES, alternating between the handles: while one
-    batch is read, the one before it is finished (its payloads' partial pages copied in from the gaps,
-    CRCs checked) on a worker thread.
+    read into a storage of the payload's size, new memory that the handle's staged reads fill without its
+    pages being zeroed first (FILL_FRESH), or else memory made the usual way and read as STAGE_PAYLOADS
+    says; the gaps between bodies (headers, small members, the payloads' partial first and last pages, the
+    directory) are read into one page-aligned scratch buffer. The reads go in batches of about BATCH_BYTES,
+    alternating between the handles: while one batch is read, the one before it is finished (its payloads'
+    partial pages copied in from the gaps, CRCs checked) on a worker thread.
     """
 
     def __init__(self, fd: int, path: str, size: int, records: dict[int, Record], handles: list[AioHandle],
