@@ -178,6 +178,32 @@ def test_staged_payloads_load_the_same_bytes_and_still_catch_damage(tmp_path: Pa
         deepnvme.load(path, handle=handle)
 
 
+def test_a_load_filled_fresh_makes_payload_pages_without_faults(tmp_path: Path, handle: Any) -> None:
+    """The point of FILL_FRESH: the payloads' pages are made by the fill, not by faults. Memory made the
+    usual way, or a read the kernel did into armed memory, would fault each page (a fault the op's
+    userfaultfd answers counts as a major one: minor and major are counted)."""
+    import resource
+
+    from deepnvme._core.op import aio_module
+
+    if not serialization.FILL_FRESH or aio_module().fresh_memory_status() != "ok":
+        pytest.skip(f"userfaultfd unavailable here: {aio_module().fresh_memory_status()}")
+    obj = {"w": torch.randn(8 << 20)}  # 32 MiB: 8192 pages
+    path = tmp_path / "f.pt"
+    deepnvme.save(obj, path, handle=handle)
+    deepnvme.load(path, handle=handle)  # the staging pool and the op made before counting
+
+    def faults() -> int:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_minflt + usage.ru_majflt
+
+    before = faults()
+    got = deepnvme.load(path, handle=handle)
+    made = faults() - before
+    assert torch.equal(got["w"], obj["w"])
+    assert made < (32 << 20) // PAGE // 8, made
+
+
 def test_a_layout_other_than_torchs_is_read_exactly(tmp_path: Path, handle: Any,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the inferred data offsets are wrong (an archive laid out differently), load notices it on the
