@@ -23,9 +23,11 @@ Contenders, each saving and then loading the same state dict, in an order rotate
     (what any load that returns new tensors pays: the memory's first-touch faults), page-aligned (read
     O_DIRECT into it, the pages faulted by the reads) and 64 bytes past a page (where torch's allocator
     puts a tensor: the handle reads into its locked staging pool and its worker threads copy out, faulting
-    the pages as they copy); the better of the two is the best a load into new memory can do here;
+    the pages as they copy); with the row below that fills new memory without zeroing, the best of them
+    is the best raw read into new memory here;
   * for reference: deepnvme.load with its large payloads read O_DIRECT into their own memory (placed at the
-    file's page residue; serialization.STAGE_PAYLOADS off), beside the default, which stages them;
+    file's page residue; serialization.FILL_FRESH and STAGE_PAYLOADS off), beside the default, which
+    stages them;
   * for reference: deepnvme.load as it runs by default, its large payloads' memory made before the clock
     (mappings of the tensors' sizes, every page written), so that it and deepnvme.load differ only by what
     making new memory costs a load here;
