@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.vm import vm_flags
+from tests.support.vm import faults, vm_flags
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MIB = 1 << 20
@@ -56,12 +55,6 @@ def resident(address: int, pages: int) -> list[bool]:
     if _libc.mincore(ctypes.c_void_p(address), pages * PAGE, vec) != 0:
         raise OSError(ctypes.get_errno(), "mincore")
     return [bool(b & 1) for b in vec.raw]
-
-
-def faults() -> int:
-    """Page faults of this process so far: minor and major (a fault a userfaultfd answers counts as major)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_minflt + usage.ru_majflt
 
 
 def test_the_status_says_ok_or_why_not(aio_module: ModuleType) -> None:

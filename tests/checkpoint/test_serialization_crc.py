@@ -182,9 +182,8 @@ def test_a_load_filled_fresh_makes_payload_pages_without_faults(tmp_path: Path, 
     """The point of FILL_FRESH: the payloads' pages are made by the fill, not by faults. Memory made the
     usual way, or a read the kernel did into armed memory, would fault each page (a fault the op's
     userfaultfd answers counts as a major one: minor and major are counted)."""
-    import resource
-
     from deepnvme._core.op import aio_module
+    from tests.support.vm import faults
 
     if not serialization.FILL_FRESH or aio_module().fresh_memory_status() != "ok":
         pytest.skip(f"userfaultfd unavailable here: {aio_module().fresh_memory_status()}")
@@ -192,10 +191,6 @@ def test_a_load_filled_fresh_makes_payload_pages_without_faults(tmp_path: Path, 
     path = tmp_path / "f.pt"
     deepnvme.save(obj, path, handle=handle)
     deepnvme.load(path, handle=handle)  # the staging pool and the op made before counting
-
-    def faults() -> int:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        return usage.ru_minflt + usage.ru_majflt
 
     before = faults()
     got = deepnvme.load(path, handle=handle)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 from pathlib import Path
 
 
@@ -17,3 +18,9 @@ def vm_flags(address: int) -> set[str]:
         elif inside and line.startswith("VmFlags:"):
             return set(line.split()[1:])
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def faults() -> int:
+    """Page faults of this process so far, minor and major: a fault a userfaultfd answers counts as major."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
