@@ -8,6 +8,7 @@ a forked child, a read that fails. Real files, real userfaultfd; the page faults
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import shutil
 import subprocess
@@ -78,12 +79,15 @@ def test_a_read_fills_fresh_memory_with_the_files_bytes(fresh_op: ModuleType, ha
 
 def test_the_fill_makes_the_pages_itself_without_faulting_them(fresh_op: ModuleType, handle: Any,
                                                                data_file: tuple[Path, torch.Tensor]) -> None:
-    """The point of the memory: its pages are made by UFFDIO_COPY, not by faults that zero them. Memory made
-    the usual way, read the same way (staged), takes a fault per page; fresh memory almost none."""
+    """The point of the memory: its pages are made by UFFDIO_COPY, not by faults that zero them. A new
+    mapping of plain memory, read the same way (staged), takes a fault per page; fresh memory almost none."""
     path, data = data_file
     nbytes, pages = 16 * MIB, 16 * MIB // PAGE
     handle.sync_pread(fresh_op.empty_at_residue(MIB, 64), str(path))  # the staging pool made before counting
-    plain = fresh_op.empty_at_residue(nbytes, 64)
+    # A mapping of its own, small pages: allocator memory may be pages an earlier test already faulted.
+    region = mmap.mmap(-1, nbytes + PAGE)
+    region.madvise(mmap.MADV_NOHUGEPAGE)
+    plain = torch.frombuffer(region, dtype=torch.uint8)[64:64 + nbytes]
     before = faults()
     handle.sync_pread(plain, str(path))
     plain_faults = faults() - before
