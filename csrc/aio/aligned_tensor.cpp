@@ -9,6 +9,7 @@
 
 #include "error.h"
 #include "file.h"
+#include "storage_loan.h"
 
 namespace dnv {
 namespace {
@@ -60,7 +61,7 @@ at::Tensor empty_fresh(int64_t nbytes, int64_t residue) {
 
 FreshBlock* fresh_block_of(const at::Tensor& t) {
     if (!t.defined() || !t.has_storage() || !t.device().is_cpu()) return nullptr;
-    const c10::DataPtr& d = t.storage().data_ptr();
+    const c10::DataPtr& d = owning_data_ptr(t.storage().data_ptr());  // a pending request's tensor is lent
     return d.get_deleter() == &fresh_free ? static_cast<FreshBlock*>(d.get_context()) : nullptr;
 }
 

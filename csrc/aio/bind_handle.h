@@ -19,6 +19,8 @@ namespace dnv {
 inline uint64_t enqueue_host(IoHandle& io, const at::Tensor& buffer, const Target& target, bool write,
                              bool validate, bool async, int64_t file_offset) {
     IoHandle::Params p = host_params(buffer, target, write, validate, async, file_offset);
+    // Ends the loan (storage_loan.h) with the GIL held should the request fail before it is queued.
+    std::shared_ptr<void> hold = p.keepalive;
     std::string warning;
     std::shared_ptr<Request> req;
     {

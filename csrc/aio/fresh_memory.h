@@ -71,7 +71,7 @@ public:
     void from_host(size_t offset, const void* src, size_t len) const override;
 
 private:
-    FreshBlock* block_;  // kept alive by the request's hold on the tensor
+    FreshBlock* block_;  // kept alive by the request's loan of the tensor's memory (storage_loan.h)
     char* mem_;
 };
 

@@ -7,14 +7,13 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <memory>
-#include <mutex>
 #include <string>
-#include <unordered_map>
 
 #include "aligned_tensor.h"
 #include "error.h"
 #include "handle.h"
 #include "pinned.h"
+#include "storage_loan.h"
 
 namespace dnv {
 
@@ -58,61 +57,19 @@ private:
     at::Tensor bytes_;
 };
 
-// Storages of pending requests are made non-resizable, so that `untyped_storage().resize_()` raises in Python
-// instead of freeing memory a worker is filling. Counted per storage: several requests may share one.
-class StorageFreeze {
-public:
-    // Freezes a resizable storage; false if it was not resizable to begin with (nothing to undo).
-    static bool freeze(c10::StorageImpl* s) {
-        std::lock_guard<std::mutex> lock(mu());
-        auto it = counts().find(s);
-        if (it != counts().end()) {
-            ++it->second;
-            return true;
-        }
-        if (!s->resizable()) return false;
-        s->set_resizable(false);
-        counts().emplace(s, 1);
-        return true;
-    }
-    static void thaw(c10::StorageImpl* s) {
-        std::lock_guard<std::mutex> lock(mu());
-        auto it = counts().find(s);
-        if (it == counts().end() || --it->second > 0) return;
-        counts().erase(it);
-        s->set_resizable(true);
-    }
-
-private:
-    static std::mutex& mu() {
-        static std::mutex m;
-        return m;
-    }
-    static std::unordered_map<c10::StorageImpl*, unsigned>& counts() {
-        static std::unordered_map<c10::StorageImpl*, unsigned> c;
-        return c;
-    }
-};
-
-// What a pending request holds of its tensor: the tensor, and its storage itself, so that neither `del`,
-// `tensor.set_()` nor `tensor.data = ...` can free the memory under the request; the storage stays
-// non-resizable until the request is handed over.
+// What a pending request holds of its tensor: the tensor, and a loan of its storage and memory
+// (storage_loan.h), so that neither `del`, `tensor.set_()`, `tensor.data = ...`, a resize nor
+// `share_memory_()` can free the memory under the request.
 struct TensorHold {
     at::Tensor tensor;
     c10::Storage storage;
     const void* data = nullptr;
-    bool frozen = false;
+    StorageLoan loan;
 
-    explicit TensorHold(const at::Tensor& t) : tensor(t), storage(t.storage()), data(t.data_ptr()) {
-        frozen = storage.unsafeGetStorageImpl() != nullptr && StorageFreeze::freeze(storage.unsafeGetStorageImpl());
-    }
-    ~TensorHold() {
-        if (frozen) StorageFreeze::thaw(storage.unsafeGetStorageImpl());
-    }
-    TensorHold(const TensorHold&) = delete;
-    TensorHold& operator=(const TensorHold&) = delete;
+    explicit TensorHold(const at::Tensor& t)
+        : tensor(t), storage(t.storage()), data(t.data_ptr()), loan(storage) {}
 
-    // True when the tensor no longer shows the memory the request used (its storage was swapped).
+    // True when the tensor no longer shows the memory the request used (its storage or memory was replaced).
     bool replaced() const {
         return !tensor.has_storage() || tensor.storage().unsafeGetStorageImpl() != storage.unsafeGetStorageImpl() ||
                tensor.data_ptr() != data;
@@ -163,8 +120,8 @@ inline std::string replaced_buffer_error(const PendingRequest& r) {
     if (r.write || !r.keepalive) return {};
     if (!static_cast<const TensorHold*>(r.keepalive.get())->replaced()) return {};
     return "the buffer of the read from " + r.file.path() +
-           " got another storage while the read was pending (tensor.set_() or .data =): the bytes went to the "
-           "old storage, not to the tensor";
+           " was given other memory while the read was pending (tensor.set_(), .data = or .share_memory_()): "
+           "the bytes went to the memory it had before, not to the tensor";
 }
 
 // Handle settings as both I/O bindings take them, checked once here.

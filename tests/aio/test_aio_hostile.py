@@ -164,7 +164,7 @@ def test_storage_resize_refused_and_swap_kept_alive(workdir: Path) -> None:
                 try:
                     h.wait()
                 except RuntimeError as e:
-                    assert kind in ("set_", "data") and "old storage" in str(e), (kind, e)
+                    assert kind in ("set_", "data") and "memory it had before" in str(e), (kind, e)
                 else:
                     assert kind.startswith("resize"), f"{kind}: a read into a swapped storage succeeded"
                     assert torch.equal(t[:n], ref), kind
@@ -180,6 +180,73 @@ def test_storage_resize_refused_and_swap_kept_alive(workdir: Path) -> None:
                 assert f.read() == bytes([3]) * n
         print("ok")
     """)
+
+
+def test_share_memory_during_a_request_keeps_its_memory_alive(workdir: Path) -> None:
+    """tensor.share_memory_() while a request is pending copies the tensor into shared memory and destroys
+    the DataPtr it replaces. The request's loan of the memory (storage_loan.h) keeps the old memory alive
+    until the request is handed over: a read then raises naming share_memory_(), a write writes the bytes it
+    was given; neither touches freed memory. The fault engine holds the first block until the tensor has
+    been shared, so the swap always lands mid-request. Memory already shared stays; reads work."""
+    out = run_child(workdir, """
+        n = 8 << 20
+        data = os.urandom(n)
+        path = f"{d}/data"
+        with open(path, "wb") as f:
+            f.write(data)
+        ref = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        makers = {"plain": lambda: torch.empty(n + 1, dtype=torch.uint8)[1:],
+                  "aligned": lambda: m.empty_at_residue(n, 0),
+                  "fresh": lambda: m.empty_fresh(n, 0)}
+
+        def held(tag):
+            gate = f"{d}/gate-{tag}"
+            os.mkdir(gate)
+            os.environ.update(DEEPNVME_FAULT="hold@1", DEEPNVME_FAULT_GATE=gate)
+            return m.aio_handle(1 << 20, 4, False, False, 1, engine="fault"), gate
+
+        for kind, make in makers.items():
+            h, gate = held(f"r-{kind}")
+            t = make()
+            assert h.async_pread(t, path) == 0
+            wait_for_file(f"{gate}/held.1")
+            t.share_memory_()
+            assert t.is_shared()
+            junk = [torch.full((1 << 20,), 7, dtype=torch.uint8) for _ in range(16)]  # reuses freed memory
+            open(f"{gate}/go.1", "w").close()
+            try:
+                h.wait()
+            except RuntimeError as e:
+                assert "share_memory_" in str(e) and path in str(e), e
+            else:
+                raise AssertionError(f"{kind}: a read into memory replaced by share_memory_() succeeded")
+            del junk
+            assert h.sync_pread(t, path) == 1 and torch.equal(t, ref), kind  # the shared memory works
+
+            h, gate = held(f"w-{kind}")
+            src = make()
+            src.copy_(ref)
+            m.settle_fresh(src)
+            assert h.async_pwrite(src, f"{d}/w-{kind}") == 0
+            wait_for_file(f"{gate}/held.1")
+            src.share_memory_()
+            junk = [torch.full((1 << 20,), 7, dtype=torch.uint8) for _ in range(16)]
+            open(f"{gate}/go.1", "w").close()
+            assert h.wait() == 1
+            del junk
+            with open(f"{d}/w-{kind}", "rb") as f:
+                assert f.read() == data, kind
+
+        h, gate = held("shared")
+        t = torch.empty(n, dtype=torch.uint8).share_memory_()
+        assert h.async_pread(t, path) == 0
+        wait_for_file(f"{gate}/held.1")
+        t.share_memory_()  # already shared: the memory stays the same
+        open(f"{gate}/go.1", "w").close()
+        assert h.wait() == 1 and t.is_shared() and torch.equal(t, ref)
+        print("ok")
+    """)
+    assert out.strip() == "ok"
 
 
 # ----------------------------------------------------------------------------- descriptors

@@ -26,7 +26,7 @@ AIO = REPO / "csrc" / "aio"
 # The units under test and what they link.
 UNITS = ["plan.cpp", "file.cpp", "error.cpp", "tunables.cpp", "staging_share.cpp"]
 # csrc/aio files that belong to the Python binding and may include torch or Python headers.
-BINDING_SIDE = {"py_aio.cpp", "aligned_tensor.cpp", "pinned.cpp"}
+BINDING_SIDE = {"py_aio.cpp", "aligned_tensor.cpp", "pinned.cpp", "storage_loan.cpp"}
 WARNINGS = ["-Wall", "-Wextra", "-Werror"]
 
 
