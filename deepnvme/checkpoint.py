@@ -688,11 +688,11 @@ class AioStorageReader(FileSystemReader):
     def _read_file(self, handle: AioHandle, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
         """Read one .distcp file's items: queue every payload, then commit the tensors after one wait."""
         meta_fd = open_regular(path)  # a FIFO or device in the checkpoint is refused without blocking
-        # The buffered descriptor reads only archives' small records: readahead would fetch payload bytes
-        # that the O_DIRECT reads fetch again.
-        os.posix_fadvise(meta_fd, 0, 0, os.POSIX_FADV_RANDOM)
         data_fd = -1
         try:
+            # The buffered descriptor reads only archives' small records: readahead would fetch payload
+            # bytes that the O_DIRECT reads fetch again.
+            os.posix_fadvise(meta_fd, 0, 0, os.POSIX_FADV_RANDOM)
             data_fd = open_direct(path, os.O_RDONLY)
             size = os.fstat(meta_fd).st_size
             reqs = sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset)

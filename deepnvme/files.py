@@ -9,16 +9,18 @@ import os
 import re
 from pathlib import Path
 
+from deepnvme._core.files import close_all, open_into
+
 __all__ = ["SeekableReader", "fsync_path", "mount_of"]
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
     """fsync a file by name, so that what was written reaches the drive, not only the page cache."""
-    fd = os.open(path, os.O_RDONLY)
+    held: list[int] = []
     try:
-        os.fsync(fd)
+        os.fsync(open_into(held, path, os.O_RDONLY))
     finally:
-        os.close(fd)
+        close_all(held)
 
 
 class SeekableReader(io.RawIOBase):

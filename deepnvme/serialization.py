@@ -52,7 +52,7 @@ from deepnvme._core.aio_types import AioHandle
 from deepnvme._core.crc import crc32
 from deepnvme._core.direct import DIRECT_MIN_BYTES, AlignedWriter, close_pair, open_for_write
 from deepnvme._core.errors import CheckpointFormatError, RefusedPickle, with_path
-from deepnvme._core.files import open_regular
+from deepnvme._core.files import close_all, open_into, open_regular
 from deepnvme._core.handles import checkpoint_handle
 from deepnvme._core.memory import PAGE, Populator, address_of, aligned_buffer, byte_view, memory_of, round_up
 from deepnvme._core.op import aio_module
@@ -138,7 +138,8 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
     tmp = temporary_name(target)
     # Allocated before the temporary exists, so a failure here (ENOMEM from the mmap) leaves nothing behind.
     buffers = [aligned_buffer(STAGING_BYTES) for _ in range(2)]
-    direct_fd = buffered_fd = replaced = -1
+    direct_fd = buffered_fd = -1
+    replaced: list[int] = []  # the file this replaces, held open (see _hold_replaced)
     try:
         writer = None
         try:
@@ -160,7 +161,7 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
             raise
         finally:
             close_pair(direct_fd, buffered_fd)
-        replaced = _hold_replaced(target)
+        _hold_replaced(target, replaced)
         commit(tmp, target)
     except OSError as exc:
         discard(tmp)  # never raises: the error to report is this one, under the caller's name for the file
@@ -288,22 +289,18 @@ def _page_aligned_storages(crc: bool = True) -> Iterator[bool]:
         yield True
 
 
-def _hold_replaced(target: str) -> int:
-    """An open descriptor of the regular file at `target`, or -1. While it is open, the rename over the
-    file does not free its blocks (for a large file that takes a file system hundreds of milliseconds);
-    _close_later frees them off the caller's thread."""
+def _hold_replaced(target: str, held: list[int]) -> None:
+    """Open the regular file at `target`, if there is one, into `held` (the caller closes it with
+    _close_later, whatever happens: see open_into). While it is open, the rename over the file does not
+    free its blocks (for a large file that takes a file system hundreds of milliseconds); _close_later
+    frees them off the caller's thread."""
     try:
-        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except OSError:
-        return -1
-    try:
+        fd = open_into(held, target, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
         regular = stat.S_ISREG(os.fstat(fd).st_mode)
     except OSError:
         regular = False
     if not regular:
-        os.close(fd)
-        return -1
-    return fd
+        close_all(held)
 
 
 _closers: set[threading.Thread] = set()
@@ -316,19 +313,19 @@ def _join_closers() -> None:
         _closers.discard(closer)
 
 
-def _close_later(fd: int) -> None:
-    if fd < 0:
+def _close_later(held: list[int]) -> None:
+    """Close what `held` holds on a thread of its own (see _hold_replaced)."""
+    if not held:
         return
 
-    closer = threading.Thread(target=_close_quietly, args=(fd,), name="deepnvme-free-replaced", daemon=True)
+    closer = threading.Thread(target=_close_quietly, args=(held,), name="deepnvme-free-replaced", daemon=True)
     closer.start()
     _closers.add(closer)  # started first: a concurrent _join_closers may join anything in the set
 
 
-def _close_quietly(fd: int) -> None:
-    if fd >= 0:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+def _close_quietly(held: list[int]) -> None:
+    with contextlib.suppress(OSError):
+        close_all(held)
 
 
 def _checked_path(path: Any) -> str:
@@ -362,7 +359,7 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool =
         if mmap:  # torch's memory-mapped path: torch maps the file by its name
             return _torch_load(path, path, kwargs | {"mmap": mmap})
         if records is None:  # the legacy format: torch reads it, from the file opened here
-            with os.fdopen(os.dup(fd), "rb") as f:
+            with os.fdopen(fd, "rb", closefd=False) as f:  # no dup: see zipformat.read_records
                 return _torch_load(f, path, kwargs)
         if handle is None:
             where = os.path.dirname(os.path.abspath(path))
@@ -464,6 +461,7 @@ class _ArchiveReader(SeekableReader):
         self._handle = handle
         self._verify = verify
         self._direct_fd = -1
+        self._opened: list[int] = []  # descriptors this reader opened (_direct), closed by close()
         self._prefetched: _Prefetched | None = None
         self._skipped: dict[int, Record] = {}  # torch's payload memory left unread, by address
         self._substitute = False
@@ -535,9 +533,8 @@ class _ArchiveReader(SeekableReader):
         return _pread_into(self._fd, view, self._pos)
 
     def close(self) -> None:
-        if self._direct_fd not in (-1, self._fd):
-            os.close(self._direct_fd)
         self._direct_fd = -1
+        close_all(self._opened)
         self._prefetched = None
         self._skipped.clear()
         super().close()
@@ -596,19 +593,20 @@ class _ArchiveReader(SeekableReader):
             self._direct_fd = self._fd
             held = os.fstat(self._fd)
             flags = os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT
+            # Opened straight into self._opened, which close() empties: no moment where an interrupt could
+            # leave the descriptor unowned (see open_into).
             try:
                 try:
-                    fd = os.open(_PROC_FD.format(self._fd), flags)
+                    fd = open_into(self._opened, _PROC_FD.format(self._fd), flags)
                 except FileNotFoundError:
                     if not _same_file(held, os.stat(self._path)):  # not even opened: it could be a FIFO
                         return self._direct_fd
-                    fd = os.open(self._path, flags)
+                    fd = open_into(self._opened, self._path, flags)
             except OSError:
                 return self._direct_fd
             if _same_file(held, os.fstat(fd)):
                 self._direct_fd = fd
-            else:
-                os.close(fd)
+            # else another file's descriptor, never used, closed with the reader
         return self._direct_fd
 
 

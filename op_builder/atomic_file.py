@@ -17,11 +17,40 @@ import os
 import secrets
 import socket
 
-__all__ = ["TEMP_SUFFIX", "commit", "discard", "fsync_directory", "remove_stale_temps", "replace_bytes",
-           "temporary_name"]
+__all__ = ["TEMP_SUFFIX", "close_all", "commit", "discard", "fsync_directory", "open_into",
+           "remove_stale_temps", "replace_bytes", "temporary_name"]
 
 TEMP_SUFFIX = ".deepnvme-tmp"
 _HOST = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname()) or "host"
+
+
+def open_into(held: list[int], path: str | os.PathLike[str], flags: int, mode: int = 0o777) -> int:
+    """os.open(path, flags, mode), the new descriptor appended to `held` before Python code runs again.
+
+    Why: CPython runs a signal's Python handler at the first check after a call returns, and a Ctrl-C
+    that arrives while open(2) runs is handled right after os.open returns, before `fd = os.open(...)`
+    stores the result: the KeyboardInterrupt then loses the descriptor whatever try surrounds the line.
+    list.extend over map calls os.open and stores its result without returning to the interpreter in
+    between, so a caller that closes what `held` holds when it fails (close_all) never leaks one.
+    """
+    held.extend(map(os.open, (path,), (flags,), (mode,)))
+    return held[-1]
+
+
+def close_all(held: list[int]) -> None:
+    """Close every descriptor in `held`, emptying it, so that no interrupt after a close(2) leaves one open
+    or closes one twice (by then the number may be another file's).
+
+    Why so: a descriptor must leave the list and be closed with no return to the interpreter in between,
+    or a KeyboardInterrupt raised there leaks it (removed, not closed) or has it closed again (closed, not
+    removed). iter(held.pop, None) pops from the end; map closes each as it comes; list() drives both, all
+    in C, until the pop of the empty list raises IndexError. A close that fails stops there, its
+    descriptor already out of the list.
+    """
+    try:
+        list(map(os.close, iter(held.pop, None)))
+    except IndexError:  # the list is empty: every descriptor is closed
+        pass
 
 
 def temporary_name(target: str) -> str:
@@ -54,14 +83,16 @@ def commit(tmp: str, target: str, *, durable: bool = True) -> None:
 def fsync_directory(directory: str) -> None:
     """Make a rename in ``directory`` durable. Some file systems refuse fsync on a directory (EINVAL,
     ENOTSUP): there is nothing more to do there. Other errors carry the directory as their filename."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    held: list[int] = []
     try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise type(exc)(exc.errno, exc.strerror, directory) from exc
+        fd = open_into(held, directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+                raise type(exc)(exc.errno, exc.strerror, directory) from exc
     finally:
-        os.close(fd)
+        close_all(held)
 
 
 def remove_stale_temps(directory: str, name: str) -> None:
@@ -80,16 +111,17 @@ def replace_bytes(path: str, data: bytes, *, durable: bool = True, mode: int = 0
     """Replace `path` with `data` by the recipe above. On failure the temporary is gone, `path` is
     untouched and the OSError raised is the one that made it fail."""
     tmp = temporary_name(path)
+    held: list[int] = []
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         try:
+            fd = open_into(held, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
             if durable:
                 os.fsync(fd)
         finally:
-            os.close(fd)
+            close_all(held)
     except BaseException:
         discard(tmp)
         raise

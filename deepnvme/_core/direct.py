@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from deepnvme._core.aio_types import AioHandle
+from deepnvme._core.files import close_all, open_into
 from deepnvme._core.memory import PAGE, memory_of
 
 __all__ = ["DIRECT_MIN_BYTES", "O_DIRECT_REFUSED", "AlignedWriter", "close_pair", "o_direct_refused",
@@ -32,13 +33,18 @@ def o_direct_refused(exc: OSError) -> bool:
 def open_direct(path: str | os.PathLike[str], flags: int, mode: int = 0o666) -> int:
     """Open with O_DIRECT where the file system allows it; else plainly (the handle then buffers)."""
     direct = getattr(os, "O_DIRECT", 0)
-    if direct:
-        try:
-            return os.open(path, flags | direct, mode)
-        except OSError as exc:
-            if not o_direct_refused(exc):
-                raise
-    return os.open(path, flags, mode)
+    held: list[int] = []  # closed if an interrupt comes before the return (see open_into)
+    try:
+        if direct:
+            try:
+                return open_into(held, path, flags | direct, mode)
+            except OSError as exc:
+                if not o_direct_refused(exc):
+                    raise
+        return open_into(held, path, flags, mode)
+    except BaseException:
+        close_all(held)
+        raise
 
 
 def open_for_write(path: str, flags: int = 0, mode: int = 0o666) -> tuple[int, int]:
@@ -48,23 +54,24 @@ def open_for_write(path: str, flags: int = 0, mode: int = 0o666) -> tuple[int, i
     the same buffered descriptor and the handle does plain writes: slower, still correct.
     """
     base = os.O_WRONLY | os.O_CLOEXEC | flags
-    buffered = os.open(path, base, mode)
+    held: list[int] = []  # what is open so far, closed if this fails (a KeyboardInterrupt too: open_into)
     try:
-        direct = os.open(path, (base & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC)) | os.O_DIRECT)
-    except OSError as exc:
-        if not o_direct_refused(exc):
-            os.close(buffered)
-            raise
-        direct = buffered
+        buffered = open_into(held, path, base, mode)
+        try:
+            direct = open_into(held, path, (base & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC)) | os.O_DIRECT)
+        except OSError as exc:
+            if not o_direct_refused(exc):
+                raise
+            direct = buffered
+    except BaseException:
+        close_all(held)
+        raise
     return direct, buffered
 
 
 def close_pair(direct: int, buffered: int) -> None:
-    """Close what open_for_write returned (once each)."""
-    if direct != buffered and direct >= 0:
-        os.close(direct)
-    if buffered >= 0:
-        os.close(buffered)
+    """Close what open_for_write returned (once each; both, whatever interrupts: see close_all)."""
+    close_all([fd for fd in dict.fromkeys((direct, buffered)) if fd >= 0])
 
 
 class AlignedWriter:

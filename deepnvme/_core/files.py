@@ -7,7 +7,9 @@ temporary, and a failing cleanup never hides the error that made it necessary. U
 `.metadata` and the MoE checkpoint's `latest`.
 
 And one way to open a file for reading that never blocks on a FIFO or a device and refuses anything but
-a regular file, checked on the descriptor itself (fstat after open: no window for a swap).
+a regular file, checked on the descriptor itself (fstat after open: no window for a swap); and open_into /
+close_all (op_builder.atomic_file's, re-exported), which keep a descriptor from being lost to a
+KeyboardInterrupt.
 """
 
 from __future__ import annotations
@@ -19,9 +21,17 @@ import stat
 from collections.abc import Iterator
 
 from deepnvme._core.errors import with_path
-from op_builder.atomic_file import TEMP_SUFFIX, commit, discard, replace_bytes, temporary_name
+from op_builder.atomic_file import (
+    TEMP_SUFFIX,
+    close_all,
+    commit,
+    discard,
+    open_into,
+    replace_bytes,
+    temporary_name,
+)
 
-__all__ = ["atomic_target", "open_regular", "write_atomically"]
+__all__ = ["atomic_target", "close_all", "open_into", "open_regular", "write_atomically"]
 
 
 @contextlib.contextmanager
@@ -61,10 +71,12 @@ def open_regular(path: str) -> int:
     O_NONBLOCK keeps open() from waiting for a FIFO's writer (or a device's carrier); fstat on the opened
     descriptor then refuses whatever is not a regular file: IsADirectoryError for a directory, OSError
     EINVAL naming the path for a FIFO, socket or device. The non-blocking flag is cleared again (it means
-    nothing to a regular file's reads, but the descriptor may be handed on).
+    nothing to a regular file's reads, but the descriptor may be handed on). A KeyboardInterrupt at any
+    point leaves nothing open (see open_into).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    held: list[int] = []
     try:
+        fd = open_into(held, path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
@@ -72,6 +84,7 @@ def open_regular(path: str) -> int:
             raise OSError(errno.EINVAL, "not a regular file (a FIFO, socket or device?), not read", path)
         os.set_blocking(fd, True)
     except BaseException:
-        os.close(fd)
+        close_all(held)
         raise
-    return fd
+    # Returning to a Python caller runs no handler before its `fd = open_regular(...)` stores this.
+    return held[0]

@@ -93,7 +93,8 @@ def read_records(fd: int, path: str, exact: bool = True) -> dict[int, Record] | 
         raise CheckpointFormatError(path, "empty file, not a torch checkpoint")
     if not start.startswith(LOCAL):
         raise CheckpointFormatError(path, "not a torch checkpoint (not a zip archive nor the legacy format)")
-    with os.fdopen(os.dup(fd), "rb") as f:
+    # closefd=False rather than a dup: a dup can fail (EMFILE), and a Ctrl-C right after it would leak it.
+    with os.fdopen(fd, "rb", closefd=False) as f:
         members, directory = _members(f, path)
     if not any(m.filename.endswith(("/data.pkl", "/constants.pkl")) for m in members):
         raise CheckpointFormatError(path, "a zip archive but not a torch checkpoint (no data.pkl)")
