@@ -137,7 +137,7 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
     handle = checkpoint_handle(directory) if handle is None else handle
     tmp = temporary_name(target)
     # Allocated before the temporary exists, so a failure here (ENOMEM from the mmap) leaves nothing behind.
-    buffers = [aligned_buffer(STAGING_BYTES) for _ in range(2)]
+    buffers = [aligned_buffer(STAGING_BYTES, path) for _ in range(2)]
     direct_fd = buffered_fd = -1
     replaced: list[int] = []  # the file this replaces, held open (see _hold_replaced)
     try:
@@ -148,7 +148,12 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
             # torch's own CRC-32 (one core, slower than the disk) is off; the stream computes them faster.
             with _page_aligned_storages(crc=False) as settable:
                 stream = _SaveStream(writer, storages, checksums=checksum and settable, payloads=payloads)
-                torch.save(obj, stream, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
+                try:
+                    torch.save(obj, stream, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
+                except BaseException as exc:
+                    if stream.error is None or stream.error is exc:
+                        raise
+                    raise stream.error from None  # torch's RuntimeError only follows from it
             stream.close_archive()
             writer.finish()
             os.ftruncate(buffered_fd, stream.pos)
@@ -190,11 +195,25 @@ class _SaveStream:
         self._payloads = payloads
         self._zip = zipformat.CrcFollower() if checksums else None
         self.pos = 0
+        # The first error a write raised (OSError EMFILE from the handle, KeyboardInterrupt...). torch's zip
+        # writer finishes the archive even after one, and the write that follows fails on torch's own check
+        # ("unexpected pos"): that RuntimeError would hide this. save() raises this instead, and every write
+        # after it is dropped (the temporary is discarded).
+        self.error: BaseException | None = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
+        if self.error is not None:
+            return len(memoryview(data).cast("B"))
+        try:
+            return self._write(data)
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def _write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         n = len(view)
         source = supplied = None
@@ -415,6 +434,8 @@ def _torch_load(f: Any, path: str, kwargs: dict[str, Any]) -> Any:
         error = getattr(f, "error", None)
         if error is not None:
             raise error from exc
+        if _out_of_memory(exc):
+            raise MemoryError(f"{path}: out of memory while torch.load made its tensors ({exc})") from exc
         if exc is getattr(f, "restore_error", None) or isinstance(exc, MemoryError) or _about_devices(exc):
             if hasattr(exc, "add_note"):
                 exc.add_note(f"while loading {path}")
@@ -427,8 +448,19 @@ def _torch_load(f: Any, path: str, kwargs: dict[str, Any]) -> Any:
         raise CheckpointFormatError(path, problem) from exc
 
 
+def _out_of_memory(exc: Exception) -> bool:
+    """torch's CPU allocator failing: it raises a plain RuntimeError, which must not read as a damaged
+    file (the file is intact). A device's OutOfMemoryError keeps its type (see _about_devices)."""
+    return isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
+
+
 def _about_devices(exc: Exception) -> bool:
-    """torch's errors for a map_location this machine cannot serve (no CUDA, no such device)."""
+    """torch's errors for a map_location this machine cannot serve (no CUDA, no such device, out of its
+    memory)."""
+    import torch
+
+    if isinstance(exc, getattr(torch, "OutOfMemoryError", ())):
+        return True  # out of the device's memory: not the file's fault either
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("is_available() is False" in text
                                               or "Attempting to deserialize object on" in text)
@@ -510,12 +542,9 @@ class _ArchiveReader(SeekableReader):
             else:
                 n = _pread_into(self._fd, view, self._pos)
         except (OSError, ValueError) as exc:  # the handle's ValueError: a read past a shrunk file's end
-            if isinstance(exc, OSError):
-                self.error = with_path(exc, self._path, "reading")
-            elif isinstance(exc, CheckpointFormatError):
-                self.error = exc
-            else:
-                self.error = CheckpointFormatError(self._path, f"truncated while being read ({exc})")
+            self.error = _read_failure(exc, self._fd, self._path, self._size)
+            if self.error is not exc:
+                self.error.__cause__ = exc
             return 0
         self._pos += n
         return n
@@ -610,6 +639,28 @@ class _ArchiveReader(SeekableReader):
         return self._direct_fd
 
 
+def _read_failure(exc: OSError | ValueError, fd: int, path: str, size: int) -> Exception:
+    """What a failed read of the `size`-byte archive at `path` (open as `fd`) is reported as.
+
+    A file that got shorter after load measured it is a truncated checkpoint, whatever the failed read
+    said: the handle reports a read that meets the new end as EIO ("short transfer"), which would read as
+    a failing disk, and refuses one that starts past it with a ValueError. Otherwise an OSError names the
+    path (the handle names a descriptor) and a ValueError is the file's fault.
+    """
+    try:
+        now = os.fstat(fd).st_size
+    except OSError:
+        now = size
+    if now < size:
+        return CheckpointFormatError(path, f"truncated while being read: the file got shorter, {now} bytes "
+                                     f"now, {size} when the load began")
+    if isinstance(exc, CheckpointFormatError):
+        return exc
+    if isinstance(exc, OSError):
+        return exc if exc.filename == path else with_path(exc, path, "reading")
+    return CheckpointFormatError(path, f"truncated while being read ({exc})")
+
+
 def _crc_error(path: str, record: Record, crc: int) -> CheckpointFormatError:
     return CheckpointFormatError(path, f"damaged: the CRC-32 of {record.name} does not match "
                                  f"(stored {record.crc:#010x}, read {crc:#010x})")
@@ -641,6 +692,8 @@ class _Prefetched:
         import torch
 
         self._path = path
+        self._fd = fd
+        self._size = size
         self._by_name = {r.name.partition("/")[2]: r for r in records.values()}
         ordered = sorted(records.values(), key=lambda r: r.offset)
         large = [r for r in ordered if r.is_storage and r.size >= PREFETCH_OWN_BYTES]
@@ -654,7 +707,10 @@ class _Prefetched:
             body_start, body_end = round_up(r.offset), r.end // PAGE * PAGE
             if body_start > at:
                 gaps.append((at, body_start))
-            tensor = new_memory(r.size, (r.offset + shift) % PAGE)
+            try:
+                tensor = new_memory(r.size, (r.offset + shift) % PAGE)
+            except MemoryError as exc:  # the op's allocation says only std::bad_alloc
+                raise MemoryError(f"{path}: out of memory allocating {r.size} bytes for {r.name}") from exc
             self._tensors[r.offset] = tensor
             pieces.append(_Piece(body_start, tensor[body_start - r.offset:body_end - r.offset]))
             at = body_end
@@ -667,7 +723,7 @@ class _Prefetched:
         for a, b in gaps:
             self._gap_at.append((a, b, total))
             total += round_up(b - a)
-        self._scratch = aligned_buffer(total) if total else torch.empty(0, dtype=torch.uint8)
+        self._scratch = aligned_buffer(total, path) if total else torch.empty(0, dtype=torch.uint8)
         self._scratch_mem = memory_of(self._scratch)
         pieces += [_Piece(a, self._scratch[s:s + b - a]) for a, b, s in self._gap_at]
         pieces.sort(key=lambda p: p.offset)
@@ -711,9 +767,10 @@ class _Prefetched:
             for handle, _ in inflight:  # the reads' memory goes with this object: let them end first
                 with contextlib.suppress(Exception):
                     handle.wait()
-            if isinstance(exc, ValueError) and not isinstance(exc, CheckpointFormatError):
-                # The handle refuses a read past the end: the file shrank after its directory was read.
-                raise CheckpointFormatError(self._path, f"truncated while being read ({exc})") from exc
+            if isinstance(exc, (OSError, ValueError)):
+                failure = _read_failure(exc, self._fd, self._path, self._size)
+                if failure is not exc:
+                    raise failure from exc
             raise
         finally:
             if populator is not None:

@@ -26,17 +26,22 @@ def round_up(n: int, unit: int = PAGE) -> int:
     return -(-n // unit) * unit
 
 
-def aligned_buffer(nbytes: int) -> Any:
+def aligned_buffer(nbytes: int, for_path: str | None = None) -> Any:
     """A page-aligned uint8 tensor of `nbytes` in anonymous memory: usable for O_DIRECT, not locked.
 
     Locked memory is capped by RLIMIT_MEMLOCK (often 8 MiB), so staging buffers are plain pages. Private
     ones: mmap's default for anonymous memory is shared (shmem), whose pages cost about half as much again
-    to fault in, and which a forked child would keep writing into the parent's buffer through.
+    to fault in, and which a forked child would keep writing into the parent's buffer through. When the
+    mapping fails (ENOMEM), the OSError names `for_path`, the file the memory was for: mmap names nothing.
     """
     import torch
 
     check_int("nbytes", nbytes)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{exc.strerror} (mapping {nbytes} bytes of memory for it)",
+                      for_path) from exc
     return torch.frombuffer(memory, dtype=torch.uint8)
 
 
