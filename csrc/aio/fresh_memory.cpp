@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -45,9 +46,11 @@ uintptr_t round_down(uintptr_t v, size_t a) { return v / a * a; }
 constexpr const char* kSwitch = "DEEPNVME_FILL_FRESH";
 
 // The process's userfaultfd, why there is none, and which process generation it belongs to. Never destroyed
-// (no work runs in a static destructor). fork() hands the child the descriptor's number, whose ioctls would
-// act on the parent's memory, but not the thread that serves it: the child closes it at once (pthread_atfork,
-// before anything can reuse the number), starts a new generation, and opens its own on first use.
+// (no work runs in a static destructor). A failure for want of resources (descriptors, memory, a thread) is
+// tried again at the next block; one that will not change (no permission, no kernel support) is final.
+// fork() hands the child the descriptor's number, whose ioctls would act on the parent's memory, but not the
+// thread that serves it: the child closes it at once (pthread_atfork, before anything can reuse the number),
+// starts a new generation, and opens its own on first use.
 struct UffdState {
     std::mutex mu;
     bool tried = false;
@@ -75,7 +78,9 @@ UffdState& state() {
 }
 
 // Answers every fault on an armed page with a zeroed page (what the kernel gives a new page anyway): only a
-// touch before fill() faults there, and it must not hang. Never returns: a waiter left unanswered would hang.
+// touch before fill() faults there, and it must not hang. Returns only when other code closed the descriptor
+// (os.closerange, a sweep of descriptors): the kernel then drops every registration with it, so no fault
+// can wait any more, and the process goes on without fresh filling instead of spinning on POLLNVAL.
 void serve(int fd) {
     const size_t page = page_size();
     for (;;) {
@@ -83,6 +88,15 @@ void serve(int fd) {
         if (::poll(&p, 1, -1) < 0) {
             if (errno != EINTR) ::usleep(1000);  // out of memory for the poll: again, shortly
             continue;
+        }
+        if (p.revents & POLLNVAL) {
+            UffdState& s = state();
+            std::lock_guard<std::mutex> lock(s.mu);
+            if (s.fd == fd) {
+                s.fd = -1;
+                s.why = "userfaultfd: its descriptor was closed by other code";
+            }
+            return;
         }
         uffd_msg msg{};
         ssize_t n = ::read(fd, &msg, sizeof msg);
@@ -100,8 +114,27 @@ void serve(int fd) {
     }
 }
 
-// Opens and handshakes a userfaultfd and starts its server; the descriptor, or -1 with *why saying why not.
-int open_here(std::string* why) {
+// Starts serve(fd) on a thread that blocks every signal: a process-directed signal (Ctrl-C, a profiler's
+// timer) then goes to a thread that can act on it, and never interrupts the answer to a fault.
+void start_server(int fd) {
+    sigset_t all, before;
+    sigfillset(&all);
+    ::pthread_sigmask(SIG_SETMASK, &all, &before);
+    try {
+        std::thread(serve, fd).detach();
+    } catch (...) {
+        ::pthread_sigmask(SIG_SETMASK, &before, nullptr);
+        throw;
+    }
+    ::pthread_sigmask(SIG_SETMASK, &before, nullptr);
+}
+
+bool lacks_resources(int err) { return err == EMFILE || err == ENFILE || err == ENOMEM || err == EAGAIN; }
+
+// Opens and handshakes a userfaultfd and starts its server; the descriptor, or -1 with *why saying why not and
+// *again true when the cause may pass (a resource that ran out).
+int open_here(std::string* why, bool* again) {
+    *again = false;
     const char* off = std::getenv(kSwitch);
     if (off != nullptr && std::string(off) == "0") {
         *why = std::string("turned off (") + kSwitch + "=0)";
@@ -111,6 +144,7 @@ int open_here(std::string* why) {
     if (f < 0 && errno == EPERM)  // unprivileged (vm.unprivileged_userfaultfd=0): user-mode faults only
         f = static_cast<int>(::syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK | UFFD_USER_MODE_ONLY));
     if (f < 0) {
+        *again = lacks_resources(errno);
         *why = "userfaultfd: " + errno_text(errno);
         return -1;
     }
@@ -122,8 +156,9 @@ int open_here(std::string* why) {
         return -1;
     }
     try {
-        std::thread(serve, f).detach();
+        start_server(f);
     } catch (const std::exception& e) {  // e.g. a pids limit: without the server an early touch would hang
+        *again = true;
         *why = std::string("userfaultfd: cannot start the thread that serves it: ") + e.what();
         ::close(f);
         return -1;
@@ -137,18 +172,22 @@ std::pair<int, unsigned long> uffd(std::string* why = nullptr) {
     UffdState& s = state();
     std::lock_guard<std::mutex> lock(s.mu);
     if (!s.tried) {
-        s.tried = true;
-        s.fd = open_here(&s.why);
+        bool again = false;
+        s.fd = open_here(&s.why, &again);
+        s.tried = !again;
     }
     if (why != nullptr) *why = s.why;
     return {s.fd, s.generation};
 }
 
-// The descriptor that armed `b`, if it is this process's and the block is still armed; else -1.
+// The descriptor that armed `b`, if it is this process's and the block is still armed; else -1. Opens
+// nothing: a block armed in this generation was armed with the descriptor this generation has (a forked
+// child's copies belong to the parent's generation and are plain memory).
 int armed_fd(const FreshBlock& b) {
     if (!b.armed.load(std::memory_order_acquire)) return -1;
-    auto [fd, generation] = uffd();
-    return generation == b.generation ? fd : -1;
+    UffdState& s = state();
+    std::lock_guard<std::mutex> lock(s.mu);
+    return s.generation == b.generation ? s.fd : -1;
 }
 
 // UFFDIO_COPY of the armed pages [dst, dst+n) from src; the pages it cannot fill that way are copied plainly.

@@ -284,12 +284,14 @@ def test_a_forked_child_never_fills_its_parents_memory(fresh_op: ModuleType,
             try:
                 if uffds():  # the parent's descriptor, closed at the fork
                     os._exit(5)
+                hc = op.aio_handle(block_size=1 << 20, queue_depth=8, intra_op_parallelism=2)
+                hc.sync_pread(t, {str(path)!r})
+                if uffds():  # the parent's block is plain memory here: no descriptor needed to learn that
+                    os._exit(7)
                 mine = os.open({str(path)!r}, os.O_RDONLY)  # may take the number the descriptor had
                 op.fresh_memory_status()
                 if os.readlink(f"/proc/self/fd/{{mine}}") != {str(path)!r}:
                     os._exit(6)
-                hc = op.aio_handle(block_size=1 << 20, queue_depth=8, intra_op_parallelism=2)
-                hc.sync_pread(t, {str(path)!r})
                 u = op.empty_fresh(4 << 20, 0)
                 hc.sync_pread(u, {str(path)!r}, 4 << 20)
                 op.settle_fresh(u)
@@ -303,6 +305,101 @@ def test_a_forked_child_never_fills_its_parents_memory(fresh_op: ModuleType,
         h.sync_pread(t, {str(path)!r}, PAGE)
         op.settle_fresh(t)
         assert torch.equal(t, data[PAGE:PAGE + (4 << 20)])
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+UFFDS = textwrap.dedent("""
+    def uffds():
+        found = []
+        for n in os.listdir("/proc/self/fd"):
+            try:
+                if "userfaultfd" in os.readlink(f"/proc/self/fd/{n}"):
+                    found.append(int(n))
+            except OSError:  # listdir's own descriptor, closed by now
+                pass
+        return found
+""")
+
+
+def test_running_out_of_descriptors_only_delays_fresh_filling(data_file: tuple[Path, torch.Tensor]) -> None:
+    """With no descriptor to spare the userfaultfd cannot be opened (EMFILE) and blocks are plain memory; once
+    descriptors are free again the next block opens it: a passing shortage does not end fresh filling for
+    the rest of the process, as a refusal (no permission, no kernel support) does."""
+    path, _ = data_file
+    proc = run_script(UFFDS + textwrap.dedent(f"""
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        held = []
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        t = op.empty_fresh(1 << 20, 0)
+        status = op.fresh_memory_status()
+        os.close(held.pop())  # one for listing the descriptors
+        assert "Too many open files" in status and not uffds(), status
+        for fd in held:
+            os.close(fd)
+        u = op.empty_fresh(1 << 20, 0)
+        assert op.fresh_memory_status() == "ok" and len(uffds()) == 1, op.fresh_memory_status()
+        data = torch.from_file({str(path)!r}, size=1 << 20, dtype=torch.uint8)
+        for x in (t, u):
+            h.sync_pread(x, {str(path)!r})
+            op.settle_fresh(x)
+            assert torch.equal(x, data)
+        print("ok")
+    """))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_a_descriptor_closed_by_other_code_ends_fresh_filling_quietly(
+        data_file: tuple[Path, torch.Tensor]) -> None:
+    """Code that closes descriptors it does not own (a sweep of /proc/self/fd) may close the userfaultfd: an
+    early touch of armed memory still reads zero without hanging, the thread that served the descriptor stops
+    instead of spinning on it, the status says what happened, and reads into new memory, armed before the
+    close or made after it, still get the file's bytes."""
+    path, _ = data_file
+    proc = run_script(UFFDS + textwrap.dedent(f"""
+        import time
+        data = torch.from_file({str(path)!r}, size=1 << 20, dtype=torch.uint8)
+        before = op.empty_fresh(1 << 20, 0)
+        assert op.fresh_memory_status() == "ok"
+        (fd,) = uffds()
+        os.close(fd)  # the sleeping server holds the file open until a fault wakes it: touch an armed page
+        assert int(before[5 * PAGE]) == 0
+        time.sleep(0.2)
+        cpu = time.process_time()
+        time.sleep(0.5)
+        spent = time.process_time() - cpu
+        assert spent < 0.15, f"{{spent:.2f}} CPU-seconds in half a second of sleep"
+        assert "closed by other code" in op.fresh_memory_status(), op.fresh_memory_status()
+        after = op.empty_fresh(1 << 20, 0)
+        for x in (before, after):
+            h.sync_pread(x, {str(path)!r})
+            op.settle_fresh(x)
+            assert torch.equal(x, data)
+        print("ok")
+    """))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_the_thread_that_serves_faults_takes_no_signals() -> None:
+    """Process-directed signals (Ctrl-C, a profiler's timer) go to a thread that can act on them: the one
+    that answers faults blocks them all."""
+    proc = run_script("""
+        import signal
+        def tasks():
+            return set(os.listdir("/proc/self/task"))
+        old = tasks()
+        assert op.fresh_memory_status() == "ok"
+        (server,) = tasks() - old
+        status = open(f"/proc/self/task/{server}/status").read()
+        blocked = int(next(l for l in status.splitlines() if l.startswith("SigBlk:")).split()[1], 16)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPROF, signal.SIGALRM, signal.SIGUSR1):
+            assert blocked & (1 << (sig - 1)), (sig, hex(blocked))
         print("ok")
     """)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
