@@ -167,7 +167,11 @@ TargetFile TargetFile::from_fd(int fd, bool write) {
     f.path_ = "<fd " + std::to_string(fd) + ">";
     f.write_ = write;
     int dup = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    if (dup < 0) throw_io(errno, "not an open file descriptor", f.path_);
+    if (dup < 0) {
+        int err = errno;
+        // EMFILE/ENFILE: the descriptor is fine, the process (or system) has none left for the duplicate.
+        throw_io(err, err == EBADF ? "not an open file descriptor" : "cannot duplicate the descriptor", f.path_);
+    }
     FileDesc owned(dup);
     int flags = ::fcntl(dup, F_GETFL);
     if (flags < 0) throw_io(errno, "not an open file descriptor", f.path_);
