@@ -2,13 +2,18 @@
 
 #include <fcntl.h>
 #include <linux/fs.h>
+#include <pthread.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
+#include <memory>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -61,6 +66,126 @@ AlignCache& align_cache() {
 }
 
 }  // namespace
+
+// One duplicate of a caller's descriptor, shared by the requests addressed by that descriptor while it holds
+// the same file with the same flags. The duplicate pins its file: while it is open no other file on that
+// device can get its inode number, so a caller's descriptor showing the same (st_dev, st_ino) and F_GETFL
+// flags holds the same file, opened the same way, and positional I/O through either reaches the same bytes.
+// A descriptor closed and reused for another file shows another inode, and gets a duplicate of its own.
+class CallerFile {
+public:
+    // The duplicate requests by `fd` share now; `name` ("<fd N>") names it in errors.
+    static std::shared_ptr<CallerFile> share(int fd, const std::string& name);
+    // A new duplicate of `fd`, shared with no one else yet.
+    static std::shared_ptr<CallerFile> duplicate(int fd, const std::string& name);
+
+    CallerFile(FileDesc dup, const struct stat& st, int flags)
+        : dup_(std::move(dup)), dev_(st.st_dev), ino_(st.st_ino), flags_(flags) {
+        if (direct()) align_ = direct_alignment(dup_.get());
+    }
+
+    int fd() const noexcept { return dup_.get(); }
+    bool direct() const noexcept { return (flags_ & O_DIRECT) != 0; }
+    uint64_t device() const noexcept { return dev_; }
+    const Alignment& alignment() const noexcept { return align_; }
+    bool holds(const struct stat& st, int flags) const noexcept {
+        return st.st_dev == dev_ && st.st_ino == ino_ && flags == flags_;
+    }
+    // The buffered reopen of an O_DIRECT duplicate for unaligned edges, one per direction, made by `reopen`
+    // (which returns a new descriptor or throws) on first use.
+    template <class Reopen>
+    int buffered(bool write, Reopen&& reopen) {
+        std::lock_guard<std::mutex> lock(mu_);
+        FileDesc& fd = reopened_[write ? 1 : 0];
+        if (!fd) fd = FileDesc(reopen());
+        return fd.get();
+    }
+
+private:
+    FileDesc dup_;
+    dev_t dev_;
+    ino_t ino_;
+    int flags_;
+    Alignment align_;
+    std::mutex mu_;
+    FileDesc reopened_[2];
+};
+
+namespace {
+
+// The shared duplicates by caller descriptor number. Weak: a duplicate closes with the last request holding
+// it; expired entries are swept when the table has doubled since the last sweep.
+struct DupCache {
+    std::mutex mu;
+    std::unordered_map<int, std::weak_ptr<CallerFile>> by_fd;
+    size_t sweep_at = 64;
+};
+
+DupCache* g_dup_cache = nullptr;
+
+DupCache& dup_cache() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        // Never destroyed: a thread the interpreter left running may still submit while the process exits.
+        g_dup_cache = new DupCache;
+        // Held across fork(), so that the child's copy is consistent and unlocked. The child starts empty:
+        // it may close the inherited duplicates (and reuse their numbers for other files), so they are no
+        // longer ours to share there; its handles make their own.
+        ::pthread_atfork([] { g_dup_cache->mu.lock(); }, [] { g_dup_cache->mu.unlock(); },
+                         [] {
+                             g_dup_cache->by_fd.clear();
+                             g_dup_cache->sweep_at = 64;
+                             g_dup_cache->mu.unlock();
+                         });
+    });
+    return *g_dup_cache;
+}
+
+}  // namespace
+
+std::shared_ptr<CallerFile> CallerFile::share(int fd, const std::string& name) {
+    int flags = ::fcntl(fd, F_GETFL);
+    if (flags < 0) throw_io(errno, "not an open file descriptor", name);
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) throw_io(errno, "fstat failed", name);
+    DupCache& cache = dup_cache();
+    std::shared_ptr<CallerFile> other;  // another file's duplicate: released after the lock (it may close)
+    {
+        std::lock_guard<std::mutex> lock(cache.mu);
+        auto it = cache.by_fd.find(fd);
+        if (it != cache.by_fd.end()) {
+            other = it->second.lock();
+            if (other && other->holds(st, flags)) return other;
+        }
+    }
+    auto made = duplicate(fd, name);
+    std::lock_guard<std::mutex> lock(cache.mu);
+    cache.by_fd[fd] = made;
+    if (cache.by_fd.size() >= cache.sweep_at) {
+        for (auto at = cache.by_fd.begin(); at != cache.by_fd.end();)
+            at = at->second.expired() ? cache.by_fd.erase(at) : std::next(at);
+        cache.sweep_at = std::max<size_t>(64, 2 * cache.by_fd.size());
+    }
+    return made;
+}
+
+std::shared_ptr<CallerFile> CallerFile::duplicate(int fd, const std::string& name) {
+    // What the duplicate says is authoritative: the caller may reuse the number at any time.
+    int dup = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (dup < 0) {
+        int err = errno;
+        // EMFILE/ENFILE: the descriptor is fine, the process (or system) has none left for the duplicate.
+        throw_io(err, err == EBADF ? "not an open file descriptor" : "cannot duplicate the descriptor", name);
+    }
+    FileDesc owned(dup);
+    int flags = ::fcntl(dup, F_GETFL);
+    if (flags < 0) throw_io(errno, "not an open file descriptor", name);
+    struct stat st {};
+    if (::fstat(dup, &st) != 0) throw_io(errno, "fstat failed", name);
+    if (S_ISDIR(st.st_mode)) throw IoError(EISDIR, "is a directory: " + errno_text(EISDIR), name);
+    require_positional(dup, st, name);
+    return std::make_shared<CallerFile>(std::move(owned), st, flags);
+}
 
 std::string mount_point_of(int fd) {
     struct statx sx {};
@@ -120,6 +245,7 @@ TargetFile& TargetFile::operator=(TargetFile&& o) noexcept {
     direct_fd_ = std::exchange(o.direct_fd_, -1);
     buffered_fd_ = std::exchange(o.buffered_fd_, -1);
     user_fd_ = std::exchange(o.user_fd_, -1);
+    caller_ = std::move(o.caller_);
     return *this;
 }
 
@@ -162,45 +288,29 @@ TargetFile TargetFile::open_path(const std::string& path, bool write) {
     return f;
 }
 
-TargetFile TargetFile::from_fd(int fd, bool write) {
+TargetFile TargetFile::from_fd(int fd, bool write, bool shared) {
     TargetFile f;
     f.path_ = "<fd " + std::to_string(fd) + ">";
     f.write_ = write;
-    int dup = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    if (dup < 0) {
-        int err = errno;
-        // EMFILE/ENFILE: the descriptor is fine, the process (or system) has none left for the duplicate.
-        throw_io(err, err == EBADF ? "not an open file descriptor" : "cannot duplicate the descriptor", f.path_);
-    }
-    FileDesc owned(dup);
-    int flags = ::fcntl(dup, F_GETFL);
-    if (flags < 0) throw_io(errno, "not an open file descriptor", f.path_);
-    struct stat st {};
-    if (::fstat(dup, &st) != 0) throw_io(errno, "fstat failed", f.path_);
-    if (S_ISDIR(st.st_mode)) throw IoError(EISDIR, "is a directory: " + errno_text(EISDIR), f.path_);
-    require_positional(dup, st, f.path_);
-    f.dev_ = st.st_dev;
-    f.user_fd_ = dup;
-    if (flags & O_DIRECT) {
-        f.owned_direct_ = std::move(owned);
-        f.direct_fd_ = dup;
-        f.align_ = direct_alignment(dup);
+    f.caller_ = shared ? CallerFile::share(fd, f.path_) : CallerFile::duplicate(fd, f.path_);
+    const CallerFile& caller = *f.caller_;
+    f.dev_ = caller.device();
+    f.user_fd_ = caller.fd();
+    if (caller.direct()) {
+        f.direct_fd_ = caller.fd();
+        f.align_ = caller.alignment();
     } else {
         // The caller's descriptor is buffered: use it for everything rather than reopening behind its back.
-        f.owned_buffered_ = std::move(owned);
-        f.buffered_fd_ = dup;
+        f.buffered_fd_ = caller.fd();
     }
     return f;
 }
 
-int TargetFile::buffered_fd() {
-    std::lock_guard<std::mutex> lock(lazy_);
-    if (buffered_fd_ >= 0) return buffered_fd_;
+int TargetFile::reopen_buffered() const {
     // Reopen the same file without O_DIRECT for the unaligned edges. /proc/self/fd works for a caller's
     // descriptor too, whatever its path was.
-    int src = direct_fd_;
     int flags = (write_ ? O_WRONLY : O_RDONLY) | O_CLOEXEC;
-    std::string proc = "/proc/self/fd/" + std::to_string(src);
+    std::string proc = "/proc/self/fd/" + std::to_string(direct_fd_);
     int fd = open_retry(proc.c_str(), flags, 0);
     if (fd < 0 && user_fd_ >= 0 && (errno == EACCES || errno == EPERM)) {
         // The caller's O_DIRECT descriptor cannot write unaligned bytes, and its file description's flags
@@ -217,9 +327,20 @@ int TargetFile::buffered_fd() {
                  path_);
     }
     if (fd < 0) throw_io(errno, "cannot reopen without O_DIRECT for unaligned edges", path_);
-    owned_buffered_ = FileDesc(fd);
-    buffered_fd_ = fd;
     return fd;
+}
+
+int TargetFile::buffered_fd() {
+    std::lock_guard<std::mutex> lock(lazy_);
+    if (buffered_fd_ >= 0) return buffered_fd_;
+    if (caller_) {
+        // One reopen per shared duplicate, not per request: the requests of one descriptor hold one file.
+        buffered_fd_ = caller_->buffered(write_, [this] { return reopen_buffered(); });
+    } else {
+        owned_buffered_ = FileDesc(reopen_buffered());
+        buffered_fd_ = owned_buffered_.get();
+    }
+    return buffered_fd_;
 }
 
 uint64_t TargetFile::size() const {
@@ -238,6 +359,7 @@ uint64_t TargetFile::size() const {
 void TargetFile::close() noexcept {
     owned_direct_.reset();
     owned_buffered_.reset();
+    caller_.reset();
     direct_fd_ = buffered_fd_ = user_fd_ = -1;
 }
 

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -50,17 +51,25 @@ struct Alignment {
     size_t off = 4096;
 };
 
+class CallerFile;
+
 // The file behind one request. Holds a direct descriptor when O_DIRECT is possible, and a buffered one
 // for unaligned edges (opened lazily). A caller's descriptor is duplicated at submission: the caller may close
-// it (and the number be reused for another file) while the request is pending.
+// it (and the number be reused for another file) while the request is pending. Requests by the same caller
+// descriptor share one duplicate while that descriptor still holds the same file with the same flags:
+// thousands of queued reads of one file must not cost thousands of descriptors.
 // Only files that take positional I/O are accepted: pipes, sockets, ttys and the like raise ESPIPE.
 class TargetFile {
 public:
     // Opens `path` for reading or writing (created 0666 & ~umask, never truncated).
     // Throws IoError naming the path. Sets o_direct_refused() when the file system refuses O_DIRECT.
     static TargetFile open_path(const std::string& path, bool write);
-    // Duplicates a caller's open descriptor (the duplicate shares its file and flags, O_DIRECT included).
-    static TargetFile from_fd(int fd, bool write);
+    // Duplicates a caller's open descriptor (the duplicate shares its file and flags, O_DIRECT included), or,
+    // when `shared`, takes the duplicate earlier requests by `fd` hold if `fd` still holds that file with
+    // those flags. Not `shared` for a request that registers the descriptor with cuFile, which refuses a
+    // descriptor already registered (CU_FILE_HANDLE_ALREADY_REGISTERED).
+    // Throws IoError naming "<fd N>": EBADF when it is not open, EMFILE when no descriptor is left.
+    static TargetFile from_fd(int fd, bool write, bool shared = true);
 
     TargetFile() = default;
     TargetFile(TargetFile&&) noexcept;
@@ -78,9 +87,12 @@ public:
     bool o_direct_refused() const noexcept { return refused_; }
     uint64_t device() const noexcept { return dev_; }
     int user_fd() const noexcept { return user_fd_; }     // our duplicate of the caller's descriptor, or -1
-    void close() noexcept;                                 // closes our descriptors (the caller's is never ours)
+    // Closes our descriptors (the caller's is never ours); a shared duplicate closes with its last request.
+    void close() noexcept;
 
 private:
+    int reopen_buffered() const;  // a new buffered descriptor of direct_fd_'s file, owned by the caller
+
     std::string path_;
     bool write_ = false;
     bool refused_ = false;
@@ -89,6 +101,7 @@ private:
     FileDesc owned_direct_, owned_buffered_;
     int direct_fd_ = -1, buffered_fd_ = -1;
     int user_fd_ = -1;
+    std::shared_ptr<CallerFile> caller_;  // set for a caller's descriptor; owns the descriptors above then
     std::mutex lazy_;
 };
 

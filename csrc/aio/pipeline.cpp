@@ -23,8 +23,8 @@ unsigned fork_generation() {
 
 }  // namespace
 
-void PendingRequest::open_target(const std::string& path, int fd) {
-    file = fd >= 0 ? TargetFile::from_fd(fd, write) : TargetFile::open_path(path, write);
+void PendingRequest::open_target(const std::string& path, int fd, bool own_dup) {
+    file = fd >= 0 ? TargetFile::from_fd(fd, write, !own_dup) : TargetFile::open_path(path, write);
     if (write || nbytes == 0) return;
     uint64_t size = file.size();
     if (offset + nbytes > size)

@@ -34,8 +34,9 @@ public:
     std::shared_ptr<void> keepalive;  // the binding's tensor references; released by the claimer
 
     // Opens `path` (or duplicates the caller's `fd`) for this transfer; a read must lie within the file.
+    // `own_dup`: a duplicate of `fd` for this request alone (see TargetFile::from_fd).
     // Throws IoError/ArgError before any I/O.
-    void open_target(const std::string& path, int fd);
+    void open_target(const std::string& path, int fd, bool own_dup = false);
 
     // First failure wins; later ones are dropped (they are usually consequences of the first).
     void fail(int err, const std::string& what);

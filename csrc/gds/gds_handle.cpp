@@ -185,7 +185,8 @@ uint64_t GdsHandle::submit_device(DeviceParams p, std::string& warning) {
     r->ptr = p.ptr;
     r->nbytes = p.nbytes;
     r->offset = p.offset;
-    r->open_target(p.path, p.fd);
+    // A descriptor of its own: each request registers it with cuFile, which refuses one already registered.
+    r->open_target(p.path, p.fd, true);
     DeviceBuffers::Placement place = DeviceBuffers::instance().place(p.device, p.ptr, p.nbytes);
     r->base = place.base;
     r->buf_off = place.offset;
