@@ -146,6 +146,48 @@ def test_locked_alloc_while_reading(aio_module: ModuleType, engine: str, workdir
     assert tbytes(dst) == data
 
 
+def test_threads_read_by_shared_and_reused_descriptors(aio_module: ModuleType, engine: str,
+                                                      workdir: Path) -> None:
+    """Two threads queue reads by one shared descriptor while two others open their own files, queue reads by
+    them and close them at once (so descriptor numbers pass from file to file between threads): every read
+    gets the bytes of the file its descriptor held when it was submitted."""
+    h = aio_module.aio_handle(4096, 8, False, True, 2, engine=engine)
+    blocks = 8
+    contents = {}
+    for k in range(3):
+        _, contents[k] = random_tensor(blocks * 4096)
+        (workdir / f"f{k}").write_bytes(contents[k])
+    shared = os.open(workdir / "f0", os.O_RDONLY)
+    queued: list[tuple[torch.Tensor, bytes]] = []
+
+    def sharer() -> None:
+        for i in range(48):
+            at = i % blocks * 4096
+            buf = torch.zeros(4096, dtype=torch.uint8)
+            h.async_pread(buf, shared, at)
+            queued.append((buf, contents[0][at:at + 4096]))
+
+    def churner(k: int) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(48):
+                at = i % blocks * 4096
+                buf = torch.zeros(4096, dtype=torch.uint8)
+                fd = os.open(workdir / f"f{k}", os.O_RDONLY)
+                try:
+                    h.async_pread(buf, fd, at)
+                finally:
+                    os.close(fd)
+                queued.append((buf, contents[k][at:at + 4096]))
+        return run
+
+    try:
+        run_threads([sharer, sharer, churner(1), churner(2)])
+        assert h.wait() == 4 * 48
+    finally:
+        os.close(shared)
+    assert all(tbytes(buf) == want for buf, want in queued)
+
+
 # ----------------------------------------------------------------------------- destruction
 
 @pytest.mark.parametrize("kind", ["write", "read"])
