@@ -55,7 +55,7 @@ def run_child(workdir: Path, body: str, timeout: float = 300) -> dict:
 def test_thousands_of_queued_reads_by_one_descriptor_under_a_low_fd_limit(workdir: Path) -> None:
     """3000 async reads queued by one descriptor with RLIMIT_NOFILE at 256: all are accepted, the process
     holds a few descriptors more than before while they are queued, and each read gets its own block. One
-    worker at queue depth 1 keeps most of them pending (a duplicate per request ran out at about 250).
+    worker at queue depth 1 keeps most of them pending (a duplicate per request hit EMFILE after ~1000).
     Then, with every descriptor taken, a request by a descriptor no pending request holds says EMFILE."""
     out = run_child(workdir, """
         n, block = 3000, 4096
