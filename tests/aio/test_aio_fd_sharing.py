@@ -11,15 +11,13 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-from builder_helpers import REPO_ROOT
+from child import run_in_child
 
 BLOCK = 4096
 
@@ -40,16 +38,8 @@ def run_child(workdir: Path, body: str, timeout: float = 300) -> dict:
         def fd_count():
             return len(os.listdir("/proc/self/fd"))
     """)
-    script = workdir / "child.py"
-    script.write_text(prelude + textwrap.dedent(body))
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    try:
-        r = subprocess.run([sys.executable, str(script), str(workdir)], env=env, capture_output=True,
-                           text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"child hung (> {timeout} s); output so far:\n{e.stdout}\n{e.stderr}") from None
-    assert r.returncode == 0, f"child exit status {r.returncode}\n{r.stdout}\n{r.stderr}"
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    out = run_in_child(workdir, prelude + textwrap.dedent(body), timeout)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_thousands_of_queued_reads_by_one_descriptor_under_a_low_fd_limit(workdir: Path) -> None:

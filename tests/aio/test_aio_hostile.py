@@ -7,8 +7,6 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import subprocess
-import sys
 import textwrap
 import threading
 import warnings
@@ -18,7 +16,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from builder_helpers import REPO_ROOT
+from child import run_in_child
 from mounts import mounted
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -44,16 +42,7 @@ PRELUDE = textwrap.dedent("""
 
 def run_child(workdir: Path, body: str, timeout: float = 120) -> str:
     """Run PRELUDE + body in a fresh interpreter; fail on a crash, a hang or a non-zero exit; give stdout."""
-    script = workdir / "child.py"
-    script.write_text(PRELUDE + textwrap.dedent(body))
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    try:
-        r = subprocess.run([sys.executable, str(script), str(workdir)], env=env, capture_output=True,
-                           text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"child hung (> {timeout} s); output so far:\n{e.stdout}\n{e.stderr}") from None
-    assert r.returncode == 0, f"child exit status {r.returncode}\n{r.stdout}\n{r.stderr}"
-    return r.stdout
+    return run_in_child(workdir, PRELUDE + textwrap.dedent(body), timeout)
 
 
 def tbytes(t: torch.Tensor) -> bytes:

@@ -310,6 +310,7 @@ def test_a_forked_child_never_fills_its_parents_memory(fresh_op: ModuleType,
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
+# Helpers for the child scripts below: this process's userfaultfds; read a file into fresh tensors and check.
 UFFDS = textwrap.dedent("""
     def uffds():
         found = []
@@ -320,6 +321,13 @@ UFFDS = textwrap.dedent("""
             except OSError:  # listdir's own descriptor, closed by now
                 pass
         return found
+
+    def read_and_check(path, *tensors):
+        data = torch.from_file(path, size=tensors[0].numel(), dtype=torch.uint8)
+        for x in tensors:
+            h.sync_pread(x, path)
+            op.settle_fresh(x)
+            assert torch.equal(x, data)
 """)
 
 
@@ -345,11 +353,7 @@ def test_running_out_of_descriptors_only_delays_fresh_filling(data_file: tuple[P
             os.close(fd)
         u = op.empty_fresh(1 << 20, 0)
         assert op.fresh_memory_status() == "ok" and len(uffds()) == 1, op.fresh_memory_status()
-        data = torch.from_file({str(path)!r}, size=1 << 20, dtype=torch.uint8)
-        for x in (t, u):
-            h.sync_pread(x, {str(path)!r})
-            op.settle_fresh(x)
-            assert torch.equal(x, data)
+        read_and_check({str(path)!r}, t, u)
         print("ok")
     """))
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
@@ -364,7 +368,6 @@ def test_a_descriptor_closed_by_other_code_ends_fresh_filling_quietly(
     path, _ = data_file
     proc = run_script(UFFDS + textwrap.dedent(f"""
         import time
-        data = torch.from_file({str(path)!r}, size=1 << 20, dtype=torch.uint8)
         before = op.empty_fresh(1 << 20, 0)
         assert op.fresh_memory_status() == "ok"
         (fd,) = uffds()
@@ -376,11 +379,7 @@ def test_a_descriptor_closed_by_other_code_ends_fresh_filling_quietly(
         spent = time.process_time() - cpu
         assert spent < 0.15, f"{{spent:.2f}} CPU-seconds in half a second of sleep"
         assert "closed by other code" in op.fresh_memory_status(), op.fresh_memory_status()
-        after = op.empty_fresh(1 << 20, 0)
-        for x in (before, after):
-            h.sync_pread(x, {str(path)!r})
-            op.settle_fresh(x)
-            assert torch.equal(x, data)
+        read_and_check({str(path)!r}, before, op.empty_fresh(1 << 20, 0))
         print("ok")
     """))
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
