@@ -215,7 +215,8 @@ void fill_pages(int fd, uintptr_t dst, const char* src, size_t n) {
 // Registers the whole of `b`'s mapping and makes its partial first and last pages (zeroed, filled by whoever
 // writes the tensor's edges): the whole mapping, so that neighbouring blocks' mappings merge (one per block
 // would reach vm.max_map_count on a checkpoint of tens of thousands of tensors); those pages made now, so
-// that writing the edges later faults nothing. False (the block left plain) when anything is refused.
+// that writing the edges later faults nothing. False (the block left plain) when anything is refused and the
+// registration could be undone.
 bool arm(int fd, FreshBlock& b, size_t residue, size_t nbytes) {
     const size_t page = page_size();
     uffdio_register reg{};
@@ -237,7 +238,10 @@ bool arm(int fd, FreshBlock& b, size_t residue, size_t nbytes) {
     if (ok && last != first && (residue + nbytes) % page != 0) ok = make(last);
     if (!ok) {
         uffdio_range r{reg.range.start, reg.range.len};
-        ::ioctl(fd, UFFDIO_UNREGISTER, &r);
+        // A block the kernel keeps registered must count as armed, edges made or not: reads into it are then
+        // staged, and a touch of a page not made is answered like any other. Left plain, a read(2) into it
+        // would fail with EFAULT under a user-mode-only userfaultfd.
+        if (::ioctl(fd, UFFDIO_UNREGISTER, &r) != 0) return true;
     }
     return ok;
 }
