@@ -77,10 +77,22 @@ UffdState& state() {
     return *s;
 }
 
+// False once `fd` no longer names a userfaultfd: other code closed it, and perhaps opened another file that
+// got its number. Without /proc to ask, the number is trusted.
+bool still_a_userfaultfd(int fd) {
+    const std::string link = "/proc/self/fd/" + std::to_string(fd);
+    char target[64];
+    ssize_t n = ::readlink(link.c_str(), target, sizeof target - 1);
+    if (n < 0) return errno != ENOENT || ::access("/proc/self/fd", F_OK) != 0;
+    target[n] = '\0';
+    return std::strcmp(target, "anon_inode:[userfaultfd]") == 0;
+}
+
 // Answers every fault on an armed page with a zeroed page (what the kernel gives a new page anyway): only a
 // touch before fill() faults there, and it must not hang. Returns only when other code closed the descriptor
-// (os.closerange, a sweep of descriptors): the kernel then drops every registration with it, so no fault
-// can wait any more, and the process goes on without fresh filling instead of spinning on POLLNVAL.
+// (os.closerange, a sweep of descriptors): the kernel then drops every registration with it once this
+// thread lets go of the file, so no fault can wait any more, and the process goes on without fresh filling,
+// instead of spinning on POLLNVAL or reading whatever file got the number next.
 void serve(int fd) {
     const size_t page = page_size();
     for (;;) {
@@ -89,7 +101,7 @@ void serve(int fd) {
             if (errno != EINTR) ::usleep(1000);  // out of memory for the poll: again, shortly
             continue;
         }
-        if (p.revents & POLLNVAL) {
+        if ((p.revents & POLLNVAL) || !still_a_userfaultfd(fd)) {
             UffdState& s = state();
             std::lock_guard<std::mutex> lock(s.mu);
             if (s.fd == fd) {

@@ -8,10 +8,12 @@
 //   stand-in, and the memory lives until the last request on it is handed over (a read then reports that
 //   its tensor was given other memory). When a storage's last loan ends with the stand-in still in place, the
 //   original goes back: outside pending requests nobody sees a stand-in.
-// Memory already in shared memory is not lent (share_memory_ keeps it as it is), nor pinned memory (its
-// allocator may look its blocks up by DataPtr context), nor memory other than the host's.
-// Both are counted per storage (several pending requests may share one) and are done with the GIL held:
-// Python code reads and replaces a storage's DataPtr under the GIL.
+// Not lent: memory share_memory_() keeps where it is under the sharing strategy in force (memory mapped by
+// the allocator that strategy shares from, which share_memory_() recognises by its DataPtr), copy-on-write
+// memory, and memory other than the host's.
+// Loans are counted per storage (several pending requests may share one), in one table per process however
+// many ops carry this file (the aio and gds ops both do), and taken and ended with the GIL held: Python code
+// reads and replaces a storage's DataPtr under the GIL.
 #pragma once
 
 #include <c10/core/Storage.h>

@@ -332,9 +332,9 @@ UFFDS = textwrap.dedent("""
 
 
 def test_running_out_of_descriptors_only_delays_fresh_filling(data_file: tuple[Path, torch.Tensor]) -> None:
-    """With no descriptor to spare the userfaultfd cannot be opened (EMFILE) and blocks are plain memory; once
-    descriptors are free again the next block opens it: a passing shortage does not end fresh filling for
-    the rest of the process, as a refusal (no permission, no kernel support) does."""
+    """With no descriptor to spare the userfaultfd cannot be opened (EMFILE); once descriptors are free again
+    the next block opens it: a passing shortage does not end fresh filling for the rest of the process, as a
+    refusal (no permission, no kernel support) does."""
     path, _ = data_file
     proc = run_script(UFFDS + textwrap.dedent(f"""
         import resource
@@ -345,15 +345,15 @@ def test_running_out_of_descriptors_only_delays_fresh_filling(data_file: tuple[P
                 held.append(os.open("/dev/null", os.O_RDONLY))
         except OSError:
             pass
-        t = op.empty_fresh(1 << 20, 0)
+        # Only the status while no descriptor is free: a sanitizer's own checks need descriptors too.
         status = op.fresh_memory_status()
         os.close(held.pop())  # one for listing the descriptors
         assert "Too many open files" in status and not uffds(), status
         for fd in held:
             os.close(fd)
-        u = op.empty_fresh(1 << 20, 0)
+        t = op.empty_fresh(1 << 20, 0)
         assert op.fresh_memory_status() == "ok" and len(uffds()) == 1, op.fresh_memory_status()
-        read_and_check({str(path)!r}, t, u)
+        read_and_check({str(path)!r}, t)
         print("ok")
     """))
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
@@ -361,23 +361,26 @@ def test_running_out_of_descriptors_only_delays_fresh_filling(data_file: tuple[P
 
 def test_a_descriptor_closed_by_other_code_ends_fresh_filling_quietly(
         data_file: tuple[Path, torch.Tensor]) -> None:
-    """Code that closes descriptors it does not own (a sweep of /proc/self/fd) may close the userfaultfd: an
-    early touch of armed memory still reads zero without hanging, the thread that served the descriptor stops
-    instead of spinning on it, the status says what happened, and reads into new memory, armed before the
-    close or made after it, still get the file's bytes."""
+    """Code that closes descriptors it does not own (a sweep of /proc/self/fd) may close the userfaultfd, and
+    the next file opened takes its number: an early touch of armed memory still reads zero without hanging,
+    the thread that served the descriptor stops instead of spinning or reading that file, the status says
+    what happened, and reads into new memory, armed before or after the close, get the file's bytes."""
     path, _ = data_file
     proc = run_script(UFFDS + textwrap.dedent(f"""
         import time
         before = op.empty_fresh(1 << 20, 0)
         assert op.fresh_memory_status() == "ok"
         (fd,) = uffds()
-        os.close(fd)  # the sleeping server holds the file open until a fault wakes it: touch an armed page
+        os.close(fd)
+        victim = os.open({str(path)!r}, os.O_RDONLY)  # usually takes the number: the server must not read it
+        # The sleeping server holds the file open until a fault wakes it: touch an armed page.
         assert int(before[5 * PAGE]) == 0
         time.sleep(0.2)
         cpu = time.process_time()
         time.sleep(0.5)
         spent = time.process_time() - cpu
         assert spent < 0.15, f"{{spent:.2f}} CPU-seconds in half a second of sleep"
+        assert os.lseek(victim, 0, os.SEEK_CUR) == 0, "the server read the file that took its number"
         assert "closed by other code" in op.fresh_memory_status(), op.fresh_memory_status()
         read_and_check({str(path)!r}, before, op.empty_fresh(1 << 20, 0))
         print("ok")
