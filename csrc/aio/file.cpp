@@ -86,6 +86,7 @@ public:
 
     int fd() const noexcept { return dup_.get(); }
     bool direct() const noexcept { return (flags_ & O_DIRECT) != 0; }
+    bool appends() const noexcept { return (flags_ & O_APPEND) != 0; }
     uint64_t device() const noexcept { return dev_; }
     const Alignment& alignment() const noexcept { return align_; }
     bool holds(const struct stat& st, int flags) const noexcept {
@@ -294,6 +295,13 @@ TargetFile TargetFile::from_fd(int fd, bool write, bool shared) {
     f.write_ = write;
     f.caller_ = shared ? CallerFile::share(fd, f.path_) : CallerFile::duplicate(fd, f.path_);
     const CallerFile& caller = *f.caller_;
+    // Linux ignores pwrite's offset on an O_APPEND descriptor: every block would land at the end of the file,
+    // in whatever order the blocks finish, and the call would report success.
+    if (write && caller.appends())
+        throw IoError(EINVAL,
+                      "opened with O_APPEND: positional writes through it would land at the end of the file, "
+                      "not at file_offset; pass a descriptor opened without O_APPEND (or the file's path)",
+                      f.path_);
     f.dev_ = caller.device();
     f.user_fd_ = caller.fd();
     if (caller.direct()) {

@@ -253,6 +253,28 @@ def test_bad_fd(handle, workdir: Path) -> None:
     assert_usable(handle, workdir)
 
 
+def test_append_only_descriptor_refuses_writes_and_reads(handle, workdir: Path) -> None:
+    """A write through a descriptor opened with O_APPEND raises OSError EINVAL naming it, before any byte is
+    written: Linux ignores pwrite's offset there, so every block would land at the end of the file in the
+    order the blocks finish, reported as success. Reads through it are positional and work."""
+    path = workdir / "appended"
+    data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    path.write_bytes(data.numpy().tobytes())
+    fd = os.open(path, os.O_RDWR | os.O_APPEND)
+    try:
+        for call in (handle.sync_pwrite, handle.async_pwrite):
+            with pytest.raises(OSError, match="O_APPEND") as exc:
+                call(torch.zeros(1 << 20, dtype=torch.uint8), fd, 0)
+            assert exc.value.errno == errno.EINVAL and exc.value.filename == f"<fd {fd}>"
+        assert handle.wait() == 0
+        got = torch.empty(1 << 20, dtype=torch.uint8)
+        assert handle.sync_pread(got, fd, 0) == 1 and torch.equal(got, data)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == data.numpy().tobytes()
+    assert_usable(handle, workdir)
+
+
 @pytest.mark.parametrize("call", ["sync_pwrite", "pwrite", "write", "async_pwrite"])
 def test_immutable_file(aio_module, handle, workdir: Path, call: str) -> None:
     """Writing an immutable file (chattr +i, which binds root too) raises PermissionError with the name."""
