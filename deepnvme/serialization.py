@@ -40,6 +40,7 @@ import errno
 import io
 import os
 import pickle
+import signal
 import stat
 import sys
 import threading
@@ -149,11 +150,13 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
             with _page_aligned_storages(crc=False) as settable:
                 stream = _SaveStream(writer, storages, checksums=checksum and settable, payloads=payloads)
                 try:
-                    torch.save(obj, stream, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
+                    with _interrupts_noted() as noted:
+                        torch.save(obj, stream, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
                 except BaseException as exc:
-                    if stream.error is None or stream.error is exc:
+                    first = stream.error or (noted[0] if noted else None) or _interruption(exc)
+                    if first is None or first is exc:
                         raise
-                    raise stream.error from None  # torch's RuntimeError only follows from it
+                    raise first from None  # torch's RuntimeError only follows from it
             stream.close_archive()
             writer.finish()
             os.ftruncate(buffered_fd, stream.pos)
@@ -428,10 +431,12 @@ def _torch_load(f: Any, path: str, kwargs: dict[str, Any]) -> Any:
     """
     import torch
 
+    noted: list[KeyboardInterrupt] = []
     try:
-        return torch.load(f, **kwargs)
+        with _interrupts_noted() as noted:
+            return torch.load(f, **kwargs)
     except Exception as exc:
-        error = getattr(f, "error", None)
+        error = getattr(f, "error", None) or (noted[0] if noted else None) or _interruption(exc)
         if error is not None:
             raise error from exc
         if _out_of_memory(exc):
@@ -446,6 +451,49 @@ def _torch_load(f: Any, path: str, kwargs: dict[str, Any]) -> Any:
             raise RefusedPickle(path, str(exc)) from exc
         problem = f"damaged or not a torch checkpoint ({type(exc).__name__}: {exc})"
         raise CheckpointFormatError(path, problem) from exc
+
+
+@contextlib.contextmanager
+def _interrupts_noted() -> Iterator[list[KeyboardInterrupt]]:
+    """Collect the KeyboardInterrupts that Ctrl-C raises meanwhile (on the main thread, under Python's own
+    SIGINT handler; elsewhere the list stays empty).
+
+    Why: torch's C++ calls the stream's readinto and write. A Ctrl-C that lands as one of them begins,
+    before any of its code runs, escapes into torch, whose reader then tries another method and replaces
+    the KeyboardInterrupt with an AttributeError of its own, chaining nothing: the load would call a good
+    file damaged. The handler notes the interrupt before raising it, so the caller can raise it instead.
+    """
+    noted: list[KeyboardInterrupt] = []
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield noted
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        noted.append(KeyboardInterrupt())
+        raise noted[-1]
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield noted
+    finally:
+        if signal.getsignal(signal.SIGINT) is note:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _interruption(exc: BaseException) -> BaseException | None:
+    """A KeyboardInterrupt or SystemExit among what led to `exc`, if any. One raised inside a callback of
+    torch's C++ (a stream's write or readinto) comes back wrapped in an error of torch's own (a RuntimeError,
+    or an AttributeError when its reader falls back to another method), which would read as a damaged file
+    or a failed write: the interruption is what happened."""
+    seen: set[int] = set()
+    at: BaseException | None = exc
+    while at is not None and id(at) not in seen:
+        if isinstance(at, (KeyboardInterrupt, SystemExit)):
+            return at
+        seen.add(id(at))
+        at = at.__cause__ or at.__context__
+    return None
 
 
 def _out_of_memory(exc: Exception) -> bool:
@@ -545,6 +593,9 @@ class _ArchiveReader(SeekableReader):
             self.error = _read_failure(exc, self._fd, self._path, self._size)
             if self.error is not exc:
                 self.error.__cause__ = exc
+            return 0
+        except BaseException as exc:  # Ctrl-C: torch would turn it into an error of its own (_interruption)
+            self.error = exc
             return 0
         self._pos += n
         return n

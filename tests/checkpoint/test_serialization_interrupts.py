@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import os
 import posix
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -142,3 +143,44 @@ def test_an_interrupt_at_any_system_call_of_save_leaks_no_descriptor_nor_tempora
         deepnvme.save(old, path)
 
     _leaks_at_every_point(lambda: deepnvme.save(new, path), check)
+
+
+def _interrupted_in(name: str, k: int, fn: Callable[[], Any]) -> BaseException | None:
+    """Run fn() with a real SIGINT sent as the (k+1)-th call of a function named `name` begins (Python runs
+    its handler there, before the function's first line); what fn() raised (None if it returned)."""
+    seen = 0
+
+    def hook(frame: FrameType, event: str, arg: Any) -> None:
+        nonlocal seen
+        if event == "call" and frame.f_code.co_name == name:
+            seen += 1
+            if seen > k:
+                sys.setprofile(None)
+                signal.raise_signal(signal.SIGINT)
+
+    sys.setprofile(hook)
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - what it was is the result
+        return exc
+    finally:
+        sys.setprofile(None)
+    return None
+
+
+def test_an_interrupt_inside_torchs_callbacks_stays_an_interrupt(tmp_path: Path) -> None:
+    """A Ctrl-C while torch's C++ is inside the stream's readinto (load) or write (save) reaches the caller as
+    KeyboardInterrupt, not as torch's own error about the stream ("damaged or not a torch checkpoint",
+    "unexpected pos"): a good file must not look damaged, and a save is not a failed write. The save leaves
+    the old file whole and no temporary."""
+    path = tmp_path / "c.pt"
+    old = _state()
+    deepnvme.save(old, path)
+    for k in range(6):
+        exc = _interrupted_in("readinto", k, lambda: deepnvme.load(path))
+        assert isinstance(exc, KeyboardInterrupt), f"load, readinto call {k}: {exc!r}"
+        exc = _interrupted_in("write", k, lambda: deepnvme.save({"other": torch.ones(300_000)}, path))
+        assert isinstance(exc, KeyboardInterrupt), f"save, write call {k}: {exc!r}"
+        assert sorted(os.listdir(tmp_path)) == ["c.pt"]
+        got = torch.load(path)
+        assert all(torch.equal(got[key], v) for key, v in old.items())
