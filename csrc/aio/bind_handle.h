@@ -23,13 +23,12 @@ inline uint64_t enqueue_host(IoHandle& io, const at::Tensor& buffer, const Targe
     std::shared_ptr<void> hold = p.keepalive;
     std::string warning;
     std::shared_ptr<Request> req;
-    {
-        py::gil_scoped_release nogil;
-        req = io.prepare(std::move(p), warning);
-    }
+    with_gil_released([&] { req = io.prepare(std::move(p), warning); });
     if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
-    py::gil_scoped_release nogil;  // a small sync request runs its I/O inside enqueue() (IoHandle::enqueue)
-    return io.enqueue(std::move(req));
+    uint64_t id = 0;
+    // A small sync request runs its I/O inside enqueue() (IoHandle::enqueue).
+    with_gil_released([&] { id = io.enqueue(std::move(req)); });
+    return id;
 }
 
 // Ctrl-C: Python's signal handlers run only with the GIL, on the main thread; a long wait polls them.
@@ -46,8 +45,7 @@ inline int64_t collect(Pipeline& pipeline, uint64_t own) {
     size_t n = 0;
     bool interrupted = false;
     std::string mismatch;
-    {
-        py::gil_scoped_release nogil;
+    with_gil_released([&] {
         try {
             n = pipeline.wait(own, done, signal_pending);
         } catch (const Pipeline::Interrupted&) {
@@ -61,7 +59,7 @@ inline int64_t collect(Pipeline& pipeline, uint64_t own) {
                 mismatch = std::string("validation could not read the file back: ") + e.what();
             }
         }
-    }
+    });
     if (interrupted) {
         done.clear();
         throw py::error_already_set();  // the KeyboardInterrupt (or whatever the handler raised)

@@ -6,6 +6,8 @@
 #include <ATen/ops/from_blob.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <cxxabi.h>
+
 #include <memory>
 #include <string>
 
@@ -223,6 +225,24 @@ inline IoHandle::Params host_params(const at::Tensor& buffer, const Target& targ
     p.validate = validate;
     p.keepalive = std::move(b.keepalive);
     return p;
+}
+
+// Runs fn with the GIL released, taken back by a plain call rather than in a destructor (py::gil_scoped_release
+// takes it back in one): CPython ends a thread that takes the GIL back while the interpreter finalizes with
+// an unwind (pthread_exit), which a destructor cannot let through (std::terminate: the process aborts).
+// So a daemon thread inside wait() at exit just ends.
+template <class F>
+void with_gil_released(F&& fn) {
+    PyThreadState* ts = PyEval_SaveThread();
+    try {
+        fn();
+    } catch (abi::__forced_unwind&) {
+        throw;  // this thread is being ended: it must not touch the interpreter again
+    } catch (...) {
+        PyEval_RestoreThread(ts);
+        throw;
+    }
+    PyEval_RestoreThread(ts);
 }
 
 // Runs fn with the GIL released, except while the interpreter shuts down (there is no GIL state to give up

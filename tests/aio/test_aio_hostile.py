@@ -238,6 +238,31 @@ def test_share_memory_during_a_request_keeps_its_memory_alive(workdir: Path) -> 
     assert out.strip() == "ok"
 
 
+def test_interpreter_exit_with_a_daemon_thread_inside_wait_ends_quietly(workdir: Path) -> None:
+    """The interpreter exits while a daemon thread submits reads and waits for them: CPython ends that thread
+    as it takes the GIL back, and the process exits normally (it aborted in std::terminate when the GIL was
+    taken back in a destructor). Three exits, at whatever point the thread is."""
+    for _ in range(3):
+        out = run_child(workdir, """
+            n = 8 << 20
+            path = f"{d}/data"
+            with open(path, "wb") as f:
+                f.write(os.urandom(n))
+            t = torch.empty(n, dtype=torch.uint8)
+            h = m.aio_handle(1 << 16, 8, False, False, 1)
+
+            def loop():
+                while True:
+                    h.async_pread(t, path)
+                    h.wait()
+
+            threading.Thread(target=loop, daemon=True).start()
+            time.sleep(0.5)
+            print("exiting")
+        """)
+        assert out.strip() == "exiting"
+
+
 # ----------------------------------------------------------------------------- descriptors
 
 def test_fd_closed_after_submit_is_safe(aio_module: ModuleType, engine: str, workdir: Path) -> None:
