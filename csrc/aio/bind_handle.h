@@ -82,6 +82,8 @@ inline int64_t collect(Pipeline& pipeline, uint64_t own) {
 // requests' tensors are released afterwards, with the GIL held.
 template <class Core>
 void close_core(std::unique_ptr<Core>& core) {
+    std::vector<std::shared_ptr<void>> holds;  // an inherited handle's tensor holds, dropped last (GIL held)
+    if (core->pipeline().inherited()) core->pipeline().abandon(&holds);
     Handed rest;
     without_gil_unless_finalizing([&] {
         core->pipeline().drain(rest);

@@ -51,9 +51,12 @@ void Pipeline::refuse_if_inherited() const {
                                "handle in the child process");
 }
 
-void Pipeline::abandon() {
+void Pipeline::abandon(std::vector<std::shared_ptr<void>>* holds) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& r : pending_) new std::shared_ptr<PendingRequest>(std::move(r));
+    for (auto& r : pending_) {
+        if (holds != nullptr) holds->push_back(std::move(r->keepalive));
+        new std::shared_ptr<PendingRequest>(std::move(r));
+    }
     pending_.clear();
 }
 

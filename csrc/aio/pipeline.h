@@ -101,8 +101,10 @@ public:
     // UnsupportedError when inherited(): the handle refuses work there.
     void refuse_if_inherited() const;
     // In an inherited child: keeps every pending request alive for good (the parent's workers, which this
-    // process does not have, may point into them) and forgets them.
-    void abandon();
+    // process does not have, may point into them) and forgets them. Their tensor holds, which no thread of
+    // this process uses, go to `holds` when given, for the caller to drop with the GIL held: the child's
+    // tensors then get their own storages back (storage_loan.h) instead of keeping a loan for good.
+    void abandon(std::vector<std::shared_ptr<void>>* holds = nullptr);
 
 private:
     std::mutex mu_;

@@ -122,3 +122,34 @@ def test_every_op_takes_loans_from_one_table(tmp_path: Path) -> None:
         print("ok")
     """), timeout=300)
     assert out.strip() == "ok"
+
+
+def test_a_forked_child_gets_its_tensors_storages_back(tmp_path: Path) -> None:
+    """fork() while a read is pending: the child's copy of the handle refuses work and, once dropped, lets
+    go of its copies of the requests' loans (no thread of the child uses them), so the child's tensor is
+    resizable again and holds its own DataPtr; the parent's read ends as usual."""
+    out = run_in_child(tmp_path, PRELUDE + textwrap.dedent("""
+        t = torch.empty(N, dtype=torch.uint8)
+        h, gate = held()
+        assert h.async_pread(t, path) == 0
+        wait_for(f"{gate}/held.1")
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                del h
+                if t.untyped_storage().resizable():
+                    t._lazy_clone()
+                else:
+                    code = 3
+            except BaseException:
+                code = 4
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+        open(f"{gate}/go.1", "w").close()
+        assert h.wait() == 1 and torch.equal(t, ref)
+        assert t.untyped_storage().resizable()
+        print("ok")
+    """), timeout=120)
+    assert out.strip() == "ok"
