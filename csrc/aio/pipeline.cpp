@@ -52,7 +52,10 @@ void Pipeline::refuse_if_inherited() const {
 }
 
 void Pipeline::abandon(std::vector<std::shared_ptr<void>>* holds) {
-    std::lock_guard<std::mutex> lock(mu_);
+    // Only a thread of the parent can hold the lock here (a worker completing a request as the fork came):
+    // that thread does not exist in this process, so waiting for it would hang. Nothing of this process
+    // takes the lock of an inherited pipeline besides this call.
+    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
     for (auto& r : pending_) {
         if (holds != nullptr) holds->push_back(std::move(r->keepalive));
         new std::shared_ptr<PendingRequest>(std::move(r));
