@@ -187,6 +187,10 @@ std::pair<int, unsigned long> uffd(std::string* why = nullptr) {
         bool again = false;
         s.fd = open_here(&s.why, &again);
         s.tried = !again;
+    } else if (s.fd >= 0 && !still_a_userfaultfd(s.fd)) {
+        // Closed by other code while no fault woke the server: new blocks stay plain from now on.
+        s.fd = -1;
+        s.why = "userfaultfd: its descriptor was closed by other code";
     }
     if (why != nullptr) *why = s.why;
     return {s.fd, s.generation};

@@ -388,6 +388,25 @@ def test_a_descriptor_closed_by_other_code_ends_fresh_filling_quietly(
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
+def test_a_descriptor_closed_and_reused_while_nothing_faults_is_noticed(
+        data_file: tuple[Path, torch.Tensor]) -> None:
+    """The userfaultfd closed by other code and its number taken by another file while no fault wakes the
+    server: the next block notices, the status says so, new blocks are plain memory filled right, and the
+    file that took the number is left alone."""
+    path, _ = data_file
+    proc = run_script(UFFDS + textwrap.dedent(f"""
+        assert op.fresh_memory_status() == "ok"
+        (fd,) = uffds()
+        os.close(fd)
+        victim = os.open({str(path)!r}, os.O_RDONLY)
+        read_and_check({str(path)!r}, op.empty_fresh(1 << 20, 0))
+        assert "closed by other code" in op.fresh_memory_status(), op.fresh_memory_status()
+        assert os.lseek(victim, 0, os.SEEK_CUR) == 0
+        print("ok")
+    """))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
 def test_the_thread_that_serves_faults_takes_no_signals() -> None:
     """Process-directed signals (Ctrl-C, a profiler's timer) go to a thread that can act on them: the one
     that answers faults blocks them all."""
