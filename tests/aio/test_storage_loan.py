@@ -44,6 +44,59 @@ PRELUDE = textwrap.dedent("""
 """)
 
 
+def test_share_memory_during_a_request_keeps_its_memory_alive(tmp_path: Path) -> None:
+    """tensor.share_memory_() while a request is pending copies the tensor into shared memory and destroys
+    the DataPtr it replaces. The loan keeps the old memory alive until the request is handed over: a read
+    then raises naming share_memory_(), a write writes the bytes it was given; neither touches freed memory
+    (plain, page-aligned and fresh memory). Memory already shared stays put; reads into it work."""
+    out = run_in_child(tmp_path, PRELUDE + textwrap.dedent("""
+        makers = {"plain": lambda: torch.empty(N + 1, dtype=torch.uint8)[1:],
+                  "aligned": lambda: m.empty_at_residue(N, 0),
+                  "fresh": lambda: m.empty_fresh(N, 0)}
+        for kind, make in makers.items():
+            h, gate = held()
+            t = make()
+            assert h.async_pread(t, path) == 0
+            wait_for(f"{gate}/held.1")
+            t.share_memory_()
+            assert t.is_shared()
+            junk = [torch.full((1 << 20,), 7, dtype=torch.uint8) for _ in range(16)]  # reuses freed memory
+            open(f"{gate}/go.1", "w").close()
+            try:
+                h.wait()
+            except RuntimeError as e:
+                assert "share_memory_" in str(e) and path in str(e), e
+            else:
+                raise AssertionError(f"{kind}: a read into memory replaced by share_memory_() succeeded")
+            del junk
+            assert h.sync_pread(t, path) == 1 and torch.equal(t, ref), kind  # the shared memory works
+
+            h, gate = held()
+            src = make()
+            src.copy_(ref)
+            m.settle_fresh(src)
+            assert h.async_pwrite(src, f"{d}/w-{kind}") == 0
+            wait_for(f"{gate}/held.1")
+            src.share_memory_()
+            junk = [torch.full((1 << 20,), 7, dtype=torch.uint8) for _ in range(16)]
+            open(f"{gate}/go.1", "w").close()
+            assert h.wait() == 1
+            del junk
+            with open(f"{d}/w-{kind}", "rb") as f:
+                assert f.read() == data, kind
+
+        h, gate = held()
+        t = torch.empty(N, dtype=torch.uint8).share_memory_()
+        assert h.async_pread(t, path) == 0
+        wait_for(f"{gate}/held.1")
+        t.share_memory_()  # already shared: the memory stays the same
+        open(f"{gate}/go.1", "w").close()
+        assert h.wait() == 1 and t.is_shared() and torch.equal(t, ref)
+        print("ok")
+    """), timeout=120)
+    assert out.strip() == "ok"
+
+
 def test_share_memory_of_mapped_memory_never_frees_it_under_a_request(tmp_path: Path) -> None:
     """Memory mapped from a file (torch.from_file) and memory already shared by file descriptor or by file
     name: under either strategy share_memory_() keeps some of these in place and copies the others into new
