@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -51,10 +52,24 @@ constexpr const char* kSwitch = "DEEPNVME_FILL_FRESH";
 // fork() hands the child the descriptor's number, whose ioctls would act on the parent's memory, but not the
 // thread that serves it: the child closes it at once (pthread_atfork, before anything can reuse the number),
 // starts a new generation, and opens its own on first use.
+// Which open file a descriptor names: a descriptor number can be closed by other code and reused.
+struct FileId {
+    dev_t dev = 0;
+    ino_t ino = 0;
+    bool operator==(const FileId& o) const noexcept { return dev == o.dev && ino == o.ino; }
+};
+
+FileId file_id(int fd) {
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) return {};
+    return {st.st_dev, st.st_ino};
+}
+
 struct UffdState {
     std::mutex mu;
     bool tried = false;
     int fd = -1;
+    FileId id;  // what fd named when it was opened
     unsigned long generation = 1;  // blocks armed in another generation are plain memory here
     std::string why;
 };
@@ -77,9 +92,12 @@ UffdState& state() {
     return *s;
 }
 
-// False once `fd` no longer names a userfaultfd: other code closed it, and perhaps opened another file that
-// got its number. Without /proc to ask, the number is trusted.
-bool still_a_userfaultfd(int fd) {
+// False once `fd` no longer names the userfaultfd `id` identifies: other code closed it, and perhaps opened
+// another file, another userfaultfd included, that got its number. The link text is asked too: on kernels
+// where every anonymous file shares one inode, the inode alone cannot tell a userfaultfd from an eventfd.
+// Without /proc to ask, the inode decides.
+bool still_ours(int fd, const FileId& id) {
+    if (!(file_id(fd) == id)) return false;
     const std::string link = "/proc/self/fd/" + std::to_string(fd);
     char target[64];
     ssize_t n = ::readlink(link.c_str(), target, sizeof target - 1);
@@ -93,7 +111,7 @@ bool still_a_userfaultfd(int fd) {
 // (os.closerange, a sweep of descriptors): the kernel then drops every registration with it once this
 // thread lets go of the file, so no fault can wait any more, and the process goes on without fresh filling,
 // instead of spinning on POLLNVAL or reading whatever file got the number next.
-void serve(int fd) {
+void serve(int fd, FileId id) {
     const size_t page = page_size();
     for (;;) {
         pollfd p{fd, POLLIN, 0};
@@ -101,7 +119,7 @@ void serve(int fd) {
             if (errno != EINTR) ::usleep(1000);  // out of memory for the poll: again, shortly
             continue;
         }
-        if ((p.revents & POLLNVAL) || !still_a_userfaultfd(fd)) {
+        if ((p.revents & POLLNVAL) || !still_ours(fd, id)) {
             UffdState& s = state();
             std::lock_guard<std::mutex> lock(s.mu);
             if (s.fd == fd) {
@@ -128,12 +146,12 @@ void serve(int fd) {
 
 // Starts serve(fd) on a thread that blocks every signal: a process-directed signal (Ctrl-C, a profiler's
 // timer) then goes to a thread that can act on it, and never interrupts the answer to a fault.
-void start_server(int fd) {
+void start_server(int fd, FileId id) {
     sigset_t all, before;
     sigfillset(&all);
     ::pthread_sigmask(SIG_SETMASK, &all, &before);
     try {
-        std::thread(serve, fd).detach();
+        std::thread(serve, fd, id).detach();
     } catch (...) {
         ::pthread_sigmask(SIG_SETMASK, &before, nullptr);
         throw;
@@ -168,7 +186,7 @@ int open_here(std::string* why, bool* again) {
         return -1;
     }
     try {
-        start_server(f);
+        start_server(f, file_id(f));
     } catch (const std::exception& e) {  // e.g. a pids limit: without the server an early touch would hang
         *again = true;
         *why = std::string("userfaultfd: cannot start the thread that serves it: ") + e.what();
@@ -187,7 +205,8 @@ std::pair<int, unsigned long> uffd(std::string* why = nullptr) {
         bool again = false;
         s.fd = open_here(&s.why, &again);
         s.tried = !again;
-    } else if (s.fd >= 0 && !still_a_userfaultfd(s.fd)) {
+        if (s.fd >= 0) s.id = file_id(s.fd);
+    } else if (s.fd >= 0 && !still_ours(s.fd, s.id)) {
         // Closed by other code while no fault woke the server: new blocks stay plain from now on.
         s.fd = -1;
         s.why = "userfaultfd: its descriptor was closed by other code";

@@ -388,22 +388,34 @@ def test_a_descriptor_closed_by_other_code_ends_fresh_filling_quietly(
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
+@pytest.mark.parametrize("taker", ["file", "userfaultfd"])
 def test_a_descriptor_closed_and_reused_while_nothing_faults_is_noticed(
-        data_file: tuple[Path, torch.Tensor]) -> None:
-    """The userfaultfd closed by other code and its number taken by another file while no fault wakes the
-    server: the next block notices, the status says so, new blocks are plain memory filled right, and the
-    file that took the number is left alone."""
+        data_file: tuple[Path, torch.Tensor], taker: str) -> None:
+    """The userfaultfd closed by other code and its number taken by another file, or by another userfaultfd
+    (another library's), while no fault wakes the server: the next block notices, the status says so, new
+    blocks are plain memory filled right (an early touch does not wait for an answer from the other
+    userfaultfd), and the file that took the number is left alone."""
     path, _ = data_file
     proc = run_script(UFFDS + textwrap.dedent(f"""
+        import ctypes, fcntl, struct
         assert op.fresh_memory_status() == "ok"
         (fd,) = uffds()
         os.close(fd)
-        victim = os.open({str(path)!r}, os.O_RDONLY)
-        read_and_check({str(path)!r}, op.empty_fresh(1 << 20, 0))
+        if {taker!r} == "file":
+            victim = os.open({str(path)!r}, os.O_RDONLY)
+        else:
+            libc = ctypes.CDLL(None, use_errno=True)
+            victim = libc.syscall(323, os.O_CLOEXEC | os.O_NONBLOCK)  # userfaultfd(2) on x86-64
+            fcntl.ioctl(victim, 0xC018AA3F, struct.pack("QQQ", 0xAA, 0, 0))  # UFFDIO_API
+        assert victim == fd, (victim, fd)
+        t = op.empty_fresh(1 << 20, 0)
+        assert int(t[3 * PAGE]) == 0  # an early touch: answered by the kernel, the block is plain
+        read_and_check({str(path)!r}, t)
         assert "closed by other code" in op.fresh_memory_status(), op.fresh_memory_status()
-        assert os.lseek(victim, 0, os.SEEK_CUR) == 0
+        if {taker!r} == "file":
+            assert os.lseek(victim, 0, os.SEEK_CUR) == 0
         print("ok")
-    """))
+    """), timeout=30)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
