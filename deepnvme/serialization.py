@@ -149,6 +149,7 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
             # torch's own CRC-32 (one core, slower than the disk) is off; the stream computes them faster.
             with _page_aligned_storages(crc=False) as settable:
                 stream = _SaveStream(writer, storages, checksums=checksum and settable, payloads=payloads)
+                noted: list[BaseException] = []
                 try:
                     with _interrupts_noted() as noted:
                         torch.save(obj, stream, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
@@ -431,7 +432,7 @@ def _torch_load(f: Any, path: str, kwargs: dict[str, Any]) -> Any:
     """
     import torch
 
-    noted: list[KeyboardInterrupt] = []
+    noted: list[BaseException] = []
     try:
         with _interrupts_noted() as noted:
             return torch.load(f, **kwargs)
@@ -454,31 +455,35 @@ def _torch_load(f: Any, path: str, kwargs: dict[str, Any]) -> Any:
 
 
 @contextlib.contextmanager
-def _interrupts_noted() -> Iterator[list[KeyboardInterrupt]]:
-    """Collect the KeyboardInterrupts that Ctrl-C raises meanwhile (on the main thread, under Python's own
-    SIGINT handler; elsewhere the list stays empty).
+def _interrupts_noted() -> Iterator[list[BaseException]]:
+    """Collect what the SIGINT handler raises meanwhile (on the main thread, where a Python handler is
+    installed: Python's own, which raises KeyboardInterrupt, or the program's; else the list stays empty).
 
     Why: torch's C++ calls the stream's readinto and write. A Ctrl-C that lands as one of them begins,
     before any of its code runs, escapes into torch, whose reader then tries another method and replaces
-    the KeyboardInterrupt with an AttributeError of its own, chaining nothing: the load would call a good
-    file damaged. The handler notes the interrupt before raising it, so the caller can raise it instead.
+    the exception with an AttributeError of its own, chaining nothing: the load would call a good file
+    damaged. The installed handler is wrapped for the duration, so what it raises is noted before it is
+    raised and the caller can raise that instead.
     """
-    noted: list[KeyboardInterrupt] = []
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    noted: list[BaseException] = []
+    handler = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
         yield noted
         return
 
-    def note(signum: int, frame: Any) -> None:
-        noted.append(KeyboardInterrupt())
-        raise noted[-1]
+    def note(signum: int, frame: Any) -> Any:
+        try:
+            return handler(signum, frame)
+        except BaseException as exc:
+            noted.append(exc)
+            raise
 
-    signal.signal(signal.SIGINT, note)
     try:
+        signal.signal(signal.SIGINT, note)  # inside the try: an interrupt right after it still restores
         yield noted
     finally:
         if signal.getsignal(signal.SIGINT) is note:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGINT, handler)
 
 
 def _interruption(exc: BaseException) -> BaseException | None:

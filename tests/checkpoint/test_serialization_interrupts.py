@@ -170,17 +170,30 @@ def _interrupted_in(name: str, k: int, fn: Callable[[], Any]) -> BaseException |
 
 def test_an_interrupt_inside_torchs_callbacks_stays_an_interrupt(tmp_path: Path) -> None:
     """A Ctrl-C while torch's C++ is inside the stream's readinto (load) or write (save) reaches the caller as
-    KeyboardInterrupt, not as torch's own error about the stream ("damaged or not a torch checkpoint",
-    "unexpected pos"): a good file must not look damaged, and a save is not a failed write. The save leaves
-    the old file whole and no temporary."""
+    what the SIGINT handler raised (KeyboardInterrupt, or a program's own exception), not as torch's own
+    error about the stream ("damaged or not a torch checkpoint", "unexpected pos"): a good file must not look
+    damaged, and a save is not a failed write. The save leaves the old file whole and no temporary."""
     path = tmp_path / "c.pt"
     old = _state()
     deepnvme.save(old, path)
-    for k in range(6):
-        exc = _interrupted_in("readinto", k, lambda: deepnvme.load(path))
-        assert isinstance(exc, KeyboardInterrupt), f"load, readinto call {k}: {exc!r}"
-        exc = _interrupted_in("write", k, lambda: deepnvme.save({"other": torch.ones(300_000)}, path))
-        assert isinstance(exc, KeyboardInterrupt), f"save, write call {k}: {exc!r}"
-        assert sorted(os.listdir(tmp_path)) == ["c.pt"]
-        got = torch.load(path)
-        assert all(torch.equal(got[key], v) for key, v in old.items())
+
+    class Stop(Exception):
+        """What a program's own SIGINT handler raises."""
+
+    def own_handler(signum: int, frame: Any) -> None:
+        raise Stop
+
+    for handler, expected in ((signal.default_int_handler, KeyboardInterrupt), (own_handler, Stop)):
+        previous = signal.signal(signal.SIGINT, handler)
+        try:
+            for k in range(6):
+                exc = _interrupted_in("readinto", k, lambda: deepnvme.load(path))
+                assert isinstance(exc, expected), f"load, readinto call {k}: {exc!r}"
+                exc = _interrupted_in("write", k, lambda: deepnvme.save({"other": torch.ones(300_000)}, path))
+                assert isinstance(exc, expected), f"save, write call {k}: {exc!r}"
+                assert sorted(os.listdir(tmp_path)) == ["c.pt"]
+                got = torch.load(path)
+                assert all(torch.equal(got[key], v) for key, v in old.items())
+                assert signal.getsignal(signal.SIGINT) is handler  # the program's handler is back
+        finally:
+            signal.signal(signal.SIGINT, previous)
