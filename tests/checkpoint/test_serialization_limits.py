@@ -10,9 +10,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
-from types import FrameType
-from typing import Any
 
 import pytest
 import torch
@@ -111,26 +111,35 @@ def test_no_descriptors_left_is_emfile_naming_the_file(tmp_path: Path) -> None:
     assert "save EMFILE" in seen and "load EMFILE" in seen, seen
 
 
-def test_a_file_truncated_while_read_is_reported_as_truncated(tmp_path: Path) -> None:
-    """Truncated when load first waits for its reads (a profile hook does it; the code runs unchanged):
-    the reads already queued meet the new end, which the handle reports as EIO."""
+def test_a_file_truncated_while_read_is_reported_as_truncated(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Truncated while load's first read is in flight: the fault engine holds that block until the file is
+    shorter, so the reads meet the new end (the handle reports EIO) whatever the machine's speed."""
+    from deepnvme._core.op import aio_module
+
     path = tmp_path / "t.pt"
     state = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(3)}  # 12 MiB: one batch of reads
     deepnvme.save(state, path)
-    deepnvme.load(path)
-    truncated = False
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    monkeypatch.setenv("DEEPNVME_FAULT", "hold@1")
+    monkeypatch.setenv("DEEPNVME_FAULT_GATE", str(gate))
+    handle = aio_module().aio_handle(1 << 20, 8, False, False, 1, engine="fault")
 
-    def hook(frame: FrameType, event: str, arg: Any) -> None:
-        nonlocal truncated
-        if event == "call" and frame.f_code.co_name == "_complete" and not truncated:
-            os.truncate(path, 1 << 20)
-            truncated = True
+    def truncate_while_held() -> None:
+        give_up = time.monotonic() + 60
+        while not (gate / "held.1").exists() and time.monotonic() < give_up:
+            time.sleep(0.001)
+        os.truncate(path, 1 << 20)
+        (gate / "go.1").touch()
 
-    sys.setprofile(hook)
+    truncator = threading.Thread(target=truncate_while_held)
+    truncator.start()
     try:
         with pytest.raises(CheckpointFormatError, match="truncated") as caught:
-            deepnvme.load(path)
+            deepnvme.load(path, handle=handle)
     finally:
-        sys.setprofile(None)
-    assert truncated
+        (gate / "go.1").touch()
+        truncator.join()
+    assert os.path.getsize(path) == 1 << 20  # the truncation came while the load was reading
     assert caught.value.filename == str(path) and "shorter" in str(caught.value)
