@@ -21,8 +21,7 @@ public:
     AioHandle(int64_t block_size, int64_t queue_depth, bool single_submit, bool overlap_events,
               int64_t parallelism, const std::string& engine) {
         HandleConfig cfg = make_config(block_size, queue_depth, single_submit, overlap_events, parallelism, engine);
-        py::gil_scoped_release nogil;
-        core_ = std::make_unique<IoHandle>(cfg);
+        with_gil_released([&] { core_ = std::make_unique<IoHandle>(cfg); });
     }
 
     ~AioHandle() { close_core(core_); }

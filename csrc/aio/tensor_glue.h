@@ -7,6 +7,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <cxxabi.h>
+#include <unistd.h>
 
 #include <memory>
 #include <string>
@@ -174,6 +175,24 @@ inline bool is_pinned_tensor(const at::Tensor& t) {
     return t.nbytes() > 0 && shared_registry().contains(t.data_ptr(), t.nbytes());
 }
 
+// Runs fn with the GIL released, taken back by a plain call rather than in a destructor (py::gil_scoped_release
+// takes it back in one): CPython ends a thread that takes the GIL back while the interpreter finalizes with
+// an unwind (pthread_exit), which a destructor cannot let through (std::terminate: the process aborts).
+// So a daemon thread inside wait() at exit just ends.
+template <class F>
+void with_gil_released(F&& fn) {
+    PyThreadState* ts = PyEval_SaveThread();
+    try {
+        fn();
+    } catch (abi::__forced_unwind&) {
+        throw;  // this thread is being ended: it must not touch the interpreter again
+    } catch (...) {
+        PyEval_RestoreThread(ts);
+        throw;
+    }
+    PyEval_RestoreThread(ts);
+}
+
 // A 1-D CPU tensor over page-aligned memory registered as locked. Its memory is freed when the tensor dies,
 // so free_cpu_locked_tensor() can never leave a dangling tensor behind.
 inline at::Tensor new_locked_tensor(int64_t num_elem, const at::Tensor& example) {
@@ -186,10 +205,7 @@ inline at::Tensor new_locked_tensor(int64_t num_elem, const at::Tensor& example)
     size_t bytes = static_cast<size_t>(num_elem) * elem;
     PinnedRegistry* reg = &shared_registry();
     PinnedRegistry::Allocation a{};
-    {
-        py::gil_scoped_release nogil;  // locking gigabytes takes a while
-        a = reg->allocate(bytes);
-    }
+    with_gil_released([&] { a = reg->allocate(bytes); });  // locking gigabytes takes a while
     at::Tensor t = at::from_blob(
         a.ptr, {num_elem}, [reg](void* p) { reg->release(p); },
         at::TensorOptions().dtype(dtype).device(at::kCPU));
@@ -227,41 +243,38 @@ inline IoHandle::Params host_params(const at::Tensor& buffer, const Target& targ
     return p;
 }
 
-// Runs fn with the GIL released, taken back by a plain call rather than in a destructor (py::gil_scoped_release
-// takes it back in one): CPython ends a thread that takes the GIL back while the interpreter finalizes with
-// an unwind (pthread_exit), which a destructor cannot let through (std::terminate: the process aborts).
-// So a daemon thread inside wait() at exit just ends.
+
+// Runs fn with the GIL released, except while the interpreter shuts down (there is no GIL state to give up
+// then). For handle destructors, which wait for requests still in flight.
+inline bool interpreter_finalizing() {
+    // Only CPython's public API: 3.13 made Py_IsFinalizing public and removed the private _Py_IsFinalizing,
+    // which is the only spelling before it.
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing();
+#else
+    return _Py_IsFinalizing();
+#endif
+}
+
+// Inside a destructor, where CPython's ending of a thread that retakes the GIL during finalization cannot
+// unwind (with_gil_released): a thread that finds the interpreter finalizing once fn is done is a daemon
+// thread the process is about to end, so it waits for that end instead of retaking the GIL.
 template <class F>
-void with_gil_released(F&& fn) {
+void without_gil_unless_finalizing(F&& fn) {
+    if (!Py_IsInitialized() || interpreter_finalizing()) {
+        fn();
+        return;
+    }
     PyThreadState* ts = PyEval_SaveThread();
     try {
         fn();
-    } catch (abi::__forced_unwind&) {
-        throw;  // this thread is being ended: it must not touch the interpreter again
     } catch (...) {
         PyEval_RestoreThread(ts);
         throw;
     }
+    if (interpreter_finalizing())
+        for (;;) ::pause();
     PyEval_RestoreThread(ts);
-}
-
-// Runs fn with the GIL released, except while the interpreter shuts down (there is no GIL state to give up
-// then). For handle destructors, which wait for requests still in flight.
-template <class F>
-void without_gil_unless_finalizing(F&& fn) {
-    // Only CPython's public API: 3.13 made Py_IsFinalizing public and removed the private _Py_IsFinalizing,
-    // which is the only spelling before it.
-#if PY_VERSION_HEX >= 0x030D0000
-    const bool finalizing = Py_IsFinalizing();
-#else
-    const bool finalizing = _Py_IsFinalizing();
-#endif
-    if (Py_IsInitialized() && !finalizing) {
-        py::gil_scoped_release nogil;
-        fn();
-    } else {
-        fn();
-    }
 }
 
 // OSError(errno, message, filename) so that Python picks FileNotFoundError, PermissionError...

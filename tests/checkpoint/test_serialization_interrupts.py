@@ -16,8 +16,8 @@ from __future__ import annotations
 import gc
 import os
 import posix
-import signal
 import sys
+import textwrap
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +25,7 @@ from types import FrameType
 from typing import Any
 
 import torch
+from child import run_in_child
 
 import deepnvme
 import op_builder.atomic_file
@@ -145,55 +146,61 @@ def test_an_interrupt_at_any_system_call_of_save_leaks_no_descriptor_nor_tempora
     _leaks_at_every_point(lambda: deepnvme.save(new, path), check)
 
 
-def _interrupted_in(name: str, k: int, fn: Callable[[], Any]) -> BaseException | None:
-    """Run fn() with a real SIGINT sent as the (k+1)-th call of a function named `name` begins (Python runs
-    its handler there, before the function's first line); what fn() raised (None if it returned)."""
-    seen = 0
-
-    def hook(frame: FrameType, event: str, arg: Any) -> None:
-        nonlocal seen
-        if event == "call" and frame.f_code.co_name == name:
-            seen += 1
-            if seen > k:
-                sys.setprofile(None)
-                signal.raise_signal(signal.SIGINT)
-
-    sys.setprofile(hook)
-    try:
-        fn()
-    except BaseException as exc:  # noqa: BLE001 - what it was is the result
-        return exc
-    finally:
-        sys.setprofile(None)
-    return None
-
-
 def test_an_interrupt_inside_torchs_callbacks_stays_an_interrupt(tmp_path: Path) -> None:
     """A Ctrl-C while torch's C++ is inside the stream's readinto (load) or write (save) reaches the caller as
     what the SIGINT handler raised (KeyboardInterrupt, or a program's own exception), not as torch's own
     error about the stream ("damaged or not a torch checkpoint", "unexpected pos"): a good file must not look
-    damaged, and a save is not a failed write. The save leaves the old file whole and no temporary."""
-    path = tmp_path / "c.pt"
-    old = _state()
-    deepnvme.save(old, path)
+    damaged, and a save is not a failed write. The save leaves the old file whole and no temporary. In a
+    fresh interpreter: the signal handlers and load's settings are then the defaults whatever ran before.
+    A real SIGINT is sent as the (k+1)-th readinto or write call begins (Python raises there, before the
+    function's first line)."""
+    out = run_in_child(tmp_path, textwrap.dedent("""
+        import os, signal, sys
+        import torch
+        import deepnvme
 
-    class Stop(Exception):
-        """What a program's own SIGINT handler raises."""
+        d = sys.argv[1]
+        path = os.path.join(d, "c.pt")
+        old = {"big": torch.arange(300_000, dtype=torch.float32), "small": torch.arange(10)}
+        deepnvme.save(old, path)
 
-    def own_handler(signum: int, frame: Any) -> None:
-        raise Stop
+        def interrupted_in(name, k, fn):
+            seen = 0
 
-    for handler, expected in ((signal.default_int_handler, KeyboardInterrupt), (own_handler, Stop)):
-        previous = signal.signal(signal.SIGINT, handler)
-        try:
+            def hook(frame, event, arg):
+                nonlocal seen
+                if event == "call" and frame.f_code.co_name == name:
+                    seen += 1
+                    if seen > k:
+                        sys.setprofile(None)
+                        signal.raise_signal(signal.SIGINT)
+
+            sys.setprofile(hook)
+            try:
+                fn()
+            except BaseException as exc:
+                return exc
+            finally:
+                sys.setprofile(None)
+            return None
+
+        class Stop(Exception):
+            pass
+
+        def own_handler(signum, frame):
+            raise Stop
+
+        for handler, expected in ((signal.default_int_handler, KeyboardInterrupt), (own_handler, Stop)):
+            signal.signal(signal.SIGINT, handler)
             for k in range(6):
-                exc = _interrupted_in("readinto", k, lambda: deepnvme.load(path))
+                exc = interrupted_in("readinto", k, lambda: deepnvme.load(path))
                 assert isinstance(exc, expected), f"load, readinto call {k}: {exc!r}"
-                exc = _interrupted_in("write", k, lambda: deepnvme.save({"other": torch.ones(300_000)}, path))
+                exc = interrupted_in("write", k, lambda: deepnvme.save({"other": torch.ones(300_000)}, path))
                 assert isinstance(exc, expected), f"save, write call {k}: {exc!r}"
-                assert sorted(os.listdir(tmp_path)) == ["c.pt"]
+                assert sorted(n for n in os.listdir(d) if not n.endswith(".py")) == ["c.pt"]
                 got = torch.load(path)
                 assert all(torch.equal(got[key], v) for key, v in old.items())
                 assert signal.getsignal(signal.SIGINT) is handler  # the program's handler is back
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        print("ok")
+    """), timeout=120)
+    assert out.strip() == "ok"
