@@ -43,7 +43,7 @@ from _harness import ROOT, children_cpu, interleave, timed  # first: puts this c
 from aio_cases import MIB, SMALL_COUNT, SMALL_SIZE, Setting, aio_seq, aio_small, handle_settings
 
 from deepnvme._core.aio_types import AioModule  # noqa: E402
-from deepnvme.files import fsync_path, mount_of  # noqa: E402
+from deepnvme.filesystem import fsync_path, mount_of  # noqa: E402
 from deepnvme.tools.pagecache import DESCRIPTIONS, drop_file_cache, read_mode  # noqa: E402
 from deepnvme.tools.resident import touch_pages  # noqa: E402
 from deepnvme.tools.sizes import format_size, parse_size  # noqa: E402

@@ -57,10 +57,16 @@ from deepnvme._core.aio_types import AioHandle
 from deepnvme._core.checks import check_int, check_type
 from deepnvme._core.direct import open_direct
 from deepnvme._core.errors import CheckpointFormatError, with_path
-from deepnvme._core.files import atomic_target, open_regular
+from deepnvme._core.files import (
+    SeekableReader,
+    atomic_target,
+    commit,
+    discard,
+    fsync_directory,
+    open_regular,
+    temporary_name,
+)
 from deepnvme._core.handles import CHECKPOINT, check_settings, checkpoint_handle, new_handle
-from deepnvme.files import SeekableReader
-from op_builder.atomic_file import commit, discard, fsync_directory, temporary_name
 
 __all__ = ["AioStorageReader", "AioStorageWriter"]
 

@@ -1,72 +1,18 @@
-"""Small file-system facts and acts the library and the tools share: fsync by name, the mount of a path, and
-the seekable read-only stream torch's zip reader is handed.
-(fsync of a directory belongs to the atomic-replace recipe, op_builder.atomic_file.)"""
+"""Deprecated: ``deepnvme.files`` is now :mod:`deepnvme.filesystem` (``fsync_path``, ``mount_of``).
+
+Kept importable for one release. Its third name, ``SeekableReader``, was the library's own stream for torch's
+zip reader and now lives in the private core (``deepnvme._core.files``); it is re-exported here only for
+code that imported it from this path.
+"""
 
 from __future__ import annotations
 
-import io
-import os
-import re
-from pathlib import Path
+import warnings
 
-from deepnvme._core.files import close_all, open_into
+from deepnvme._core.files import SeekableReader
+from deepnvme.filesystem import fsync_path, mount_of
 
 __all__ = ["SeekableReader", "fsync_path", "mount_of"]
 
-
-def fsync_path(path: str | os.PathLike[str]) -> None:
-    """fsync a file by name, so that what was written reaches the drive, not only the page cache."""
-    held: list[int] = []
-    try:
-        os.fsync(open_into(held, path, os.O_RDONLY))
-    finally:
-        close_all(held)
-
-
-class SeekableReader(io.RawIOBase):
-    """A read-only stream of ``size`` bytes that seeks like a file; subclasses supply ``readinto`` at
-    ``self._pos``. torch's zip reader needs seek/tell to find an archive's directory at its end."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self._size = size
-        self._pos = 0
-
-    def readable(self) -> bool:
-        """A read-only stream."""
-        return True
-
-    def seekable(self) -> bool:
-        """torch's zip reader seeks to the archive's directory."""
-        return True
-
-    def tell(self) -> int:
-        """The current position."""
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        """Move like a file does (never before the start)."""
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-
-def mount_of(path: str | os.PathLike[str]) -> tuple[str, str]:
-    """(mount point, filesystem type) holding ``path``, from /proc/self/mountinfo; ('', '') if unknown."""
-    best = ("", "")
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return best
-    real = os.path.realpath(path)
-    for line in lines:
-        head, _, tail = line.partition(" - ")
-        fields = head.split()
-        if len(fields) < 5 or not tail:
-            continue
-        # mountinfo escapes space, tab, newline and backslash as octal.
-        mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-        if inside and len(mnt) >= len(best[0]):
-            best = (mnt, tail.split()[0])
-    return best
+warnings.warn("deepnvme.files is deprecated: import fsync_path and mount_of from deepnvme.filesystem",
+              DeprecationWarning, stacklevel=2)

@@ -53,13 +53,20 @@ from deepnvme._core.aio_types import AioHandle
 from deepnvme._core.crc import crc32
 from deepnvme._core.direct import DIRECT_MIN_BYTES, AlignedWriter, close_pair, open_for_write
 from deepnvme._core.errors import CheckpointFormatError, RefusedPickle, with_path
-from deepnvme._core.files import close_all, open_into, open_regular
+from deepnvme._core.files import (
+    TEMP_SUFFIX,
+    SeekableReader,
+    close_all,
+    commit,
+    discard,
+    open_into,
+    open_regular,
+    temporary_name,
+)
 from deepnvme._core.handles import checkpoint_handle
 from deepnvme._core.memory import PAGE, Populator, address_of, aligned_buffer, byte_view, memory_of, round_up
 from deepnvme._core.op import aio_module
 from deepnvme._core.zipformat import Record
-from deepnvme.files import SeekableReader
-from op_builder.atomic_file import TEMP_SUFFIX, commit, discard, temporary_name
 
 # Page alignment of storage payloads in the archives save writes (torch's default is 64).
 STORAGE_ALIGNMENT = 4096

@@ -1,21 +1,24 @@
-"""Files as the library's checkpoint writers and readers open and replace them.
+"""Files as the library's checkpoint writers and readers open, read and replace them: the library's one door
+to op_builder.atomic_file.
 
 Replacing a file follows the project's one recipe, op_builder.atomic_file (temporary, fsync, rename,
-directory fsync, stale cleanup): deepnvme.save and the DCP writer call it directly; atomic_target and
-write_atomically here add the library's error rule on top: an error names the caller's path, never the
-temporary, and a failing cleanup never hides the error that made it necessary. Used by the DCP writer's
-`.metadata` and the MoE checkpoint's `latest`.
+directory fsync, stale cleanup), re-exported here so that library modules reach op_builder only through
+``_core``: deepnvme.save and the DCP writer use its steps (temporary_name, commit, discard,
+fsync_directory) directly; atomic_target and write_atomically add the library's error rule on top: an
+error names the caller's path, never the temporary, and a failing cleanup never hides the error that made
+it necessary. Used by the DCP writer's `.metadata` and the MoE checkpoint's `latest`.
 
 And one way to open a file for reading that never blocks on a FIFO or a device and refuses anything but
-a regular file, checked on the descriptor itself (fstat after open: no window for a swap); and open_into /
-close_all (op_builder.atomic_file's, re-exported), which keep a descriptor from being lost to a
-KeyboardInterrupt.
+a regular file, checked on the descriptor itself (fstat after open: no window for a swap); open_into /
+close_all (the recipe's too), which keep a descriptor from being lost to a KeyboardInterrupt; and
+SeekableReader, the seekable read-only stream torch's zip reader is handed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import stat
 from collections.abc import Iterator
@@ -26,12 +29,14 @@ from op_builder.atomic_file import (
     close_all,
     commit,
     discard,
+    fsync_directory,
     open_into,
     replace_bytes,
     temporary_name,
 )
 
-__all__ = ["atomic_target", "close_all", "open_into", "open_regular", "write_atomically"]
+__all__ = ["TEMP_SUFFIX", "SeekableReader", "atomic_target", "close_all", "commit", "discard",
+           "fsync_directory", "open_into", "open_regular", "temporary_name", "write_atomically"]
 
 
 @contextlib.contextmanager
@@ -88,3 +93,31 @@ def open_regular(path: str) -> int:
         raise
     # Returning to a Python caller runs no handler before its `fd = open_regular(...)` stores this.
     return held[0]
+
+
+class SeekableReader(io.RawIOBase):
+    """A read-only stream of ``size`` bytes that seeks like a file; subclasses supply ``readinto`` at
+    ``self._pos``. torch's zip reader needs seek/tell to find an archive's directory at its end."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self._size = size
+        self._pos = 0
+
+    def readable(self) -> bool:
+        """A read-only stream."""
+        return True
+
+    def seekable(self) -> bool:
+        """torch's zip reader seeks to the archive's directory."""
+        return True
+
+    def tell(self) -> int:
+        """The current position."""
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Move like a file does (never before the start)."""
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos

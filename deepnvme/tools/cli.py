@@ -9,7 +9,7 @@ from typing import TextIO
 
 from deepnvme._core.aio_types import AioHandle, AioModule
 from deepnvme._core.handles import RECOMMENDED
-from deepnvme.files import fsync_path
+from deepnvme.filesystem import fsync_path
 from deepnvme.tools.sizes import parse_size
 from op_builder.engines import AUTO
 from op_builder.engines import names as engine_names

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from deepnvme._core.handles import RECOMMENDED
-from deepnvme.files import fsync_path
+from deepnvme.filesystem import fsync_path
 from deepnvme.tools.ownership import banner
 from deepnvme.tools.pagecache import (
     CACHED,

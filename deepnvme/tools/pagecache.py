@@ -10,7 +10,7 @@ import tempfile
 
 from deepnvme._core.direct import o_direct_refused
 from deepnvme._core.memory import PAGE, round_up
-from deepnvme.files import fsync_path, mount_of
+from deepnvme.filesystem import fsync_path, mount_of
 
 __all__ = ["CACHED", "DESCRIPTIONS", "FADVISE", "O_DIRECT", "cached_pages", "drop_all_caches",
            "drop_file_cache", "fsync_path", "o_direct_works", "read_mode"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deepnvme.files import mount_of
+from deepnvme.filesystem import mount_of
 from deepnvme.tools.trust import virtual_disk
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

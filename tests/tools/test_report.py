@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from deepnvme import files
+from deepnvme import filesystem
 from deepnvme.tools.report import checks, collect, model, render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -510,7 +510,7 @@ def ramfs_dir(tmp_path: Path) -> Iterator[Path]:
 
 def test_o_direct_on_disk(tmp_path: Path) -> None:
     """On a disk filesystem the aligned write-and-read-back works, and the test file is gone afterwards."""
-    _, fstype = files.mount_of(str(tmp_path))
+    _, fstype = filesystem.mount_of(str(tmp_path))
     if fstype not in ("ext4", "xfs", "btrfs", "f2fs"):
         pytest.skip(f"{tmp_path} is on {fstype or 'an unknown filesystem'}, not a local disk filesystem")
     found = checks.check_o_direct(str(tmp_path))

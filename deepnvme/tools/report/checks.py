@@ -13,7 +13,7 @@ from pathlib import Path
 
 from deepnvme._core.direct import o_direct_refused
 from deepnvme._core.memory import PAGE
-from deepnvme.files import mount_of
+from deepnvme.filesystem import mount_of
 
 from .model import Finding
 
