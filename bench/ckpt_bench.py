@@ -499,7 +499,7 @@ def contenders(pool: RankPool | None, every: bool) -> list[Contender]:
         return load
 
     def made_before_load(path: Path, pool: dict[int, list[mmap.mmap]]) -> Any:
-        from deepnvme import serialization
+        from deepnvme.serialization import prefetch
 
         def take(nbytes: int, residue: int) -> torch.Tensor:
             # No fallback to new memory: that would put making it back on the clock unseen.
@@ -507,12 +507,12 @@ def contenders(pool: RankPool | None, every: bool) -> list[Contender]:
                 raise RuntimeError(f"{MADE_BEFORE}: no memory of {nbytes} bytes was made for this load")
             return torch.frombuffer(pool[nbytes].pop(), dtype=torch.uint8, count=nbytes, offset=residue)
 
-        original = serialization._payload_memory
-        serialization._payload_memory = lambda: (take, False)
+        original = prefetch._payload_memory
+        prefetch._payload_memory = lambda: (take, False)
         try:
             return deepnvme.load(path)
         finally:
-            serialization._payload_memory = original
+            prefetch._payload_memory = original
 
     def mmap_load(path: Path, shapes: list) -> dict[str, Any]:
         sd = torch.load(path, mmap=True, weights_only=True)

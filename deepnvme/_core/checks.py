@@ -8,9 +8,10 @@ accepted where an int is asked for, although Python makes it one: ``True`` as a 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
-__all__ = ["check_int", "check_positive_number", "check_type"]
+__all__ = ["check_int", "check_path", "check_positive_number", "check_type"]
 
 
 def check_int(name: str, value: Any, minimum: int | None = 1, maximum: int | None = None) -> int:
@@ -25,6 +26,13 @@ def check_int(name: str, value: Any, minimum: int | None = 1, maximum: int | Non
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return value
+
+
+def check_path(name: str, value: Any) -> str:
+    """Return ``value`` (a str, bytes or os.PathLike, as torch.save and torch.load take) as a str path."""
+    if not isinstance(value, (str, bytes, os.PathLike)):
+        raise TypeError(f"{name} must be a str or os.PathLike, got {type(value).__name__}")
+    return os.fsdecode(os.fspath(value))
 
 
 def check_positive_number(name: str, value: Any) -> float:

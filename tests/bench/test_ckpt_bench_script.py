@@ -148,18 +148,19 @@ def test_the_load_into_memory_made_before_uses_that_memory_and_loads_exactly(tmp
     deepnvme.load makes its own memory again afterwards."""
     import deepnvme
     from deepnvme import serialization
+    from deepnvme.serialization import prefetch
 
     shapes = [("a", (300, 1000)), ("b", (40,)), ("c", (512, 1024)), ("d", (300, 1000))]
     sd = ckpt_bench.make_state(shapes)
     path = tmp_path / "m.pt"
     deepnvme.save(sd, path)
     (made_before,) = [c for c in ckpt_bench.contenders(None, False) if c.name == ckpt_bench.MADE_BEFORE]
-    original = serialization._payload_memory
+    original = prefetch._payload_memory
     short = made_before.prepare(shapes)
     short[300 * 1000 * 4].pop()  # one of the two 300x1000 blocks missing: the load refuses, not new memory
     with pytest.raises(RuntimeError, match="no memory of 1200000 bytes"):
         made_before.load(path, short)
-    assert serialization._payload_memory is original
+    assert prefetch._payload_memory is original
     pool = made_before.prepare(shapes)
     blocks = [b for bs in pool.values() for b in bs]
     spans = []
@@ -174,7 +175,7 @@ def test_the_load_into_memory_made_before_uses_that_memory_and_loads_exactly(tmp
         p = got[k].data_ptr()
         assert any(a <= p < e for a, e in spans), k
     assert sum(map(len, pool.values())) == 1  # the small tensor's block, unused
-    assert serialization._payload_memory is original
+    assert prefetch._payload_memory is original
     again = deepnvme.load(path)
     assert not any(a <= again["a"].data_ptr() < e for a, e in spans)
 

@@ -19,8 +19,8 @@ import torch
 import zipcraft
 
 import deepnvme
-from deepnvme import serialization
 from deepnvme._core import zipformat
+from deepnvme.serialization import prefetch
 from op_builder.atomic_file import TEMP_SUFFIX
 
 BIG = 300_000  # float32 elements: a payload the prefetch reads O_DIRECT into a storage of its own
@@ -119,13 +119,13 @@ def test_a_file_cut_short_while_loading_is_a_format_error_naming_it(
 
         monkeypatch.setattr(zipformat, "read_records", records_then_cut)
     else:
-        read = serialization._Prefetched._read
+        read = prefetch.Prefetched._read
 
         def cut_then_read(self: Any, fd: int, *args: Any) -> None:
             os.truncate(path, cut)
             read(self, fd, *args)
 
-        monkeypatch.setattr(serialization._Prefetched, "_read", cut_then_read)
+        monkeypatch.setattr(prefetch.Prefetched, "_read", cut_then_read)
     assert "truncated" in str(_refused(path))
 
 

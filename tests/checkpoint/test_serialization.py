@@ -19,13 +19,9 @@ import deepnvme
 from deepnvme._core.direct import DIRECT_MIN_BYTES, AlignedWriter, close_pair, open_for_write
 from deepnvme._core.memory import PAGE, aligned_buffer, byte_view
 from deepnvme._core.zipformat import read_records as _records
-from deepnvme.serialization import (
-    CheckpointFormatError,
-    _ArchiveReader,
-    _page_aligned_storages,
-    _SaveStream,
-    _storages_of,
-)
+from deepnvme.serialization import CheckpointFormatError
+from deepnvme.serialization.archive_reader import ArchiveReader
+from deepnvme.serialization.archive_writer import SaveStream, page_aligned_storages, storages_of
 
 BIG = DIRECT_MIN_BYTES + 12_345  # a payload large enough for the direct path, with a partial last page
 
@@ -84,8 +80,8 @@ def test_payloads_are_page_aligned_and_go_direct_from_tensor_memory(tmp_path: Pa
     direct, buffered = open_for_write(path, os.O_CREAT)
     writer = AlignedWriter(handle, direct, buffered, [aligned_buffer(1 << 20) for _ in range(2)])
     try:
-        stream = _SaveStream(writer, _storages_of(obj, pickle, 2))
-        with _page_aligned_storages():
+        stream = SaveStream(writer, storages_of(obj, pickle, 2))
+        with page_aligned_storages():
             torch.save(obj, stream)
         writer.finish()
     finally:
@@ -109,7 +105,7 @@ def test_load_reads_payloads_through_the_handle_into_torchs_memory(tmp_path: Pat
     fd = os.open(path, os.O_RDONLY)
     try:
         records = _records(fd, str(path))
-        with _ArchiveReader(fd, str(path), records, handle, verify=True) as reader:
+        with ArchiveReader(fd, str(path), records, handle, verify=True) as reader:
             got = torch.load(reader, weights_only=True)
     finally:
         os.close(fd)

@@ -25,6 +25,7 @@ from deepnvme._core import crc as crc_module
 from deepnvme._core import zipformat
 from deepnvme._core.direct import DIRECT_MIN_BYTES
 from deepnvme._core.memory import PAGE
+from deepnvme.serialization import prefetch, saving
 
 BIG = DIRECT_MIN_BYTES + 12_345
 
@@ -243,11 +244,11 @@ def test_replacing_a_file_frees_it_after_the_rename(tmp_path: Path, handle: Any)
     stays open once that is done, the new content is there, and no other file is left."""
     path = tmp_path / "c.pt"
     deepnvme.save({"w": torch.randn(BIG)}, path, handle=handle)
-    serialization._join_closers()
+    saving._join_closers()
     before = _fds()
     new = {"w": torch.randn(BIG // 2)}
     deepnvme.save(new, path, handle=handle)
-    serialization._join_closers()
+    saving._join_closers()
     assert _fds() - before == set()  # (other tests' objects may close theirs meanwhile)
     assert torch.equal(deepnvme.load(path, handle=handle)["w"], new["w"])
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
@@ -321,8 +322,8 @@ def test_read_batches_shrink_towards_the_end(sizes: list[int], batch_bytes: int)
     is left once every read has ended."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(serialization, "BATCH_BYTES", batch_bytes)
-        got = serialization._batches(sizes)
-        assert serialization._batches([]) == []
+        got = prefetch._batches(sizes)
+        assert prefetch._batches([]) == []
     assert got[0] == 0 and all(b - a in (0, 1) for a, b in zip(got, got[1:]))
     per: dict[int, list[int]] = {}
     for n, b in zip(sizes, got):

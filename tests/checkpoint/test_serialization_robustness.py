@@ -16,11 +16,10 @@ import pytest
 import torch
 
 import deepnvme
-import deepnvme.serialization as serialization
 from deepnvme._core import zipformat
 from deepnvme._core.direct import DIRECT_MIN_BYTES
 from deepnvme._core.memory import PAGE
-from deepnvme.serialization import TEMP_SUFFIX
+from deepnvme.serialization import TEMP_SUFFIX, archive_reader, saving
 
 # Several whole pages between a partial first and last page: head, tail and the O_DIRECT middle all read.
 NUMEL = (DIRECT_MIN_BYTES + 5 * PAGE + 123) // 4
@@ -50,7 +49,7 @@ def test_load_reads_the_file_it_opened_when_the_path_is_replaced(
     deepnvme.save({"w": torch.full((NUMEL,), 2.0)}, newer, handle=handle, checksum=verify)
     _replace_path_once_records_are_read(monkeypatch, path, newer)
     if proc == "no-proc":  # as where /proc is not mounted: the reopen by path must notice the other inode
-        monkeypatch.setattr(serialization, "_PROC_FD", str(tmp_path / "no-proc" / "{}"))
+        monkeypatch.setattr(archive_reader, "_PROC_FD", str(tmp_path / "no-proc" / "{}"))
     loaded = deepnvme.load(path, handle=handle, verify=verify)
     assert not newer.exists()  # the replacement did happen before the payload was read
     assert torch.equal(loaded["w"], old["w"])
@@ -72,7 +71,7 @@ def test_payload_pages_are_read_o_direct_from_the_open_file(tmp_path: Path, hand
     try:
         records = zipformat.read_records(fd, str(path))
         assert records is not None
-        with serialization._ArchiveReader(fd, str(path), records, handle, True) as reader:
+        with archive_reader.ArchiveReader(fd, str(path), records, handle, True) as reader:
             direct = reader._direct()
             assert direct != fd and fcntl.fcntl(direct, fcntl.F_GETFL) & os.O_DIRECT
             assert os.path.samestat(os.fstat(direct), os.fstat(fd))
@@ -106,7 +105,7 @@ def test_save_failing_before_the_first_write_leaves_no_temporary_and_no_fd(
     before = {"w": torch.arange(10)}
     deepnvme.save(before, path, handle=handle)  # the handle's own descriptors exist from here on
     fds = _open_fds()
-    monkeypatch.setattr(serialization, where, _fail(exc))
+    monkeypatch.setattr(saving, where, _fail(exc))
     with pytest.raises(type(exc)):
         deepnvme.save({"w": torch.zeros(NUMEL)}, path, handle=handle)
     assert _open_fds() == fds
