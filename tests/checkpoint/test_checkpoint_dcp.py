@@ -143,14 +143,14 @@ def _same_shapes() -> list[torch.Tensor]:
 
 def test_archives_laid_out_once_per_layout_match_torch() -> None:
     """A layout reused for a tensor of the same layout is byte for byte what torch.save lays out for it."""
-    from deepnvme.checkpoint import _archive_of, _lay_out
+    from deepnvme.checkpoint.archive_layout import archive_of, lay_out
 
     laid_out: dict = {}
     for t in _same_shapes():
-        _archive_of(t, laid_out)
+        archive_of(t, laid_out)
     assert 4 < len(laid_out) < len(_same_shapes())  # some layouts repeat, others do not
     for t in _same_shapes():
-        assert _archive_of(t, laid_out) == _lay_out(t)
+        assert archive_of(t, laid_out) == lay_out(t)
 
 
 def test_repeated_shapes_read_by_stock_and_ours(tmp_path: Path) -> None:
@@ -307,7 +307,7 @@ def test_items_of_one_structure_are_parsed_once(tmp_path: Path, writer: type,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.load parses one item per structure (pickle, records); the others take its result and their own
     payload offsets, and every tensor still loads right (its strides included)."""
-    import deepnvme.checkpoint as backend
+    import deepnvme.checkpoint.reader as backend
 
     sd = _repeated_structures()
     dcp.save(sd, storage_writer=writer(tmp_path / "c"))
@@ -420,7 +420,7 @@ class _CountingHandle:
 def _queued_edges(path: Path, handle: Any, archives: list[tuple[int, int]]) -> tuple[list[Any], list]:
     """_queue_edges over `archives` of the file at `path` through a real handle, waited for: the edges
     and the reads it made."""
-    import deepnvme.checkpoint as backend
+    import deepnvme.checkpoint.reader as backend
 
     counting = _CountingHandle(handle)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -436,7 +436,7 @@ def _check_edges(data: torch.Tensor, archives: list[tuple[int, int]], found: lis
     """Each archive's edges hold the file's bytes at its place, and bytes_at answers, with exactly those
     bytes, for every range its ends hold and for no other: probed at and around every boundary (the
     start, the head's end, the tail's start, the end, and before the start)."""
-    import deepnvme.checkpoint as backend
+    import deepnvme.checkpoint.reader as backend
 
     for (offset, length), edges in zip(archives, found):
         want = data[offset:offset + length]
@@ -468,7 +468,7 @@ def test_archive_ends_are_the_files_bytes_whatever_the_layout(tmp_path: Path, ha
     """Archives adjacent, apart, overlapping, empty or at the end of the file: each one's ends (and the
     whole of it, where one read holds it) are the file's bytes at its place, and bytes_at never answers
     for bytes it does not hold."""
-    import deepnvme.checkpoint as backend
+    import deepnvme.checkpoint.reader as backend
 
     data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     path = tmp_path / "archives"
@@ -489,7 +489,7 @@ def test_merged_edge_reads_stop_at_their_cap(tmp_path: Path, handle: Any) -> Non
     """Small archives side by side over more than EDGE_READ_MAX bytes (and the same archive named again
     and again): the merged reads never pass the cap, never read a byte twice beyond one end's overlap,
     and every archive's bytes are still right."""
-    import deepnvme.checkpoint as backend
+    import deepnvme.checkpoint.reader as backend
 
     data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     path = tmp_path / "archives"
