@@ -1,4 +1,5 @@
-"""The one door to the compiled ops: every library module that needs async_io (or pin_memory) comes here.
+"""The one door to the compiled ops: every library module that needs async_io (or pin_memory, or the MoE
+routing op) comes here.
 
 It is reached straight from ``op_builder`` (never back up through the ``deepnvme`` package face), and the
 builder keeps the loaded module per process, so the op is built or imported once however often it is asked
@@ -11,7 +12,7 @@ from typing import Any
 
 from deepnvme._core.aio_types import AioModule
 
-__all__ = ["aio_module", "pin_memory_module"]
+__all__ = ["aio_module", "moe_module", "pin_memory_module"]
 
 
 def aio_module() -> AioModule:
@@ -26,3 +27,10 @@ def pin_memory_module() -> Any:
     from op_builder.pin_memory import PinMemoryBuilder
 
     return PinMemoryBuilder().load()
+
+
+def moe_module() -> Any:
+    """The MoE routing op's module (deepnvme.moe.routing keeps whether it loads, and why not)."""
+    from op_builder.moe import MoEBuilder
+
+    return MoEBuilder().load(verbose=False)
