@@ -3,6 +3,10 @@
 Every import counts, including those inside functions (a lazy import still ties the two modules together),
 except those under ``if TYPE_CHECKING:``. bench/ scripts import each other as top-level modules, so bench is
 its own namespace. The doors must point one way: tools -> library modules -> deepnvme._core -> op_builder.
+A library module reaches op_builder only through deepnvme._core, with two exceptions named in
+LIBRARY_DOORS_TO_OP_BUILDER; the tools (deepnvme.tools) may import op_builder themselves (the report reads
+the engine catalogue, probes and builders; ds_io and ds_nvme_tune the engine names). Modules and functions
+stay small enough to read: no library module over MAX_MODULE_LINES, no function over MAX_FUNCTION_LINES.
 """
 
 from __future__ import annotations
@@ -13,6 +17,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("deepnvme", "op_builder")
 SCRIPTS = ("bench",)
+# The library modules that import op_builder other than through deepnvme._core: the package face (its lazy
+# re-export of the op builders, for users) and deepnvme.defaults (the I/O core's tunables, documented there).
+LIBRARY_DOORS_TO_OP_BUILDER = {"deepnvme", "deepnvme.defaults"}
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 100
+# Being restructured into floors under issue 34 (point 1); held by the size rule once that lands.
+NOT_YET_SIZED = ("deepnvme/offload/",)
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -158,3 +169,73 @@ def test_the_op_is_loaded_through_one_door() -> None:
     assert sorted(m for m in library if "op_builder.async_io" in graph[m] or "op_builder" in graph[m]) == [
         "deepnvme._core.op"]
     assert sorted(m for m in library if "deepnvme" in graph[m]) == []
+
+
+def _is_tool(module: str) -> bool:
+    """deepnvme.tools and the launchers (a package's __main__ runs a command, it is not library)."""
+    return module.startswith("deepnvme.tools") or module.endswith("__main__")
+
+
+def _op_builder_importers(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Library module -> the op_builder modules it imports, for those outside deepnvme._core that import any
+    (the tools and launchers are not library)."""
+    found = {m: sorted(t for t in graph[m] if t == "op_builder" or t.startswith("op_builder."))
+             for m in graph if (m == "deepnvme" or m.startswith("deepnvme.")) and not _is_tool(m)
+             and not m.startswith("deepnvme._core")}
+    return {m: t for m, t in found.items() if t}
+
+
+def test_the_library_reaches_op_builder_only_through_the_core() -> None:
+    importers = _op_builder_importers(import_graph(ROOT))
+    assert sorted(set(importers) - LIBRARY_DOORS_TO_OP_BUILDER) == []
+    # The exceptions are real (a stale entry would let a new door in unnoticed under its name).
+    assert sorted(importers) == sorted(LIBRARY_DOORS_TO_OP_BUILDER)
+
+
+def test_a_library_module_importing_op_builder_is_found(tmp_path: Path) -> None:
+    pkg = tmp_path / "deepnvme"
+    for folder in (pkg / "_core", pkg / "tools", tmp_path / "op_builder", tmp_path / "bench"):
+        folder.mkdir(parents=True)
+    (tmp_path / "op_builder" / "__init__.py").write_text("")
+    (tmp_path / "op_builder" / "atomic_file.py").write_text("")
+    (pkg / "__init__.py").write_text("def __getattr__(name):\n    import op_builder\n")
+    (pkg / "_core" / "__init__.py").write_text("")
+    (pkg / "_core" / "files.py").write_text("from op_builder.atomic_file import commit\n")
+    (pkg / "tools" / "__init__.py").write_text("")
+    (pkg / "tools" / "report.py").write_text("from op_builder import atomic_file\n")
+    (pkg / "save.py").write_text("def save():\n    from op_builder.atomic_file import commit\n")
+    assert _op_builder_importers(import_graph(tmp_path)) == {"deepnvme": ["op_builder"],
+                                                            "deepnvme.save": ["op_builder.atomic_file"]}
+
+
+def _oversized(root: Path) -> list[str]:
+    """Every library module over MAX_MODULE_LINES and function over MAX_FUNCTION_LINES, outside
+    NOT_YET_SIZED: 'path: N lines' or 'path:line name: N lines'."""
+    found = []
+    for path in sorted(p for pkg in PACKAGES for p in (root / pkg).rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(NOT_YET_SIZED):
+            continue
+        text = path.read_text()
+        if (n := len(text.splitlines())) > MAX_MODULE_LINES:
+            found.append(f"{rel}: {n} lines")
+        for node in ast.walk(ast.parse(text, rel)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                    found.append(f"{rel}:{node.lineno} {node.name}: {n} lines")
+    return found
+
+
+def test_no_library_module_or_function_is_oversized() -> None:
+    assert _oversized(ROOT) == []
+
+
+def test_an_oversized_module_and_function_are_found(tmp_path: Path) -> None:
+    (tmp_path / "deepnvme" / "offload").mkdir(parents=True)
+    (tmp_path / "op_builder").mkdir()
+    long_body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "op_builder" / "big.py").write_text("\n" * MAX_MODULE_LINES + "x = 1\n")
+    (tmp_path / "deepnvme" / "f.py").write_text(f"def f():\n{long_body}")
+    (tmp_path / "deepnvme" / "offload" / "g.py").write_text(f"def g():\n{long_body}")  # not yet sized
+    assert _oversized(tmp_path) == [f"deepnvme/f.py:1 f: {MAX_FUNCTION_LINES + 1} lines",
+                                    f"op_builder/big.py: {MAX_MODULE_LINES + 1} lines"]
