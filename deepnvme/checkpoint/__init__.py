@@ -17,7 +17,7 @@ the tensor it belongs to whenever the saved chunk and the target line up, and th
 otherwise (resharding). Payload CRC32s are not computed, as with
 `torch.serialization.set_crc32_options(False)`; torch.load does not check them.
 
-Where things are (modules of this package; the names below are its public face):
+Where things are (this package's modules, internal to it: its public face is ``__all__``, below):
 
 - :mod:`.writer`          ``AioStorageWriter``: files laid out and written through the handle, committed
 - :mod:`.archive_layout`  one tensor's torch.save archive laid out around its payload's hole

@@ -10,17 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import (
-    DEFAULT_SUFFIX,
-    _StorageInfo,
-)
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
 from deepnvme._core.errors import CheckpointFormatError
-from deepnvme._core.files import (
-    atomic_target,
-    open_regular,
-)
+from deepnvme._core.files import atomic_target, open_regular
 
 # The globals a `.metadata` pickle may name: DCP's metadata classes and what they hold (see
 # _MetadataUnpickler). AioStorageReader.METADATA_GLOBALS starts from this; a subclass may add to it.

@@ -12,17 +12,9 @@ from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.filesystem import (
-    FileSystemReader,
-    _StorageInfo,
-)
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
-    ReadItem,
-)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from deepnvme._core import zipformat
@@ -30,10 +22,7 @@ from deepnvme._core.aio_types import AioHandle
 from deepnvme._core.checks import check_type
 from deepnvme._core.direct import open_direct
 from deepnvme._core.errors import CheckpointFormatError
-from deepnvme._core.files import (
-    SeekableReader,
-    open_regular,
-)
+from deepnvme._core.files import SeekableReader, open_regular
 from deepnvme.checkpoint.io_handle import COPY_AHEAD, HandleChoice, drain_quietly
 from deepnvme.checkpoint.metadata import METADATA_GLOBALS, check_storage_data, read_metadata
 

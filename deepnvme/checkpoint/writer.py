@@ -17,12 +17,7 @@ from torch.distributed.checkpoint.filesystem import (
     _StoragePrefix,
 )
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import (
-    SavePlan,
-    SavePlanner,
-    WriteItem,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -30,12 +25,7 @@ from deepnvme._core.aio_types import AioHandle
 from deepnvme._core.checks import check_int, check_type
 from deepnvme._core.direct import open_direct
 from deepnvme._core.errors import with_path
-from deepnvme._core.files import (
-    commit,
-    discard,
-    fsync_directory,
-    temporary_name,
-)
+from deepnvme._core.files import commit, discard, fsync_directory, temporary_name
 from deepnvme.checkpoint.archive_layout import Archive, archive_of
 from deepnvme.checkpoint.io_handle import COPY_AHEAD, HandleChoice, drain_quietly
 from deepnvme.checkpoint.metadata import write_metadata

@@ -29,7 +29,8 @@ torch.save wrote. Both are built on torch.save/torch.load themselves:
   map_location and weights_only are therefore torch.load's own. Where torch would not read the payloads
   (map_location="meta") or byte-swaps them first (a big-endian file), torch's own storages are filled.
 
-Where things are (modules of this package; only the names below are its public face):
+Where things are (this package's modules, internal to it: its public face is ``__all__`` and the
+save and load switches named in ``_KNOBS``, below):
 
 - :mod:`.saving`          ``save``: the temporary, the handle, the atomic replace, freeing the replaced file
 - :mod:`.archive_writer`  the stream torch.save writes into, its CRC-32s, the page-aligned payload setting
