@@ -9,7 +9,10 @@ temporary, and a failing cleanup never hides the error that made it necessary. U
 And one way to open a file for reading that never blocks on a FIFO or a device and refuses anything but
 a regular file, checked on the descriptor itself (fstat after open: no window for a swap); and open_into /
 close_all (op_builder.atomic_file's, re-exported), which keep a descriptor from being lost to a
-KeyboardInterrupt.
+KeyboardInterrupt; and the one rule for "does the process that left this behind still run?"
+(op_builder.liveness's owner_alive / owner_mark / start_time, re-exported: pid and start time), which the
+temporaries above and the swap space's directories both follow; and the mount of a path (public as
+deepnvme.files.mount_of), which names a file system in the O_DIRECT notice and the tools' reports.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import stat
 from collections.abc import Iterator
+from pathlib import Path
 
 from deepnvme._core.errors import with_path
 from op_builder.atomic_file import (
@@ -30,8 +35,10 @@ from op_builder.atomic_file import (
     replace_bytes,
     temporary_name,
 )
+from op_builder.liveness import owner_alive, owner_mark, start_time
 
-__all__ = ["atomic_target", "close_all", "open_into", "open_regular", "write_atomically"]
+__all__ = ["atomic_target", "close_all", "mount_of", "open_into", "open_regular", "owner_alive", "owner_mark",
+           "start_time", "write_atomically"]
 
 
 @contextlib.contextmanager
@@ -88,3 +95,24 @@ def open_regular(path: str) -> int:
         raise
     # Returning to a Python caller runs no handler before its `fd = open_regular(...)` stores this.
     return held[0]
+
+
+def mount_of(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """(mount point, filesystem type) holding ``path``, from /proc/self/mountinfo; ('', '') if unknown."""
+    best = ("", "")
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return best
+    real = os.path.realpath(path)
+    for line in lines:
+        head, _, tail = line.partition(" - ")
+        fields = head.split()
+        if len(fields) < 5 or not tail:
+            continue
+        # mountinfo escapes space, tab, newline and backslash as octal.
+        mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best[0]):
+            best = (mnt, tail.split()[0])
+    return best
