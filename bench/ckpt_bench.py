@@ -82,6 +82,7 @@ import torch
 from _harness import MMAP_THRESHOLD, ROOT, PeakMemory, large_allocations_new, release_freed, timed
 
 from deepnvme._core.aio_types import AioHandle  # noqa: E402
+from deepnvme._core.memory import PAGE  # noqa: E402
 from deepnvme.tools.pagecache import drop_file_cache, o_direct_works  # noqa: E402
 from deepnvme.tools.resident import touch_pages  # noqa: E402
 
@@ -280,7 +281,7 @@ def make_memory(block: mmap.mmap, threads: int | None = None) -> None:
     base, size = view.data_ptr(), len(block)
     threads = threads or len(os.sched_getaffinity(0))
     per = -(-size // threads)
-    share = -(-per // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages, the last share the rest
+    share = memory.round_up(per)  # whole pages, the last share the rest
     chunk = memory.POPULATE_CHUNK_BYTES
     refused: list[int] = []
 
@@ -322,7 +323,7 @@ def memory_made_before(shapes: Shapes) -> dict[int, list[mmap.mmap]]:
     pool: dict[int, list[mmap.mmap]] = {}
     for _, shape in shapes:
         nbytes = torch.empty(shape, dtype=torch.float32, device="meta").nbytes
-        block = mmap.mmap(-1, nbytes + mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        block = mmap.mmap(-1, nbytes + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         torch.frombuffer(block, dtype=torch.uint8).fill_(1)
         pool.setdefault(nbytes, []).append(block)
     return pool

@@ -9,10 +9,8 @@ replaces its checkpoint files; fsync of a directory belongs to that atomic-repla
 from __future__ import annotations
 
 import os
-import re
-from pathlib import Path
 
-from deepnvme._core.files import close_all, open_into
+from deepnvme._core.files import close_all, mount_of, open_into  # mount_of: _core's, public here
 
 __all__ = ["fsync_path", "mount_of"]
 
@@ -24,24 +22,3 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
         os.fsync(open_into(held, path, os.O_RDONLY))
     finally:
         close_all(held)
-
-
-def mount_of(path: str | os.PathLike[str]) -> tuple[str, str]:
-    """(mount point, filesystem type) holding ``path``, from /proc/self/mountinfo; ('', '') if unknown."""
-    best = ("", "")
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return best
-    real = os.path.realpath(path)
-    for line in lines:
-        head, _, tail = line.partition(" - ")
-        fields = head.split()
-        if len(fields) < 5 or not tail:
-            continue
-        # mountinfo escapes space, tab, newline and backslash as octal.
-        mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-        if inside and len(mnt) >= len(best[0]):
-            best = (mnt, tail.split()[0])
-    return best

@@ -2,8 +2,9 @@
 
 Write a temporary in the target's directory, fsync it, rename it over the target, fsync the directory: a
 crash leaves the old file or the new one, never half of one, and the rename is not lost. A temporary is
-named `.<name>.<host>.<pid>.<random>.deepnvme-tmp`, so that a later replace of the same name on the same host
-can tell the leftovers of killed processes (removed) from a replace still running in another process (kept).
+named `.<name>.<host>.<pid>-<start time>.<random>.deepnvme-tmp`, so that a later replace of the same name on
+the same host can tell the leftovers of killed processes (removed) from a replace still running in another
+process (kept), by the project's one liveness rule (op_builder.liveness: pid and start time).
 
 It lives here, in the lowest layer, because the op builders' JIT stamp is written through it as well as the
 library's checkpoints (deepnvme._core.files adds the library's error wording on top); standard library only.
@@ -17,8 +18,10 @@ import os
 import secrets
 import socket
 
+from .liveness import owner_alive, owner_mark, parse_owner_mark
+
 __all__ = ["TEMP_SUFFIX", "close_all", "commit", "discard", "fsync_directory", "open_into",
-           "remove_stale_temps", "replace_bytes", "temporary_name"]
+           "remove_stale_temps", "replace_bytes", "replaced_by", "temporary_name"]
 
 TEMP_SUFFIX = ".deepnvme-tmp"
 _HOST = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname()) or "host"
@@ -56,7 +59,17 @@ def close_all(held: list[int]) -> None:
 def temporary_name(target: str) -> str:
     """A fresh temporary path beside `target` (same directory, hence same file system, for the rename)."""
     directory, name = os.path.split(target)
-    return os.path.join(directory, f".{name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+    return os.path.join(directory, f".{name}.{_HOST}.{owner_mark()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+
+
+def replaced_by(path: str) -> str:
+    """The file that temporary `path` (a :func:`temporary_name`) is to replace; any other path as it is.
+    For messages: a user knows the name they gave, not the temporary's."""
+    directory, name = os.path.split(path)
+    if not (name.startswith(".") and name.endswith(TEMP_SUFFIX)):
+        return path
+    parts = name[1:-len(TEMP_SUFFIX)].split(".")
+    return os.path.join(directory, ".".join(parts[:-3])) if len(parts) > 3 else path
 
 
 def discard(tmp: str) -> None:
@@ -102,8 +115,8 @@ def remove_stale_temps(directory: str, name: str) -> None:
         for entry in entries:
             if not (entry.name.startswith(prefix) and entry.name.endswith(TEMP_SUFFIX)):
                 continue
-            pid_text = entry.name[len(prefix):].split(".", 1)[0]
-            if pid_text.isdigit() and int(pid_text) != os.getpid() and not _process_exists(int(pid_text)):
+            owner = parse_owner_mark(entry.name[len(prefix):].split(".", 1)[0])
+            if owner is not None and not owner_alive(*owner):
                 discard(entry.path)
 
 
@@ -127,12 +140,3 @@ def replace_bytes(path: str, data: bytes, *, durable: bool = True, mode: int = 0
         raise
     commit(tmp, path, durable=durable)
 
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

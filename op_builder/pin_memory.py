@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from . import tunables
 from .builder import TorchCPUOpBuilder
 
 __all__ = ["PinMemoryBuilder"]  # noqa: F822 - served by __getattr__ below
@@ -21,6 +22,10 @@ class PinMemoryBuilder(TorchCPUOpBuilder):
 
     def include_paths(self) -> list[str]:
         return ["csrc/aio"]
+
+    def cxx_args(self) -> list[str]:
+        # The binding includes the handle's headers, whose defaults and limits come from the tunables' table.
+        return [*super().cxx_args(), *tunables.defines()]
 
 
 # Kept out of the module's namespace so that __getattr__ below decides who gets it.

@@ -15,7 +15,8 @@ import os
 import re
 from dataclasses import dataclass
 
-__all__ = ["STAGING_POOL_MAX_BYTES", "TUNABLES", "Tunable", "by_name", "defines", "parse", "value"]
+__all__ = ["HANDLE_LIMITS", "STAGING_POOL_MAX_BYTES", "TUNABLES", "Tunable", "by_name", "defines", "parse",
+           "value"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,21 @@ TUNABLES: tuple[Tunable, ...] = (
 #: (mirrored by DNV_STAGING_POOL_MAX_BYTES in csrc/aio/tunables.h).
 STAGING_POOL_MAX_BYTES = 64 << 30
 
+#: The largest value each integer aio_handle setting may take, and why: the one limit per setting. The C++
+#: binding checks the handle's arguments against these (passed as ``-DDEEPNVME_MAX_<NAME>``, read by
+#: csrc/aio/handle_config.h's make_config), and deepnvme._core.handles.check_settings checks the library's
+#: and the tuned-settings files' against the same table, before any handle is made.
+HANDLE_LIMITS: dict[str, tuple[int, str]] = {
+    # The handle cuts no request into parts larger than 1 GiB (engine.h kMaxOpBytes); a larger block only
+    # wastes staging.
+    "block_size": (1 << 30, "the largest request part the handle issues"),
+    # io_uring rings hold at most 32768 entries (IORING_MAX_ENTRIES), and libaio's contexts share the
+    # system-wide fs.aio-max-nr (65536 by default) with every other process.
+    "queue_depth": (32768, "io_uring's largest ring (IORING_MAX_ENTRIES)"),
+    # Each is a worker thread with its own engine context.
+    "intra_op_parallelism": (1024, "one worker thread and engine context each"),
+}
+
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 # ASCII digits and blanks only, as the C++ core reads them (\d and \s would take other digits and newlines).
 _BLANKS = " \t"
@@ -118,5 +134,7 @@ def _read(t: Tunable) -> int:
 
 
 def defines() -> list[str]:
-    """``-DDEEPNVME_DEFAULT_<NAME>=<default>`` for every tunable (the async_io and gds builds)."""
-    return [f"-D{t.define}={t.default}" for t in TUNABLES]
+    """``-DDEEPNVME_DEFAULT_<NAME>=<default>`` for every tunable and ``-DDEEPNVME_MAX_<SETTING>=<limit>`` for
+    every handle setting's limit (the async_io and gds builds)."""
+    return [*(f"-D{t.define}={t.default}" for t in TUNABLES),
+            *(f"-DDEEPNVME_MAX_{name.upper()}={limit}" for name, (limit, _) in HANDLE_LIMITS.items())]

@@ -93,9 +93,10 @@ void close_core(std::unique_ptr<Core>& core) {
 
 template <class H>
 void bind_handle_api(py::class_<H>& c) {
-    c.def(py::init<int64_t, int64_t, bool, bool, int64_t, const std::string&>(), py::arg("block_size") = 1048576,
-          py::arg("queue_depth") = 128, py::arg("single_submit") = false, py::arg("overlap_events") = false,
-          py::arg("intra_op_parallelism") = 1, py::arg("engine") = "auto");
+    c.def(py::init<int64_t, int64_t, bool, bool, int64_t, const std::string&>(),
+          py::arg("block_size") = kDeepSpeedBlockSize, py::arg("queue_depth") = kDeepSpeedQueueDepth,
+          py::arg("single_submit") = kDeepSpeedSingleSubmit, py::arg("overlap_events") = kDeepSpeedOverlapEvents,
+          py::arg("intra_op_parallelism") = kDeepSpeedParallelism, py::arg("engine") = "auto");
     c.def("get_block_size", [](const H& h) { return static_cast<int64_t>(h.config().block_size); });
     c.def("get_queue_depth", [](const H& h) { return static_cast<int64_t>(h.config().queue_depth); });
     c.def("get_single_submit", [](const H& h) { return h.config().single_submit; });

@@ -206,11 +206,6 @@ std::string mount_point_of(int fd) {
     return {};
 }
 
-size_t page_size() noexcept {
-    long p = ::sysconf(_SC_PAGESIZE);
-    return p > 0 ? static_cast<size_t>(p) : 4096;
-}
-
 Alignment direct_alignment(int fd) {
     Alignment a;
     struct statx sx {};
@@ -259,8 +254,8 @@ TargetFile TargetFile::open_path(const std::string& path, bool write) {
     // O_NONBLOCK: a FIFO would block open() until a peer came (and ignore Ctrl-C); it is refused below anyway.
     int base = (write ? O_WRONLY | O_CREAT : O_RDONLY) | O_CLOEXEC | O_NONBLOCK;
     int fd = open_retry(path.c_str(), base | O_DIRECT, 0666);
-    if (fd < 0 && errno == EINVAL) {
-        // The file system refuses O_DIRECT (ramfs, some FUSE/overlay setups): fall back to buffered I/O.
+    if (fd < 0 && o_direct_refused_errno(errno)) {
+        // The file system refuses O_DIRECT (file.h's rule): fall back to buffered I/O; the handle warns.
         fd = open_retry(path.c_str(), base, 0666);
         if (fd >= 0) {
             f.refused_ = true;

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -44,6 +45,19 @@ public:
 private:
     int fd_ = -1;
 };
+
+// The rule for "the file system refuses O_DIRECT": an open with O_DIRECT failed with one of these errors
+// (EINVAL from Linux itself: ramfs, tmpfs before 6.6, FUSE or overlay over such; EOPNOTSUPP from file systems
+// that check the flag in their own open: some network and FUSE ones). The file is then opened without it and
+// the handle warns once per file system. deepnvme/_core/direct.py's O_DIRECT_REFUSED is the same set (a test
+// holds them together); any other error is about the file and is raised.
+constexpr int kODirectRefused[] = {EINVAL, EOPNOTSUPP};
+
+constexpr bool o_direct_refused_errno(int err) noexcept {
+    for (int refused : kODirectRefused)
+        if (err == refused) return true;
+    return false;
+}
 
 // Direct-I/O alignment rules of one file: buffer address and file offset/length granularity.
 struct Alignment {
@@ -109,7 +123,12 @@ private:
 // else the block device's logical block size, else the page size. Cached per device.
 Alignment direct_alignment(int fd);
 
-size_t page_size() noexcept;
+// The page size: the one alignment fresh and pinned memory use (inline: the pin_memory op, which has no
+// file.cpp, asks too).
+inline size_t page_size() noexcept {
+    long p = ::sysconf(_SC_PAGESIZE);
+    return p > 0 ? static_cast<size_t>(p) : 4096;
+}
 
 // Mount point of the file system holding fd ("" if unknown); names a file system better than st_dev,
 // which a new mount can reuse.

@@ -16,9 +16,6 @@ namespace dnv {
 
 IoHandle::IoHandle(const HandleConfig& cfg, std::shared_ptr<Pipeline> pipeline)
     : cfg_(cfg), pipeline_(pipeline ? std::move(pipeline) : std::make_shared<Pipeline>("aio handle")) {
-    if (cfg.block_size == 0) throw ArgError("block_size must be positive");
-    if (cfg.queue_depth == 0) throw ArgError("queue_depth must be positive");
-    if (cfg.parallelism == 0) throw ArgError("intra_op_parallelism must be positive");
     engine_ = resolve_engine(cfg.engine);
     shared_ = make_engine_shared(engine_);
     // Engines are built here, on the caller's thread, so that a failure (io_setup EAGAIN...) raises now.

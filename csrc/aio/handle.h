@@ -23,7 +23,7 @@ class Worker;
 class IoHandle {
 public:
     // Requests go to `pipeline` when given (gds_handle shares one between its cuFile side and this engine),
-    // else to the handle's own.
+    // else to the handle's own. `cfg` comes checked (make_config, or HandleConfig's DeepSpeed defaults).
     explicit IoHandle(const HandleConfig& cfg, std::shared_ptr<Pipeline> pipeline = nullptr);
     ~IoHandle();
     IoHandle(const IoHandle&) = delete;

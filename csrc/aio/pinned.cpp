@@ -8,13 +8,12 @@
 #include <memory>
 #include <new>
 
-#include <unistd.h>
+#include "file.h"
 
 namespace dnv {
 
 PinnedRegistry::Allocation PinnedRegistry::allocate(size_t bytes) {
-    long sys_page = ::sysconf(_SC_PAGESIZE);
-    size_t page = sys_page > 0 ? static_cast<size_t>(sys_page) : 4096;
+    const size_t page = page_size();
     size_t rounded = bytes == 0 ? page : (bytes + page - 1) / page * page;
     // Large buffers sit on 2 MiB boundaries and ask for transparent huge pages: the kernel then pins a
     // few huge pages per transfer instead of hundreds of small ones.

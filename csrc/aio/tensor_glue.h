@@ -127,24 +127,6 @@ inline std::string replaced_buffer_error(const PendingRequest& r) {
            "the bytes went to the memory it had before, not to the tensor";
 }
 
-// Handle settings as both I/O bindings take them, checked once here.
-inline HandleConfig make_config(int64_t block_size, int64_t queue_depth, bool single_submit, bool overlap_events,
-                                int64_t parallelism, const std::string& engine) {
-    if (block_size <= 0) throw ArgError("block_size must be positive, got " + std::to_string(block_size));
-    if (queue_depth <= 0 || queue_depth > 65536)
-        throw ArgError("queue_depth must be in 1..65536, got " + std::to_string(queue_depth));
-    if (parallelism <= 0 || parallelism > 1024)
-        throw ArgError("intra_op_parallelism must be in 1..1024, got " + std::to_string(parallelism));
-    HandleConfig c;
-    c.block_size = static_cast<size_t>(block_size);
-    c.queue_depth = static_cast<unsigned>(queue_depth);
-    c.single_submit = single_submit;
-    c.overlap_events = overlap_events;
-    c.parallelism = static_cast<unsigned>(parallelism);
-    c.engine = engine;
-    return c;
-}
-
 // Where a request goes: a path or a caller's descriptor (never closed by us).
 struct Target {
     std::string path;

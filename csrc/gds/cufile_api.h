@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "handle_config.h"
+
 namespace dnv::gds {
 
 // "cuFile error 5008 (GPUDirect Storage not supported on current file)", plus the CUresult's name and text
@@ -40,8 +42,8 @@ private:
 
 // What the first handle of the process asks of cuFile. cuFile reads settings once, when its driver opens.
 struct DriverSettings {
-    size_t queue_depth = 128;
-    unsigned parallelism = 1;
+    size_t queue_depth = kDeepSpeedQueueDepth;
+    unsigned parallelism = kDeepSpeedParallelism;
 };
 
 // The process's cuFile session, as cuFile describes it after cuFileDriverOpen.

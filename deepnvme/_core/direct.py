@@ -1,27 +1,35 @@
 """The O_DIRECT writer: bytes placed at file offsets, whole pages through an aio_handle, the rest buffered.
 
-Also the one answer to "did this file system refuse O_DIRECT?", which every opener here and in the tools
-asks, and the openers themselves.
+Also the one rule for "did this file system refuse O_DIRECT, and what then?" (:data:`O_DIRECT_REFUSED`:
+open it buffered, warn once per file system), which every Python opener of the project follows (save, the
+DCP backend, FastFileWriter, the swap space, the tools), and the openers themselves.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
+import warnings
 from typing import Any
 
 from deepnvme._core.aio_types import AioHandle
-from deepnvme._core.files import close_all, open_into
-from deepnvme._core.memory import PAGE, memory_of
+from deepnvme._core.files import close_all, mount_of, open_into
+from deepnvme._core.memory import PAGE, memory_of, round_up
+from op_builder.atomic_file import replaced_by
 
-__all__ = ["DIRECT_MIN_BYTES", "O_DIRECT_REFUSED", "AlignedWriter", "close_pair", "o_direct_refused",
-           "open_direct", "open_for_write"]
+__all__ = ["DIRECT_MIN_BYTES", "O_DIRECT_REFUSED", "AlignedWriter", "close_pair",
+           "note_o_direct_refused", "o_direct_refused", "open_direct", "open_for_write", "open_maybe_direct"]
 
 # Below this a caller's block is copied into the staging buffer rather than written on its own.
 DIRECT_MIN_BYTES = 256 << 10
-# The errors open(O_DIRECT) gives where the file system does not do direct I/O: EINVAL (tmpfs before Linux
-# 6.6, ramfs, some FUSE mounts) or EOPNOTSUPP (some network and overlay file systems). Any other error is
-# about the file, not the mode, and is raised.
+# The rule, for every opener in the project (the C++ handle's is csrc/aio/file.h's
+# o_direct_refused_errno, and tests/aio/test_core.py holds the two to the same set): an open with
+# O_DIRECT failing with one of these errors means the file system does not do direct I/O there, and the
+# file is opened again without it, with one RuntimeWarning per file system and process. EINVAL is what
+# Linux itself answers (ramfs, tmpfs before Linux 6.6, FUSE and overlay mounts over such file systems);
+# EOPNOTSUPP is what file systems that check the flag in their own open answer (some network and FUSE
+# file systems). Any other error is about the file, not the mode, and is raised.
 O_DIRECT_REFUSED = frozenset({errno.EINVAL, errno.EOPNOTSUPP})
 
 
@@ -30,28 +38,60 @@ def o_direct_refused(exc: OSError) -> bool:
     return exc.errno in O_DIRECT_REFUSED
 
 
-def open_direct(path: str | os.PathLike[str], flags: int, mode: int = 0o666) -> int:
-    """Open with O_DIRECT where the file system allows it; else plainly (the handle then buffers)."""
-    direct = getattr(os, "O_DIRECT", 0)
+_noticed: set[tuple[int, str]] = set()
+_noticed_lock = threading.Lock()
+
+
+def note_o_direct_refused(path: str | os.PathLike[str], fd: int, stacklevel: int = 2) -> None:
+    """Warn (RuntimeWarning) that the file system of ``path`` (open as ``fd``) refused O_DIRECT: once per
+    file system, named by device and mount point (a remount is a new one), per process. The C++ handle
+    words its own notice the same (csrc/aio/handle.cpp)."""
+    mount = mount_of(path)[0] or os.path.dirname(os.path.abspath(path))
+    cause = (os.fstat(fd).st_dev, mount)
+    with _noticed_lock:
+        if cause in _noticed:
+            return
+        _noticed.add(cause)
+    shown = replaced_by(os.fspath(path))  # a save's temporary: the name the caller gave
+    warnings.warn(f"O_DIRECT is not supported by the file system mounted at {mount} (first seen with "
+                  f"{shown}); deepnvme uses buffered I/O there: correct, but through the page cache",
+                  RuntimeWarning, stacklevel=stacklevel + 1)
+
+
+def open_maybe_direct(path: str | os.PathLike[str], flags: int, mode: int = 0o666) -> tuple[int, bool]:
+    """Open ``path`` with O_DIRECT, or, where the file system refuses it (:data:`O_DIRECT_REFUSED`), without
+    and with the notice of :func:`note_o_direct_refused`. Returns (descriptor, whether it is O_DIRECT).
+
+    O_CLOEXEC is added. Linux creates a file before it refuses O_DIRECT, so the second open drops O_EXCL:
+    the refusal means the exclusive create succeeded, and the file it finds is ours.
+    """
+    flags |= os.O_CLOEXEC
     held: list[int] = []  # closed if an interrupt comes before the return (see open_into)
     try:
-        if direct:
-            try:
-                return open_into(held, path, flags | direct, mode)
-            except OSError as exc:
-                if not o_direct_refused(exc):
-                    raise
-        return open_into(held, path, flags, mode)
+        try:
+            return open_into(held, path, flags | os.O_DIRECT, mode), True
+        except OSError as exc:
+            if not o_direct_refused(exc):
+                raise
+        fd = open_into(held, path, flags & ~os.O_EXCL, mode)
+        note_o_direct_refused(path, fd, stacklevel=3)
+        return fd, False
     except BaseException:
         close_all(held)
         raise
 
 
+def open_direct(path: str | os.PathLike[str], flags: int, mode: int = 0o666) -> int:
+    """The descriptor of :func:`open_maybe_direct` (the handle buffers where it is not O_DIRECT)."""
+    return open_maybe_direct(path, flags, mode)[0]
+
+
 def open_for_write(path: str, flags: int = 0, mode: int = 0o666) -> tuple[int, int]:
     """Open `path` for writing twice: (O_DIRECT descriptor, buffered descriptor).
 
-    Where the file system refuses O_DIRECT (see :func:`o_direct_refused`), both are
-    the same buffered descriptor and the handle does plain writes: slower, still correct.
+    Where the file system refuses O_DIRECT (see :func:`o_direct_refused`), both are the same buffered
+    descriptor, the handle does plain writes (slower, still correct) and :func:`note_o_direct_refused`
+    warns.
     """
     base = os.O_WRONLY | os.O_CLOEXEC | flags
     held: list[int] = []  # what is open so far, closed if this fails (a KeyboardInterrupt too: open_into)
@@ -63,6 +103,7 @@ def open_for_write(path: str, flags: int = 0, mode: int = 0o666) -> tuple[int, i
             if not o_direct_refused(exc):
                 raise
             direct = buffered
+            note_o_direct_refused(path, buffered, stacklevel=2)
     except BaseException:
         close_all(held)
         raise
@@ -162,7 +203,7 @@ class AlignedWriter:
 
     def _start_run(self, offset: int) -> None:
         """Open a new run for file `offset` at the next position congruent to it modulo PAGE."""
-        mem = -(-self._fill // PAGE) * PAGE + offset % PAGE
+        mem = round_up(self._fill) + offset % PAGE
         if mem >= len(self._mems[self._cur]):
             self._next_buffer(offset)
             return
@@ -182,7 +223,7 @@ class AlignedWriter:
         if n <= 0:
             return
         mem, start, end = self._seg_mem, self._seg_file, self._seg_file + n
-        head_end = min(end, -(-start // PAGE) * PAGE)
+        head_end = min(end, round_up(start))
         body_end = max(head_end, end - end % PAGE)
         if head_end > start:
             self._pwrite(mem, start, head_end)

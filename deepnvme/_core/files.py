@@ -10,8 +10,12 @@ it necessary. Used by the DCP writer's `.metadata` and the MoE checkpoint's `lat
 
 And one way to open a file for reading that never blocks on a FIFO or a device and refuses anything but
 a regular file, checked on the descriptor itself (fstat after open: no window for a swap); open_into /
-close_all (the recipe's too), which keep a descriptor from being lost to a KeyboardInterrupt; and
-SeekableReader, the seekable read-only stream torch's zip reader is handed.
+close_all (the recipe's too), which keep a descriptor from being lost to a KeyboardInterrupt;
+SeekableReader, the seekable read-only stream torch's zip reader is handed; the one rule for "does the
+process that left this behind still run?" (op_builder.liveness's owner_alive / owner_mark / start_time,
+re-exported: pid and start time), which the temporaries above and the swap space's directories both
+follow; and the mount of a path (public as deepnvme.filesystem.mount_of), which names a file system in
+the O_DIRECT notice and the tools' reports.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import contextlib
 import errno
 import io
 import os
+import re
 import stat
 from collections.abc import Iterator
+from pathlib import Path
 
 from deepnvme._core.errors import with_path
 from op_builder.atomic_file import (
@@ -34,9 +40,11 @@ from op_builder.atomic_file import (
     replace_bytes,
     temporary_name,
 )
+from op_builder.liveness import owner_alive, owner_mark, start_time
 
 __all__ = ["TEMP_SUFFIX", "SeekableReader", "atomic_target", "close_all", "commit", "discard",
-           "fsync_directory", "open_into", "open_regular", "temporary_name", "write_atomically"]
+           "fsync_directory", "mount_of", "open_into", "open_regular", "owner_alive", "owner_mark",
+           "start_time", "temporary_name", "write_atomically"]
 
 
 @contextlib.contextmanager
@@ -121,3 +129,24 @@ class SeekableReader(io.RawIOBase):
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
         self._pos = max(0, base + offset)
         return self._pos
+
+
+def mount_of(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """(mount point, filesystem type) holding ``path``, from /proc/self/mountinfo; ('', '') if unknown."""
+    best = ("", "")
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return best
+    real = os.path.realpath(path)
+    for line in lines:
+        head, _, tail = line.partition(" - ")
+        fields = head.split()
+        if len(fields) < 5 or not tail:
+            continue
+        # mountinfo escapes space, tab, newline and backslash as octal.
+        mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best[0]):
+            best = (mnt, tail.split()[0])
+    return best

@@ -25,9 +25,10 @@ from typing import Any
 from deepnvme._core.aio_types import AioHandle
 from deepnvme._core.checks import check_int, check_type
 from deepnvme._core.op import aio_module
+from op_builder.tunables import HANDLE_LIMITS
 
 __all__ = ["CHECKPOINT", "LIMITS", "RECOMMENDED", "SWAP", "TUNED_ENV", "TUNED_FILE", "check_settings",
-           "checkpoint_handle", "checkpoint_settings", "default_handle", "new_handle"]
+           "checkpoint_handle", "checkpoint_settings", "default_handle", "new_handle", "read_tuned"]
 
 # One thread per slice of a request with two slices in flight keeps a drive busy from a plain tensor too;
 # 32 blocks of 1 MiB in flight per thread is past where a drive's throughput stops growing.
@@ -50,16 +51,9 @@ TUNED_FILE = "deepnvme-handle.json"
 # The process's tuned checkpoint settings: the path of such a file.
 TUNED_ENV = "DEEPNVME_HANDLE_CONFIG"
 
-# The largest value each integer setting may take, and why; checked before any handle is made.
-LIMITS: dict[str, tuple[int, str]] = {
-    # The handle cuts no request into parts larger than 1 GiB; a larger block only wastes staging.
-    "block_size": (1 << 30, "the largest request part the handle issues"),
-    # io_uring rings hold at most 32768 entries (IORING_MAX_ENTRIES), and libaio's contexts share the
-    # system-wide fs.aio-max-nr (65536 by default) with every other process.
-    "queue_depth": (32768, "io_uring's largest ring (IORING_MAX_ENTRIES)"),
-    # Each is a worker thread with its own engine context.
-    "intra_op_parallelism": (1024, "one worker thread and engine context each"),
-}
+# The largest value each integer setting may take, and why: op_builder's one table, which the C++ binding is
+# built with too (csrc/aio/handle_config.h), so a value passes here exactly when it passes there.
+LIMITS: dict[str, tuple[int, str]] = HANDLE_LIMITS
 _FLAGS = ("single_submit", "overlap_events")
 
 
@@ -115,7 +109,7 @@ def default_handle(slot: int = 0) -> AioHandle:
     return handle
 
 
-def _read_tuned(path: str) -> dict[str, Any]:
+def read_tuned(path: str) -> dict[str, Any]:
     """The aio_handle settings in file `path`: ds_nvme_tune's best_config.json (the settings themselves) or
     its --json record (the settings under "config"); ValueError naming the file for anything else."""
     try:
@@ -146,12 +140,12 @@ def checkpoint_settings(directory: str | os.PathLike[str] | None = None) -> tupl
         for place in (here, os.path.dirname(here)):
             candidate = os.path.join(place, TUNED_FILE)
             if os.path.isfile(candidate):
-                return _read_tuned(candidate), candidate
+                return read_tuned(candidate), candidate
     named = os.environ.get(TUNED_ENV)
     if named:
         if not os.path.isfile(named):
             raise ValueError(f"{TUNED_ENV}={named!r} names no file (ds_nvme_tune's best_config.json is one)")
-        return _read_tuned(named), named
+        return read_tuned(named), named
     return dict(CHECKPOINT), "built-in"
 
 

@@ -1,7 +1,11 @@
-"""Memory the O_DIRECT paths need: the page size, page-aligned buffers, and raw views of tensor memory.
+"""Memory the O_DIRECT paths need: the page size, page-aligned buffers, and raw views of tensor memory; and
+how much memory this process may lock.
 
 O_DIRECT transfers need their memory, file offset and length aligned; the page is the unit every common
-device accepts, so it is the one alignment the library uses.
+device accepts, so it is the one alignment the library uses (:data:`PAGE`, :func:`round_up`). Locked
+(pinned) memory is bounded by RLIMIT_MEMLOCK unless the process holds CAP_IPC_LOCK
+(:func:`has_cap_ipc_lock`, :func:`memlock_limit`): the swap space's preflight and ``deepnvme report`` ask
+here.
 """
 
 from __future__ import annotations
@@ -9,21 +13,50 @@ from __future__ import annotations
 import ctypes
 import errno
 import mmap
+import resource
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 from deepnvme._core.checks import check_int
 
-__all__ = ["PAGE", "Populator", "address_of", "aligned_buffer", "byte_view", "madvise", "memory_of",
-           "round_up"]
+__all__ = ["CAP_IPC_LOCK_BIT", "PAGE", "Populator", "address_of", "aligned_buffer", "byte_view",
+           "has_cap_ipc_lock", "madvise", "memlock_limit", "memory_of", "round_up"]
 
 PAGE = mmap.PAGESIZE
+# CAP_IPC_LOCK's bit in a capability set (linux/capability.h).
+CAP_IPC_LOCK_BIT = 14
 
 
 def round_up(n: int, unit: int = PAGE) -> int:
     """The smallest multiple of ``unit`` that is >= ``n``."""
     return -(-n // unit) * unit
+
+
+def has_cap_ipc_lock() -> bool:
+    """Whether this process may lock memory beyond RLIMIT_MEMLOCK (CAP_IPC_LOCK in its effective set)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK_BIT & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def memlock_limit(soft: int | None = None, privileged: bool | None = None) -> int | None:
+    """The bytes this process may lock in all, or None where nothing bounds it: RLIMIT_MEMLOCK's soft limit
+    is unlimited, or the process has CAP_IPC_LOCK, which the kernel lets lock past the limit. ``soft`` and
+    ``privileged`` default to this process's limit and :func:`has_cap_ipc_lock` (a caller may ask about
+    others)."""
+    if soft is None:
+        soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    if soft == resource.RLIM_INFINITY:
+        return None
+    if privileged is None:
+        privileged = has_cap_ipc_lock()
+    return None if privileged else soft
 
 
 def aligned_buffer(nbytes: int, for_path: str | None = None) -> Any:

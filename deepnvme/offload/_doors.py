@@ -1,15 +1,23 @@
 """Every import deepnvme.offload takes from the rest of deepnvme, in one place: the private core's page
-size and madvise, its handles (the recommended settings, the swap's, and their check), the compiled ops,
-CRC-32, the atomic file replacement and the regular-file open, and deepnvme.save."""
+size, round_up, madvise and locked-memory limit, its handles (the recommended settings, the swap's, and
+their check), the O_DIRECT opener (the project's one refusal rule), the owner-process liveness rule, the
+compiled ops, CRC-32, the atomic file replacement and the regular-file open, and deepnvme.save."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from deepnvme._core.crc import crc32  # noqa: F401 - re-exported
-from deepnvme._core.files import atomic_target, open_regular, write_atomically  # noqa: F401 - re-exported
+from deepnvme._core.direct import open_maybe_direct  # noqa: F401 - re-exported
+from deepnvme._core.files import (  # noqa: F401 - re-exported
+    atomic_target,
+    open_regular,
+    owner_alive,
+    owner_mark,
+    write_atomically,
+)
 from deepnvme._core.handles import SWAP, check_settings, new_handle  # noqa: F401 - re-exported
-from deepnvme._core.memory import PAGE, madvise  # noqa: F401 - re-exported
+from deepnvme._core.memory import PAGE, has_cap_ipc_lock, madvise, memlock_limit, round_up  # noqa: F401
 from deepnvme._core.op import aio_module, pin_memory_module  # noqa: F401 - aio_module re-exported
 
 

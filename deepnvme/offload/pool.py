@@ -13,12 +13,7 @@ import bisect
 import threading
 from typing import Any
 
-from deepnvme.offload._doors import PAGE
-
-
-def round_up(n: int, to: int = PAGE) -> int:
-    """`n` rounded up to a multiple of `to`."""
-    return -(-n // to) * to
+from deepnvme.offload._doors import PAGE, round_up  # round_up: _core's, which offload's modules import here
 
 
 class PoolClosedError(RuntimeError):

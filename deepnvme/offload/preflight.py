@@ -11,24 +11,11 @@ from __future__ import annotations
 import errno
 import operator
 import os
-import resource
-import warnings
 
-from deepnvme.offload._doors import PAGE
+from deepnvme.offload._doors import PAGE, has_cap_ipc_lock, memlock_limit, open_maybe_direct
 
-CAP_IPC_LOCK_BIT = 14
-
-
-def has_cap_ipc_lock() -> bool:
-    """Whether this process may lock memory beyond RLIMIT_MEMLOCK (CAP_IPC_LOCK in its effective set)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK_BIT & 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return False
+__all__ = ["budget_arg", "check_free_space", "check_memlock", "check_writable", "has_cap_ipc_lock",
+           "open_direct"]
 
 
 def budget_arg(budget_bytes: object) -> int:
@@ -44,7 +31,7 @@ def budget_arg(budget_bytes: object) -> int:
     if budget < PAGE:
         raise ValueError(f"budget_bytes={budget} is below a page ({PAGE} bytes): pass the bytes of "
                          "locked memory offload may use, at least the largest unit")
-    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    memory = os.sysconf("SC_PHYS_PAGES") * PAGE
     if budget > memory:
         raise ValueError(f"budget_bytes={budget} is more than this machine's memory ({memory} bytes): "
                          "pass the bytes of locked memory offload may use")
@@ -55,13 +42,10 @@ def check_memlock(budget_bytes: int, already_locked: int = 0, *, limit: int | No
                   privileged: bool | None = None) -> None:
     """Raise ValueError when locking `budget_bytes` more would pass RLIMIT_MEMLOCK.
 
-    `limit` and `privileged` default to this process's soft limit and CAP_IPC_LOCK.
+    `limit` and `privileged` default to this process's soft limit and CAP_IPC_LOCK (_core's memlock_limit).
     """
+    limit = memlock_limit(limit, privileged)
     if limit is None:
-        limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    if privileged is None:
-        privileged = has_cap_ipc_lock()
-    if privileged or limit == resource.RLIM_INFINITY:
         return
     if already_locked + budget_bytes > limit:
         room = max(0, limit - already_locked) // PAGE * PAGE
@@ -96,18 +80,6 @@ def check_writable(directory: str) -> None:
 
 
 def open_direct(path: str, flags: int, mode: int = 0o600) -> tuple[int, bool]:
-    """Open `path` with O_DIRECT; where the file system refuses it, buffered with the usual warning.
-
-    Returns (fd, direct).
-    """
-    try:
-        return os.open(path, flags | os.O_DIRECT | os.O_CLOEXEC, mode), True
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-    # Linux creates the file before it refuses O_DIRECT: an O_EXCL open would now find our own file.
-    fd = os.open(path, flags & ~os.O_EXCL | os.O_CLOEXEC, mode)
-    warnings.warn(f"O_DIRECT is not supported by the file system of {os.path.dirname(path)} (first seen with "
-                  f"{path}); deepnvme uses buffered I/O there: correct, but through the page cache",
-                  RuntimeWarning, stacklevel=3)
-    return fd, False
+    """Open `path` with O_DIRECT; where the file system refuses it, buffered with the project's one warning
+    (_core's open_maybe_direct: the rule every opener follows). Returns (fd, direct)."""
+    return open_maybe_direct(path, flags, mode)

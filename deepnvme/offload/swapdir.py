@@ -3,7 +3,8 @@
 Several processes (the ranks of one job) may share a directory: each keeps its files in its own
 subdirectory, removed on close. A run killed before it could close leaves its subdirectory behind; the next
 swap space made in that directory on the same host removes those whose process is gone (no such pid, or a
-pid reused by a process that started at another time), and never a live process's.
+pid reused by a process that started at another time: the project's one liveness rule, _core's
+owner_alive), and never a live process's.
 """
 
 from __future__ import annotations
@@ -13,30 +14,16 @@ import re
 import shutil
 import socket
 
+from deepnvme.offload._doors import owner_alive, owner_mark
+
 PREFIX = "deepnvme-swap-"
 HOST = "".join(c if c.isalnum() or c == "_" else "_" for c in socket.gethostname()) or "host"
 _NAME = re.compile(rf"^{re.escape(PREFIX)}(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-(?P<start>\d+)$")
 
 
-def start_time(pid: int) -> int | None:
-    """The start time of process `pid` in clock ticks since boot (/proc/<pid>/stat field 22); None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: the fields after it follow the last ')'.
-    fields = stat[stat.rfind(b")") + 2:].split()
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
 def own_name(pid: int | None = None) -> str:
     """The subdirectory name of process `pid` (default: this one)."""
-    pid = os.getpid() if pid is None else pid
-    return f"{PREFIX}{HOST}-{pid}-{start_time(pid) or 0}"
+    return f"{PREFIX}{HOST}-{owner_mark(pid)}"
 
 
 def is_stale(name: str) -> bool:
@@ -44,7 +31,7 @@ def is_stale(name: str) -> bool:
     m = _NAME.match(name)
     if m is None or m["host"] != HOST:
         return False
-    return start_time(int(m["pid"])) != int(m["start"])
+    return not owner_alive(int(m["pid"]), int(m["start"]))
 
 
 def remove_stale(directory: str) -> list[str]:

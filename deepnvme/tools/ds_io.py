@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import multiprocessing as mp
 import os
 import resource
@@ -30,6 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from deepnvme._core.memory import PAGE
 from deepnvme.tools.cli import (
     EXIT_USAGE,
     GB,
@@ -129,8 +129,8 @@ def validate(args: argparse.Namespace) -> list[tuple[str, int]]:
             problems.append(f"argument --{name}: must be at least {low}, got {getattr(args, name)}")
     if args.io_parallel is not None and args.io_parallel < 1:
         problems.append(f"argument --io_parallel: must be at least 1, got {args.io_parallel}")
-    if args.engine == "torch_fastio" and args.torch_legacy_save and args.fast_io_size < 2 * mmap.PAGESIZE:
-        problems.append(f"argument --fast_io_size: the legacy writer needs two pages ({2 * mmap.PAGESIZE}), "
+    if args.engine == "torch_fastio" and args.torch_legacy_save and args.fast_io_size < 2 * PAGE:
+        problems.append(f"argument --fast_io_size: the legacy writer needs two pages ({2 * PAGE}), "
                         f"got {args.fast_io_size}")
     if args.folder is None and args.multi_process != 1:
         problems.append("argument --multi_process: only with --folder (a mapping gives one process per item)")

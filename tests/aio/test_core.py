@@ -61,6 +61,40 @@ def test_settings_fill_in_the_recommended_ones() -> None:
     assert check_settings({"queue_depth": deepest})["queue_depth"] == deepest
 
 
+@pytest.mark.parametrize("name", sorted(LIMITS))
+def test_python_and_cpp_check_one_limit_per_setting(aio_module, name: str) -> None:
+    """The compiled aio_handle (no Python check in front of it) refuses exactly what check_settings
+    refuses: one past the limit and 0, with a ValueError naming the setting and its range."""
+    limit = LIMITS[name][0]
+    for bad in (limit + 1, 0):
+        with pytest.raises(ValueError, match=rf"{name} must be in 1\.\.{limit}, got {bad}"):
+            aio_module.aio_handle(**{name: bad})
+        with pytest.raises(ValueError, match=name):
+            check_settings({name: bad})
+    if name != "intra_op_parallelism":  # 1024 threads and engines: the bound is the check, not the work
+        handle = aio_module.aio_handle(**{name: limit, "engine": "posix"})
+        assert getattr(handle, f"get_{name}")() == limit
+
+
+def test_aio_handle_keeps_deepspeeds_defaults(aio_module) -> None:
+    h = aio_module.aio_handle()
+    assert (h.get_block_size(), h.get_queue_depth(), h.get_single_submit(), h.get_overlap_events(),
+            h.get_intra_op_parallelism(), h.get_engine() in ("io_uring", "libaio", "posix")) == \
+        (1 << 20, 128, False, False, 1, True)
+
+
+def test_memlock_limit_is_one_rule() -> None:
+    import resource
+
+    from deepnvme._core.memory import memlock_limit
+    from deepnvme.offload import preflight
+
+    assert memlock_limit(8 << 20, privileged=False) == 8 << 20
+    assert memlock_limit(8 << 20, privileged=True) is None
+    assert memlock_limit(resource.RLIM_INFINITY, privileged=False) is None
+    preflight.check_memlock(16 << 20, 0, limit=resource.RLIM_INFINITY, privileged=False)  # unbounded
+
+
 def test_new_handle_has_the_settings(aio_module) -> None:
     h = new_handle(queue_depth=4)
     got = {"block_size": h.get_block_size(), "queue_depth": h.get_queue_depth(),

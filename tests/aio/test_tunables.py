@@ -198,3 +198,57 @@ print("OK")
 """
     done = _run_child(code, {"DEEPNVME_STAGING_BUFFER_BYTES": "256M", "DEEPNVME_STAGING_BUFFERS": "2"})
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+# ------------------------------------------------------------------- handle settings, the public face
+
+def test_handle_presets_and_limits_are_read_through_defaults() -> None:
+    from deepnvme._core import handles
+
+    presets = defaults.handle_presets()
+    assert presets == {"recommended": handles.RECOMMENDED, "checkpoint": handles.CHECKPOINT,
+                       "swap": handles.SWAP}
+    presets["checkpoint"]["block_size"] = 1
+    assert handles.CHECKPOINT["block_size"] == 8 << 20  # copies: the library's own are untouched
+    assert defaults.handle_limits() == {n: limit for n, (limit, _) in tunables.HANDLE_LIMITS.items()}
+    assert (defaults.HANDLE_CONFIG_ENV, defaults.HANDLE_CONFIG_FILE) == ("DEEPNVME_HANDLE_CONFIG",
+                                                                         "deepnvme-handle.json")
+    public = (defaults.handle_presets, defaults.handle_limits, defaults.checkpoint_settings,
+              defaults.set_handle_config, defaults.write_handle_config)
+    assert all(f.__doc__ and f.__name__ in defaults.__all__ for f in public)
+
+
+def test_tuned_settings_are_written_and_set_through_defaults(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(defaults.HANDLE_CONFIG_ENV, raising=False)
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    ckpt.mkdir()
+    other.mkdir()
+    written = defaults.write_handle_config(ckpt, {"block_size": 4 << 20, "queue_depth": 64})
+    assert written == str(ckpt / defaults.HANDLE_CONFIG_FILE)
+    settings, source = defaults.checkpoint_settings(ckpt / "step1")
+    assert source == written and settings["block_size"] == 4 << 20 and settings["queue_depth"] == 64
+    assert settings["intra_op_parallelism"] == defaults.handle_presets()["checkpoint"]["intra_op_parallelism"]
+    with pytest.raises(ValueError, match="queue_depth"):
+        defaults.write_handle_config(other, {"queue_depth": defaults.handle_limits()["queue_depth"] + 1})
+    assert list(other.iterdir()) == []  # checked before anything is written
+
+    defaults.set_handle_config(written)
+    assert os.environ[defaults.HANDLE_CONFIG_ENV] == written
+    assert defaults.checkpoint_settings(other) == (settings, written)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"queue_depht": 8}')
+    for wrong, why in ((bad, "queue_depht"), (tmp_path / "missing.json", "names no file")):
+        with pytest.raises(ValueError, match=why):
+            defaults.set_handle_config(wrong)
+        assert os.environ[defaults.HANDLE_CONFIG_ENV] == written  # left as it was
+    defaults.set_handle_config(None)
+    assert defaults.HANDLE_CONFIG_ENV not in os.environ
+    assert defaults.checkpoint_settings(other)[1] == "built-in"
+
+
+def test_readme_sends_no_one_into_the_private_core() -> None:
+    """Every knob the README tells users to read or set is public: no `deepnvme._core.` call in it."""
+    text = (REPO_ROOT / "README.md").read_text()
+    assert not re.findall(r"deepnvme\._core\.\w+\.\w+\(", text)
+    assert "deepnvme.defaults" in text and "set_handle_config" in text

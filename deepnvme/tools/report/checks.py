@@ -9,10 +9,10 @@ import os
 import resource
 import sys
 import uuid
-from pathlib import Path
 
 from deepnvme._core.direct import o_direct_refused
 from deepnvme._core.memory import PAGE
+from deepnvme._core.memory import has_cap_ipc_lock as _has_cap_ipc_lock  # a name the tests replace
 from deepnvme.filesystem import mount_of
 
 from .model import Finding
@@ -26,7 +26,6 @@ O_DIRECT_BLOCK = PAGE
 MEMLOCK_WANTED = 1 << 30
 # DeepSpeed warns below this /dev/shm size because Docker's 64 MB default starves dataloaders and NCCL.
 SHM_WANTED = 512 << 20
-CAP_IPC_LOCK_BIT = 14
 
 
 def human_bytes(n: float) -> str:
@@ -132,17 +131,6 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
-
-
-def _has_cap_ipc_lock() -> bool:
-    """Whether this process may lock memory beyond RLIMIT_MEMLOCK (CAP_IPC_LOCK in its effective set)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("CapEff:"):
-                return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK_BIT & 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return False
 
 
 def check_memlock() -> Finding:

@@ -1,0 +1,69 @@
+"""Whether the process that left something behind (a temporary file, a swap directory) still runs: the one
+rule for every owner mark the project writes.
+
+A pid alone cannot say: pids are reused, so the leftover of a killed process whose pid another process now
+holds would look alive, and be kept for ever. An owner is therefore marked by its pid and its start time
+(field 22 of /proc/<pid>/stat, clock ticks since boot), and is alive while a process with that pid,
+started at that time, runs. Where /proc cannot be read at all, the start time is unknown (0 in a mark) and
+the rule falls back to the pid: better to keep a dead process's leftovers than remove a live one's files.
+
+It lives in op_builder, the lowest layer, because op_builder.atomic_file (the JIT stamp's and the
+checkpoints' temporaries) uses it; deepnvme._core.files re-exports it for the library (the swap
+directories). Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["owner_alive", "owner_mark", "parse_owner_mark", "start_time"]
+
+
+def start_time(pid: int) -> int | None:
+    """The start time of process `pid` in clock ticks since boot (/proc/<pid>/stat field 22); None if there
+    is no such process (or no /proc to ask)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: the fields after it follow the last ')'.
+    fields = stat[stat.rfind(b")") + 2:].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def owner_mark(pid: int | None = None) -> str:
+    """`<pid>-<start time>` of process `pid` (default: this one), as names that record an owner hold it."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}-{start_time(pid) or 0}"
+
+
+def parse_owner_mark(text: str) -> tuple[int, int | None] | None:
+    """(pid, start time) from an :func:`owner_mark`; a bare pid (names written before start times were
+    kept) gives start None; anything else None."""
+    pid, dash, start = text.partition("-")
+    if not pid.isdigit() or (dash and not start.isdigit()):
+        return None
+    return int(pid), int(start) if dash else None
+
+
+def owner_alive(pid: int, start: int | None) -> bool:
+    """Whether the owner marked (`pid`, `start`) still runs: a process `pid` that started at `start`.
+
+    `start` None (a mark with a pid only) or 0 (its start time was unknown) asks for the pid alone.
+    """
+    now = start_time(pid)
+    if now is not None:
+        return not start or now == start
+    if start_time(os.getpid()) is not None:
+        return False  # /proc answers, and has no such process
+    try:  # no /proc here: the pid is all there is to ask about
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
