@@ -87,7 +87,7 @@ size_t Pipeline::wait(uint64_t own, Handed& out, const std::function<bool()>& in
     Handed covered, not_ours;
     std::unique_lock<std::mutex> lock(mu_);
     for (const auto& r : pending_)
-        if (r->is_async || r->id == own) covered.push_back(r);
+        if (r->completion == Completion::kWait || r->id == own) covered.push_back(r);
     auto all_done = [](const Handed& rs) {
         return std::all_of(rs.begin(), rs.end(), [](const auto& r) { return r->done; });
     };
@@ -136,6 +136,49 @@ size_t Pipeline::wait(uint64_t own, Handed& out, const std::function<bool()>& in
         covered.erase(theirs, covered.end());
     }
     return hand_over(covered);
+}
+
+Handed::iterator Pipeline::find_pending(uint64_t id) {
+    return std::lower_bound(pending_.begin(), pending_.end(), id,
+                            [](const auto& r, uint64_t want) { return r->id < want; });
+}
+
+const std::shared_ptr<PendingRequest>& Pipeline::own_request(uint64_t id) {
+    auto it = find_pending(id);
+    if (it == pending_.end() || (*it)->id != id || (*it)->completion != Completion::kOwn)
+        throw ArgError("request " + std::to_string(id) + " is not pending on this " + owner_ +
+                       ": unknown, already handed over by wait_request(), or not made by submit_pread/submit_pwrite");
+    return *it;
+}
+
+void Pipeline::wait_request(uint64_t id, Handed& out, const std::function<bool()>& interrupted) {
+    refuse_if_inherited();
+    std::unique_lock<std::mutex> lock(mu_);
+    // Into `out` at once: never released here, where mu_ is held or the GIL is not.
+    out.push_back(own_request(id));
+    PendingRequest* const r = out.back().get();
+    auto done = [r] { return r->done; };
+    if (interrupted) {
+        while (!cv_.wait_for(lock, kPollInterval, done)) {
+            lock.unlock();
+            bool stop = interrupted();
+            lock.lock();
+            if (stop) throw Interrupted{};  // left running and pending: nothing is cancelled
+        }
+    } else {
+        cv_.wait(lock, done);
+    }
+    // Another thread's wait_request() for the same id may have got there first: it is that call's.
+    if (r->reported)
+        throw ArgError("request " + std::to_string(id) + " was handed over by another wait_request() meanwhile");
+    r->reported = true;
+    pending_.erase(find_pending(id));  // still there: only this call hands it over
+}
+
+bool Pipeline::request_done(uint64_t id) {
+    refuse_if_inherited();
+    std::lock_guard<std::mutex> lock(mu_);
+    return own_request(id)->done;
 }
 
 void Pipeline::drain(Handed& out) {
