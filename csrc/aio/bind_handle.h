@@ -6,8 +6,13 @@
 
 #include <Python.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "pipeline.h"
 #include "tensor_glue.h"
@@ -96,6 +101,27 @@ inline int64_t collect_request(Pipeline& pipeline, uint64_t id) {
             return static_cast<int64_t>(done.back()->nbytes);
         },
         id);
+}
+
+// Ids of requests of their own that completed since the last call returned them (Pipeline::wait_completed),
+// waiting at most `timeout` seconds (None: no limit).
+inline std::vector<int64_t> completed_requests(Pipeline& pipeline, const std::optional<double>& timeout) {
+    std::chrono::milliseconds limit{-1};
+    if (timeout) {
+        if (!(*timeout >= 0)) throw ArgError("timeout must be >= 0 seconds or None, got " + std::to_string(*timeout));
+        limit = std::chrono::milliseconds(static_cast<int64_t>(std::ceil(std::min(*timeout, 1e9) * 1000)));
+    }
+    std::vector<uint64_t> ids;
+    bool interrupted = false;
+    with_gil_released([&] {
+        try {
+            ids = pipeline.wait_completed(limit, signal_pending);
+        } catch (const Pipeline::Interrupted&) {
+            interrupted = true;
+        }
+    });
+    if (interrupted) throw py::error_already_set();  // the KeyboardInterrupt (or whatever the handler raised)
+    return std::vector<int64_t>(ids.begin(), ids.end());
 }
 
 // A binding's destructor: requests still in flight finish first, then `core` (its threads) goes; the
@@ -234,6 +260,11 @@ void bind_handle_api(py::class_<H>& c) {
           py::arg("request_id"),
           "Whether that request has completed (successfully or not), without waiting or handing it over; "
           "ValueError for an id not pending here.");
+    c.def("wait_completed", [](H& h, std::optional<double> timeout) { return completed_requests(h.pipeline(), timeout); },
+          py::arg("timeout") = py::none(),
+          "Waits until requests made by submit_pread/submit_pwrite have completed that no earlier call returned "
+          "(or `timeout` seconds pass: then []), and returns their ids, each to one call only; hands nothing "
+          "over (wait_request(id) then returns at once). Also waits while nothing is pending.");
     c.def("wait", [](H& h) { return collect(h.pipeline(), 0); },
           "Waits for every async request pending at the call, whichever thread submitted it; returns how many it "
           "covered and raises the first error among them (README, 'Guarantees'). Requests made by submit_pread/"

@@ -181,6 +181,35 @@ bool Pipeline::request_done(uint64_t id) {
     return own_request(id)->done;
 }
 
+std::vector<uint64_t> Pipeline::wait_completed(std::chrono::milliseconds timeout,
+                                               const std::function<bool()>& interrupted) {
+    refuse_if_inherited();
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto next_poll = std::chrono::steady_clock::now() + kPollInterval;
+    std::vector<uint64_t> ids;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+        for (const auto& r : pending_) {
+            if (r->completion != Completion::kOwn || !r->done || r->announced || r->reported) continue;
+            r->announced = true;
+            ids.push_back(r->id);
+        }
+        if (!ids.empty()) return ids;
+        const auto now = std::chrono::steady_clock::now();
+        if (timeout.count() >= 0 && now >= deadline) return ids;
+        // Woken by every completion (others' included), so signals are polled by the clock, not per wake-up.
+        auto until = interrupted ? next_poll : now + std::chrono::hours(1);
+        if (timeout.count() >= 0) until = std::min(until, deadline);
+        cv_.wait_until(lock, until);
+        if (!interrupted || std::chrono::steady_clock::now() < next_poll) continue;
+        next_poll = std::chrono::steady_clock::now() + kPollInterval;
+        lock.unlock();
+        bool stop = interrupted();
+        lock.lock();
+        if (stop) throw Interrupted{};
+    }
+}
+
 void Pipeline::drain(Handed& out) {
     if (inherited()) return;  // the destructor keeps them: no thread of this process works on them
     std::unique_lock<std::mutex> lock(mu_);

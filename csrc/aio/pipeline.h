@@ -58,6 +58,7 @@ public:
 
     bool done = false;      // guarded by the pipeline's mutex
     bool reported = false;  // a call has handed it over (and left the pending set); same mutex
+    bool announced = false; // wait_completed() returned its id (Completion::kOwn only); same mutex
 
 private:
     std::atomic<bool> failed_{false};
@@ -110,6 +111,12 @@ public:
     void wait_request(uint64_t id, Handed& out, const std::function<bool()>& interrupted = {});
     // Whether request `id` has completed (without handing it over). ArgError as for wait_request().
     bool request_done(uint64_t id);
+    // The ids of Completion::kOwn requests that have completed, are not handed over, and that no earlier call
+    // returned (in id order), once there is at least one, or none when `timeout` passes first (negative: no limit; the call
+    // also waits while nothing is pending, for requests submitted meanwhile). Each id is returned by one call
+    // only; nothing is handed over (wait_request() then returns at once). `interrupted` as for wait_request().
+    std::vector<uint64_t> wait_completed(std::chrono::milliseconds timeout,
+                                         const std::function<bool()>& interrupted = {});
 
     // Waits for everything still pending and hands it over (for destruction). In a process forked from the
     // pipeline's creator it waits for nothing: the workers are the parent's.

@@ -2,10 +2,12 @@
 // and whose error it carries; driven by hand (add, complete, fail) without an engine, so every interleaving
 // here is chosen, not raced.
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <memory>
 #include <stdexcept>
 #include <thread>
+#include <vector>
 
 #include "check.h"
 #include "error.h"
@@ -169,4 +171,51 @@ TEST(drain_hands_over_requests_never_waited_for) {
     finisher.join();
     CHECK_EQ(rest.size(), size_t(2));
     CHECK(own->reported);
+}
+
+TEST(wait_completed_names_each_finished_request_once) {
+    using std::chrono::milliseconds;
+    Pipeline p("test handle");
+    auto first = add(p, Completion::kOwn);
+    auto second = add(p, Completion::kOwn);
+    auto async = add(p, Completion::kWait);
+    auto third = add(p, Completion::kOwn);
+    p.complete(async.get());  // not a request of its own: never named
+    CHECK(p.wait_completed(milliseconds(0)).empty());
+    p.complete(second.get());
+    std::vector<uint64_t> ids = p.wait_completed(milliseconds(-1));
+    CHECK_EQ(ids.size(), size_t(1));
+    CHECK_EQ(ids.front(), second->id);
+    CHECK(p.wait_completed(milliseconds(1)).empty());  // named once
+    p.complete(third.get());
+    Handed out;
+    p.wait_request(third->id, out);  // handed over before anyone asked: never named
+    std::thread finisher([&] { p.complete(first.get()); });
+    ids = p.wait_completed(milliseconds(-1));  // waits for it
+    finisher.join();
+    CHECK_EQ(ids.size(), size_t(1));
+    CHECK_EQ(ids.front(), first->id);
+    p.wait_request(first->id, out);
+    p.wait_request(second->id, out);  // named, still to be handed over
+    CHECK_EQ(out.size(), size_t(3));
+    Handed rest;
+    p.wait(0, rest);
+}
+
+TEST(wait_completed_times_out_and_can_be_interrupted) {
+    using std::chrono::milliseconds;
+    Pipeline p("test handle");
+    CHECK(p.wait_completed(milliseconds(20)).empty());  // nothing pending: waits the timeout, then none
+    auto own = add(p, Completion::kOwn);
+    bool thrown = false;
+    try {
+        (void)p.wait_completed(milliseconds(-1), [] { return true; });
+    } catch (const Pipeline::Interrupted&) {
+        thrown = true;
+    }
+    CHECK(thrown);
+    p.complete(own.get());
+    CHECK_EQ(p.wait_completed(milliseconds(-1), [] { return false; }).size(), size_t(1));
+    Handed out;
+    p.wait_request(own->id, out);
 }
