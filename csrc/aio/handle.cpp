@@ -43,7 +43,7 @@ std::shared_ptr<Request> IoHandle::prepare(Params p, std::string& warning) {
     pipeline_->refuse_if_inherited();
     auto r = std::make_shared<Request>();
     r->write = p.write;
-    r->is_async = p.is_async;
+    r->completion = p.completion;
     r->validate = p.validate;
     r->mem = p.mem;
     r->copier = std::move(p.copier);
@@ -115,7 +115,7 @@ uint64_t IoHandle::enqueue(std::shared_ptr<Request> r) {
 }
 
 bool IoHandle::runs_inline(const Request& r) const {
-    if (!bypass_ok_ || r.is_async || r.copier || r.slices.size() != 1) return false;
+    if (!bypass_ok_ || r.is_async() || r.copier || r.slices.size() != 1) return false;
     // One engine operation's worth: a worker would issue it alone too. More goes to the workers, which keep
     // several operations in flight.
     const SlicePlan& s = r.slices.front().plan;

@@ -37,7 +37,7 @@ public:
         uint64_t offset = 0;
         std::string path;
         int fd = -1;  // a caller's descriptor (duplicated at submission, never closed) instead of path
-        bool is_async = false;
+        Completion completion = Completion::kCall;  // who hands it over (pipeline.h)
         bool validate = false;
         std::shared_ptr<void> keepalive;
     };

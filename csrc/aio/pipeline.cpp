@@ -87,7 +87,7 @@ size_t Pipeline::wait(uint64_t own, Handed& out, const std::function<bool()>& in
     Handed covered, not_ours;
     std::unique_lock<std::mutex> lock(mu_);
     for (const auto& r : pending_)
-        if (r->is_async || r->id == own) covered.push_back(r);
+        if (r->completion == Completion::kWait || r->id == own) covered.push_back(r);
     auto all_done = [](const Handed& rs) {
         return std::all_of(rs.begin(), rs.end(), [](const auto& r) { return r->done; });
     };
@@ -136,6 +136,78 @@ size_t Pipeline::wait(uint64_t own, Handed& out, const std::function<bool()>& in
         covered.erase(theirs, covered.end());
     }
     return hand_over(covered);
+}
+
+Handed::iterator Pipeline::find_pending(uint64_t id) {
+    return std::lower_bound(pending_.begin(), pending_.end(), id,
+                            [](const auto& r, uint64_t want) { return r->id < want; });
+}
+
+const std::shared_ptr<PendingRequest>& Pipeline::own_request(uint64_t id) {
+    auto it = find_pending(id);
+    if (it == pending_.end() || (*it)->id != id || (*it)->completion != Completion::kOwn)
+        throw ArgError("request " + std::to_string(id) + " is not pending on this " + owner_ +
+                       ": unknown, already handed over by wait_request(), or not made by submit_pread/submit_pwrite");
+    return *it;
+}
+
+void Pipeline::wait_request(uint64_t id, Handed& out, const std::function<bool()>& interrupted) {
+    refuse_if_inherited();
+    std::unique_lock<std::mutex> lock(mu_);
+    // Into `out` at once: never released here, where mu_ is held or the GIL is not.
+    out.push_back(own_request(id));
+    PendingRequest* const r = out.back().get();
+    auto done = [r] { return r->done; };
+    if (interrupted) {
+        while (!cv_.wait_for(lock, kPollInterval, done)) {
+            lock.unlock();
+            bool stop = interrupted();
+            lock.lock();
+            if (stop) throw Interrupted{};  // left running and pending: nothing is cancelled
+        }
+    } else {
+        cv_.wait(lock, done);
+    }
+    // Another thread's wait_request() for the same id may have got there first: it is that call's.
+    if (r->reported)
+        throw ArgError("request " + std::to_string(id) + " was handed over by another wait_request() meanwhile");
+    r->reported = true;
+    pending_.erase(find_pending(id));  // still there: only this call hands it over
+}
+
+bool Pipeline::request_done(uint64_t id) {
+    refuse_if_inherited();
+    std::lock_guard<std::mutex> lock(mu_);
+    return own_request(id)->done;
+}
+
+std::vector<uint64_t> Pipeline::wait_completed(std::chrono::milliseconds timeout,
+                                               const std::function<bool()>& interrupted) {
+    refuse_if_inherited();
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto next_poll = std::chrono::steady_clock::now() + kPollInterval;
+    std::vector<uint64_t> ids;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+        for (const auto& r : pending_) {
+            if (r->completion != Completion::kOwn || !r->done || r->announced || r->reported) continue;
+            r->announced = true;
+            ids.push_back(r->id);
+        }
+        if (!ids.empty()) return ids;
+        const auto now = std::chrono::steady_clock::now();
+        if (timeout.count() >= 0 && now >= deadline) return ids;
+        // Woken by every completion (others' included), so signals are polled by the clock, not per wake-up.
+        auto until = interrupted ? next_poll : now + std::chrono::hours(1);
+        if (timeout.count() >= 0) until = std::min(until, deadline);
+        cv_.wait_until(lock, until);
+        if (!interrupted || std::chrono::steady_clock::now() < next_poll) continue;
+        next_poll = std::chrono::steady_clock::now() + kPollInterval;
+        lock.unlock();
+        bool stop = interrupted();
+        lock.lock();
+        if (stop) throw Interrupted{};
+    }
 }
 
 void Pipeline::drain(Handed& out) {

@@ -26,15 +26,15 @@ public:
 
     ~AioHandle() { close_core(core_); }
 
-    int64_t io(const at::Tensor& buffer, const Target& target, bool write, bool validate, bool async,
-               int64_t file_offset) {
+    // Queues a transfer and returns its id in pipeline(); bind_handle.h waits for it as `completion` says.
+    uint64_t start(const at::Tensor& buffer, const Target& target, bool write, bool validate, Completion completion,
+                   int64_t file_offset) {
         if (file_offset < 0) throw ArgError("file_offset must be >= 0, got " + std::to_string(file_offset));
         if (target.fd < -1) throw ArgError("fd must be a non-negative file descriptor");
-        uint64_t id = enqueue_host(*core_, buffer, target, write, validate, async, file_offset);
-        return async ? 0 : collect(core_->pipeline(), id);
+        return enqueue_host(*core_, buffer, target, write, validate, completion, file_offset);
     }
 
-    int64_t wait() { return collect(core_->pipeline(), 0); }
+    Pipeline& pipeline() { return core_->pipeline(); }
 
     const HandleConfig& config() const { return core_->config(); }
     const std::string& engine() const { return core_->engine_name(); }
@@ -46,7 +46,7 @@ private:
 int64_t whole_file_op(const at::Tensor& buffer, const py::object& filename, int64_t block_size,
                       int64_t queue_depth, bool single_submit, bool overlap_events, bool validate, bool write) {
     AioHandle h(block_size, queue_depth, single_submit, overlap_events, 1, "auto");
-    h.io(buffer, by_pathlike(filename), write, validate, false, 0);
+    run_io(h, buffer, by_pathlike(filename), write, validate, false, 0);
     return 0;
 }
 

@@ -204,7 +204,7 @@ inline bool free_locked_tensor(const at::Tensor& t) {
 
 // The host-side request for `buffer` (a CPU tensor, or a device tensor through its copier) at `target`.
 inline IoHandle::Params host_params(const at::Tensor& buffer, const Target& target, bool write, bool validate,
-                                    bool async, int64_t file_offset) {
+                                    Completion completion, int64_t file_offset) {
     const at::Tensor resolved = resolved_for_io(buffer, write);
     BufferArg b = buffer_arg(resolved);
     IoHandle::Params p;
@@ -219,7 +219,7 @@ inline IoHandle::Params host_params(const at::Tensor& buffer, const Target& targ
     p.offset = static_cast<uint64_t>(file_offset);
     p.path = target.path;
     p.fd = target.fd;
-    p.is_async = async;
+    p.completion = completion;
     p.validate = validate;
     p.keepalive = std::move(b.keepalive);
     return p;

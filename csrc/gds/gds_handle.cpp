@@ -164,7 +164,7 @@ uint64_t GdsHandle::stage(DeviceParams& p, const std::string& why, uint64_t fs_d
     h.offset = p.offset;
     h.path = p.path;
     h.fd = p.fd;
-    h.is_async = p.is_async;
+    h.completion = p.completion;
     h.validate = p.validate;
     h.keepalive = std::move(p.keepalive);
     std::string host_warning;
@@ -179,7 +179,7 @@ uint64_t GdsHandle::submit_device(DeviceParams p, std::string& warning) {
     if (p.nbytes > 0 && p.ptr == nullptr) throw ArgError("device buffer has no memory");
     auto r = std::make_shared<DeviceRequest>();
     r->write = p.write;
-    r->is_async = p.is_async;
+    r->completion = p.completion;
     r->validate = p.validate;
     r->device = p.device;
     r->ptr = p.ptr;

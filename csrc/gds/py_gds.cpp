@@ -39,8 +39,9 @@ public:
 
     ~PyGdsHandle() { close_core(core_); }
 
-    int64_t io(const at::Tensor& given, const Target& target, bool write, bool validate, bool async,
-               int64_t file_offset) {
+    // Queues a transfer and returns its id in pipeline(); bind_handle.h waits for it as `completion` says.
+    uint64_t start(const at::Tensor& given, const Target& target, bool write, bool validate, Completion completion,
+                   int64_t file_offset) {
         if (file_offset < 0) throw ArgError("file_offset must be >= 0, got " + std::to_string(file_offset));
         std::string warning;
         uint64_t id = 0;
@@ -57,7 +58,7 @@ public:
             p.offset = static_cast<uint64_t>(file_offset);
             p.path = target.path;
             p.fd = target.fd;
-            p.is_async = async;
+            p.completion = completion;
             p.validate = validate;
             p.keepalive = std::make_shared<TensorHold>(buffer);  // as for host tensors: held and frozen
             cudaStream_t stream = current_stream(p.device);
@@ -70,13 +71,13 @@ public:
             }
             id = core_->submit_device(std::move(p), warning);
         } else {
-            id = enqueue_host(core_->host(), buffer, target, write, validate, async, file_offset);
+            id = enqueue_host(core_->host(), buffer, target, write, validate, completion, file_offset);
         }
         if (!warning.empty()) warn(PyExc_RuntimeWarning, warning);
-        return async ? 0 : collect(core_->pipeline(), id);
+        return id;
     }
 
-    int64_t wait() { return collect(core_->pipeline(), 0); }
+    Pipeline& pipeline() { return core_->pipeline(); }
 
     bool pin(const at::Tensor& t) {
         require_cuda(t, "tensor");

@@ -22,7 +22,8 @@ FileTarget = Union[str, bytes, "os.PathLike[str]", int]
 
 
 class AioHandle(Protocol):
-    """DeepSpeed's aio_handle: requests split over worker threads, completed by wait()."""
+    """DeepSpeed's aio_handle: requests split over worker threads, completed by wait(), or one at a time by
+    wait_request() for those made by submit_pread/submit_pwrite."""
 
     def get_block_size(self) -> int: ...
     def get_queue_depth(self) -> int: ...
@@ -49,6 +50,20 @@ class AioHandle(Protocol):
     def async_pwrite(self, buffer: torch.Tensor, filename: FileTarget,
                      file_offset: int = 0) -> int: ...
     def wait(self) -> int: ...
+    # Completion per request (README, "Completion per request"): the id is for wait_request/request_done only;
+    # wait() and the sync calls never cover such a request.
+    def submit_pread(self, buffer: torch.Tensor, filename: FileTarget, file_offset: int = 0) -> int:
+        """Queue a read into `buffer`; return its request id at once."""
+    def submit_pwrite(self, buffer: torch.Tensor, filename: FileTarget, file_offset: int = 0) -> int:
+        """Queue a write of `buffer`; return its request id at once."""
+    def wait_request(self, request_id: int) -> int:
+        """Wait for that request alone; return its byte count or raise its own OSError. Once per id:
+        ValueError for an id not pending on this handle. KeyboardInterrupt leaves the request pending."""
+    def request_done(self, request_id: int) -> bool:
+        """Whether that request has finished, without handing it over; ValueError for an unknown id."""
+    def wait_completed(self, timeout: float | None = None) -> list[int]:
+        """Ids of submit_* requests finished since an earlier call named them (each named once), after at
+        least one finished or `timeout` seconds passed (then []); hands nothing over."""
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor: ...
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool: ...
     def is_pinned(self, buffer: torch.Tensor) -> bool: ...

@@ -16,6 +16,7 @@ from types import ModuleType
 import pytest
 import torch
 from builder_helpers import REPO_ROOT
+from proc_stats import fd_count, vm_lck_kb
 from thread_helpers import run_threads, wait_until
 
 MiB = 1 << 20
@@ -31,20 +32,6 @@ def random_tensor(n: int) -> tuple[torch.Tensor, bytes]:
     """A plain uint8 tensor holding n random bytes, and the bytes."""
     data = os.urandom(n)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8), data
-
-
-def fd_count() -> int:
-    """Open descriptors of this process."""
-    return len(os.listdir("/proc/self/fd"))
-
-
-def vm_lck_kb() -> int:
-    """Locked memory of this process in kB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmLck:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmLck line")
 
 
 # ----------------------------------------------------------------------------- GIL

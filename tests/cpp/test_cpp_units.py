@@ -1,6 +1,7 @@
 """The C++ unit tests (tests/cpp/*.cpp): the pure functions of the I/O core (request planning, the tunables'
-parser, the staging share, the short-transfer continuation rule), compiled with the system C++ compiler as
-plain C++17 without torch's headers, and run; a failure shows the program's own report.
+parser, the staging share, the short-transfer continuation rule) and the request pipeline's hand-over rules
+(driven by hand, without an engine), compiled with the system C++ compiler as plain C++17 without torch's
+headers, and run; a failure shows the program's own report.
 
 Built twice: warnings as errors at -O1, and under AddressSanitizer and UndefinedBehaviorSanitizer (an
 out-of-range index or an overflow in the arithmetic fails there even when the checks pass). A third build
@@ -24,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 AIO = REPO / "csrc" / "aio"
 # The units under test and what they link.
-UNITS = ["plan.cpp", "file.cpp", "error.cpp", "tunables.cpp", "staging_share.cpp"]
+UNITS = ["plan.cpp", "file.cpp", "error.cpp", "tunables.cpp", "staging_share.cpp", "pipeline.cpp"]
 # csrc/aio files that belong to the Python binding and may include torch or Python headers.
 BINDING_SIDE = {"py_aio.cpp", "aligned_tensor.cpp", "pinned.cpp", "storage_loan.cpp"}
 WARNINGS = ["-Wall", "-Wextra", "-Werror"]
