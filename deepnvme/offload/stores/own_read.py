@@ -1,164 +1,17 @@
-"""deepnvme's own weight store: one aligned, contiguous blob per unit in one file, and a JSON manifest.
-
-Why a store of its own when safetensors checkpoints can be read in place: there a unit's tensors may be
-spread over shards and lie at unaligned offsets, so a unit takes several requests with partial pages at
-their edges; here a unit is one page-aligned request, and every blob and tensor carries a CRC-32
-(deepnvme._core.crc) checked as it is read, so a damaged or replaced file is an error, not wrong output.
-
-Layout of a store directory: `manifest.json` and `weights-<id>.bin`. In the file, each unit's tensors are
-back to back (each at a multiple of 64 bytes) in one blob that starts at a page boundary; tensors outside
-every unit form one more blob (unit ""). Tensors that are one tensor under several names (tied weights)
-are written once and listed under each name. The manifest is replaced last and atomically
-(deepnvme._core.files), after the weights file is complete and synced, so a store is either the old one
-or the new one; the old weights file is then removed.
-"""
+"""deepnvme's own store, the reading side: `OwnStore` opens a store directory written by own_write.py
+(the format: own_format.py), checks every claim of its manifest, and gives a unit's tensors as one blob (one
+page-aligned request) with its CRC-32."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import torch
-from torch import nn
-
-from deepnvme.offload._doors import atomic_target, crc32, open_regular, write_atomically
-from deepnvme.offload.model_map import tensor_aliases, unit_names
-from deepnvme.offload.pool import round_up
-from deepnvme.offload.store import Blob, StoreError, TensorInfo, runs
-
-MANIFEST = "manifest.json"
-FORMAT = "deepnvme-weights"
-VERSION = 1
-TENSOR_ALIGN = 64
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn,
-    torch.float8_e5m2, torch.complex64, torch.complex128)}
-
-
-def _default_units(names: Iterable[str]) -> list[str]:
-    """Unit prefixes of a state dict: `<list>.<i>` for the list of numbered blocks with the most tensors."""
-    counts: dict[str, set[str]] = {}
-    for n in names:
-        m = re.match(r"^(.*?)\.(\d+)\.", n)
-        if m:
-            counts.setdefault(m[1], set()).add(f"{m[1]}.{m[2]}")
-    if not counts:
-        return []
-    best = max(counts, key=lambda k: len(counts[k]))
-    return sorted(counts[best], key=lambda u: int(u.rsplit(".", 1)[1]))
-
-
-def _named_tensors(obj: nn.Module | Mapping[str, torch.Tensor]) -> list[tuple[list[str], torch.Tensor]]:
-    """(names, tensor) of each distinct tensor: tied ones once, under all their names."""
-    if isinstance(obj, nn.Module):
-        return [(names, t) for names, t in tensor_aliases(obj)]
-    if not isinstance(obj, Mapping):
-        raise TypeError(f"write_store takes a torch.nn.Module or a state dict, got {type(obj).__name__}")
-    seen: dict[tuple, int] = {}
-    out: list[tuple[list[str], torch.Tensor]] = []
-    for name, t in obj.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"state dict entry {name!r} is a {type(t).__name__}, not a tensor")
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape),
-               t.stride()) if not t.is_meta and t.numel() else None
-        if key is not None and key in seen:
-            out[seen[key]][0].append(name)
-            continue
-        if key is not None:
-            seen[key] = len(out)
-        out.append(([name], t))
-    return out
-
-
-def write_store(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], directory: str | os.PathLike, *,
-                units: list[str] | None = None) -> str:
-    """Write the tensors of a model (or a state dict) as a deepnvme store in `directory` (created if
-    needed; a store there is replaced atomically). `units`: the unit prefixes (module names such as
-    "model.layers.3"; a tensor belongs to the longest prefix it starts with); by default a model's
-    repeated blocks (as stream_weights picks them) or, for a state dict, the numbered blocks with the most
-    tensors. Returns the directory."""
-    directory = os.path.abspath(os.fspath(directory))
-    tensors = _named_tensors(model_or_state_dict)
-    for names, t in tensors:
-        if t.is_meta:
-            raise ValueError(f"tensor {names[0]!r} is on the meta device: it has no values to write")
-    if units is None:
-        if isinstance(model_or_state_dict, nn.Module):
-            units = unit_names(model_or_state_dict)
-        else:
-            units = _default_units(n for names, _ in tensors for n in names)
-    if isinstance(model_or_state_dict, nn.Module):  # every expert a blob of its own (expert_sets.py)
-        from deepnvme.offload.expert_sets import expert_unit_names, split_fused
-
-        tensors = split_fused(model_or_state_dict, tensors)
-        units = [*units, *expert_unit_names(model_or_state_dict)]
-    prefixes = sorted(set(units), key=len, reverse=True)
-    groups: dict[str, list[tuple[list[str], torch.Tensor]]] = {u: [] for u in [*units, ""]}
-    for names, t in tensors:
-        home = next((u for u in prefixes if names[0] == u or names[0].startswith(u + ".")), "")
-        groups[home].append((names, t))
-    os.makedirs(directory, exist_ok=True)
-    old = _old_weights(directory)
-    file = f"weights-{uuid.uuid4().hex[:12]}.bin"
-    path = os.path.join(directory, file)
-    manifest_blobs = []
-    with atomic_target(path) as tmp, open(tmp, "wb") as f:
-        at = 0
-        for unit, members in groups.items():
-            if not members:
-                continue
-            start = round_up(at)
-            f.write(bytes(start - at))
-            at, blob_crc, entries = start, 0, []
-            for names, t in members:
-                pad = round_up(at, TENSOR_ALIGN) - at
-                if pad and at > start:
-                    f.write(bytes(pad))
-                    blob_crc = crc32(bytes(pad), blob_crc)
-                    at += pad
-                data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-                f.write(data)
-                c = crc32(data)
-                blob_crc = crc32(data, blob_crc)
-                entries.append({"names": names, "offset": at, "nbytes": int(data.nbytes),
-                                "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                                "crc": c})
-                at += data.nbytes
-            manifest_blobs.append({"unit": unit, "offset": start, "nbytes": at - start, "crc": blob_crc,
-                                   "tensors": entries})
-        f.write(bytes(round_up(at) - at))  # whole pages: the last blob's read needs no partial page
-        f.flush()
-        os.fsync(f.fileno())
-    manifest = {"format": FORMAT, "version": VERSION, "file": file, "file_bytes": round_up(at),
-                "blobs": manifest_blobs}
-    write_atomically(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1).encode())
-    if old is not None and old != file:
-        try:
-            os.unlink(os.path.join(directory, old))
-        except FileNotFoundError:
-            pass
-    return directory
-
-
-def _old_weights(directory: str) -> str | None:
-    """The weights file the store in `directory` names, to remove once replaced (None: no store there, or
-    an unreadable manifest that is simply replaced). A manifest path that is not a regular file (a FIFO)
-    is refused, naming it, rather than waited on or replaced."""
-    try:
-        fd = open_regular(os.path.join(directory, MANIFEST))
-    except FileNotFoundError:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            name = json.loads(f.read()).get("file")
-    except (ValueError, AttributeError):
-        return None
-    return name if isinstance(name, str) and "/" not in name else None
+from deepnvme.offload._doors import open_regular
+from deepnvme.offload.stores.own_format import DTYPES, FORMAT, MANIFEST, VERSION
+from deepnvme.offload.stores.protocol import Blob, StoreError, TensorInfo
 
 
 def _count(entry: dict, key: str, where: str) -> int:
@@ -178,7 +31,7 @@ def _no_overlap(spans: list[tuple[int, int, str]], manifest_path: str, what: str
 
 
 class OwnStore:
-    """The store written by write_store in `path` (see the module and store.py)."""
+    """The store written by write_store in `path` (see own_format.py and protocol.py)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.path.abspath(os.fspath(path))
@@ -247,7 +100,7 @@ class OwnStore:
         if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
             raise StoreError(f"{blob_where}: a tensor entry's 'names' {names!r} is not a list of names")
         where = f"tensor {names[0]!r} in {manifest_path}"
-        dtype = _DTYPES.get(e.get("dtype")) if isinstance(e.get("dtype"), str) else None
+        dtype = DTYPES.get(e.get("dtype")) if isinstance(e.get("dtype"), str) else None
         if dtype is None:
             raise StoreError(f"{where}: unknown dtype {e.get('dtype')!r} in the manifest")
         shape = e.get("shape")
@@ -305,4 +158,4 @@ class OwnStore:
         return f"OwnStore({self.path!r}, {len(self._tensors)} tensors)"
 
 
-__all__ = ["MANIFEST", "OwnStore", "runs", "write_store"]
+__all__ = ["OwnStore"]
