@@ -90,12 +90,18 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def _caller_level() -> int:
     """The stacklevel of the frame that imported the old path: the first one outside the import machinery
-    and this file (so that the warning names the importing line, and shows where __main__ imports)."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename.startswith("<frozen importlib")
+    and this file (so that the warning names the importing line, and shows where __main__ imports). The
+    frames of importlib._bootstrap are not counted: warnings skips them itself."""
+    level, frame = 1, sys._getframe(1)  # exec_module, the caller of warnings.warn
+
+    def skipped_by_warnings(f: types.FrameType) -> bool:
+        return "importlib" in f.f_code.co_filename and "_bootstrap" in f.f_code.co_filename
+
+    while frame is not None and (frame.f_globals.get("__name__", "").partition(".")[0] == "importlib"
                                  or frame.f_code.co_filename == __file__):
         frame = frame.f_back
-        level += 1
+        if frame is not None and not skipped_by_warnings(frame):
+            level += 1
     return level
 
 
