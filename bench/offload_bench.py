@@ -56,14 +56,14 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before torch loads libgomp (see the docstring)
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# _harness first: it puts this checkout on sys.path before deepnvme is imported
+from _harness import ROOT, timed  # noqa: E402
+from torch import nn  # noqa: E402
 
 from deepnvme.offload import OffloadedOptimizer  # noqa: E402
 from deepnvme.offload._doors import locked_bytes, new_handle  # noqa: E402
-from deepnvme.offload.optimizer import StepProfile  # noqa: E402
+from deepnvme.offload.train import StepProfile  # noqa: E402
 
 MIB = 1 << 20
 GB = 1e9
@@ -100,12 +100,6 @@ def fake_grads(model: nn.Module) -> None:
         if p.grad is None:
             p.grad = torch.empty_like(p)
         p.grad.normal_(generator=gen)
-
-
-def timed(fn: Callable[[], object]) -> tuple[float, float]:
-    t, c = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - t, time.process_time() - c
 
 
 def load_average() -> str:

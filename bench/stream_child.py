@@ -101,9 +101,9 @@ class RoutedReads:
     cache's internals: a bench's probe, not an API.)"""
 
     def __init__(self, model: Any) -> None:
-        from deepnvme.offload.stream import _ATTR
+        from deepnvme.offload.infer.running import STREAM_ATTR
 
-        experts = getattr(getattr(model, _ATTR, None), "experts", None)
+        experts = getattr(getattr(model, STREAM_ATTR, None), "experts", None)
         self.cache = getattr(experts, "cache", None)
         self.groups: list[list[Any]] = []
         self.on = False

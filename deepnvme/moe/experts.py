@@ -63,7 +63,7 @@ class Experts(nn.Module):
         self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
         self.num_local_experts = num_local_experts
         # Called with the indices of the experts about to run, before the first runs (a weight streamer
-        # reads exactly those ahead: deepnvme.offload.expert_stream). None: nothing is told.
+        # reads exactly those ahead: deepnvme.offload.experts). None: nothing is told.
         self.before_run: Callable[[list[int]], None] | None = None
         for e in self.deepspeed_experts:
             for p in e.parameters():

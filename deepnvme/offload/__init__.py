@@ -1,33 +1,60 @@
 """deepnvme.offload: tensors kept on a drive and moved through a budget of locked memory.
 
-- :class:`SwapSpace` (swap.py): the core, named units of bytes in files, one pool of locked buffers
-  (pool.py), separate read and write queues with completion per request (queues.py), prefetch with demand
-  first, pre-flight checks (preflight.py) and per-process directories (swapdir.py); closing.py is the
-  context-manager face they share, _doors.py every import from the rest of deepnvme.
-- :class:`OffloadedOptimizer` (optimizer.py): any torch.optim optimizer with its state on the drive.
-- :func:`stream_weights` / :func:`unstream` / :func:`stats` (stream.py): inference with the weights on the
-  drive, each block read in just before it runs, from a store (store.py, the protocol): a safetensors
-  checkpoint read in place (safetensors_store.py) or deepnvme's own
-  (ownstore.py, :func:`write_store`), opened by stores.py (the table of store kinds); bulk.py reads whole
-  tensors through the pool (:func:`load_safetensors`); model_map.py says which modules are units and
-  under which names a checkpoint keeps a tensor. Mixture-of-Experts
-  experts are units of their own (expert_sets.py finds and maps them, expert_stream.py runs them), read
-  only when routed to, through :class:`ExpertCache` (expert_cache.py: least-recently-used, in a locked
-  pool of its own, demand before prefetch).
+In floors; each imports only the floors below it, through their faces (their __init__), and the whole
+package reaches the rest of deepnvme through one door, _doors.py, into deepnvme._core
+(tests/layout/test_offload_floors.py holds this):
+
+- swap/ (the bottom): :class:`SwapSpace`, named units of bytes in files, one pool of locked buffers,
+  read and write queues with completion per request, prefetch with demand first, pre-flight checks and
+  per-process folders; :class:`Unit`, :class:`Lease`, :class:`ReadAhead`.
+- stores/: where a model's bytes lie: the store protocol (:class:`Store`, :class:`TensorInfo`,
+  :class:`Blob`, :class:`StoreError`), a safetensors checkpoint read in place
+  (:class:`SafetensorsStore`), deepnvme's own store (:class:`OwnStore`; reading apart from writing),
+  :func:`open_store`.
+- model/: which modules are units, under which names a model and a checkpoint know a tensor, a model
+  (built on the meta device or not) matched to a store, the placeholders of streamed tensors
+  (:class:`StreamedWeightError`).
+- experts/: Mixture-of-Experts experts as units of their own, read only when routed to, through
+  :class:`ExpertCache` (least-recently-used, in a locked pool of its own, demand before prefetch).
+- train/: :class:`OffloadedOptimizer`, any torch.optim optimizer with its state on the drive (on the swap
+  floor's public names only).
+- infer/: :func:`stream_weights` / :func:`unstream` / :func:`stats` (inference with the weights on the
+  drive, each block read in just before it runs), :func:`load_safetensors` (whole tensors through the
+  pool), :func:`write_store` (deepnvme's own store from a model or a state dict).
+
+The module paths of before the floors (deepnvme.offload.store, .stream, .optimizer, ...) still import,
+with a DeprecationWarning naming the new path (_moved.py).
 """
 
 from __future__ import annotations
 
-from deepnvme.offload.bulk import load_safetensors
-from deepnvme.offload.expert_cache import ExpertCache
-from deepnvme.offload.optimizer import OffloadedOptimizer
-from deepnvme.offload.ownstore import OwnStore, write_store
-from deepnvme.offload.placeholder import StreamedWeightError
-from deepnvme.offload.safetensors_store import SafetensorsStore
-from deepnvme.offload.store import Blob, Store, StoreError, TensorInfo
-from deepnvme.offload.stores import open_store
-from deepnvme.offload.stream import stats, stream_weights, unstream
+from types import ModuleType
+
+from deepnvme.offload import _moved
+from deepnvme.offload.experts import ExpertCache
+from deepnvme.offload.infer import load_safetensors, stats, stream_weights, unstream, write_store
+from deepnvme.offload.model import StreamedWeightError
+from deepnvme.offload.stores import (
+    Blob,
+    OwnStore,
+    SafetensorsStore,
+    Store,
+    StoreError,
+    TensorInfo,
+    open_store,
+)
 from deepnvme.offload.swap import Lease, ReadAhead, SwapSpace, Unit
+from deepnvme.offload.train import OffloadedOptimizer
+
+_moved.install()
+
+
+def __getattr__(name: str) -> ModuleType:
+    """An old module path read as an attribute (`deepnvme.offload.stream.stats`): imported, so it warns."""
+    if name in _moved.MOVED:
+        return _moved.old_module(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["Blob", "ExpertCache", "Lease", "OffloadedOptimizer", "OwnStore", "ReadAhead", "SafetensorsStore",
            "Store", "StoreError", "StreamedWeightError", "SwapSpace", "TensorInfo", "Unit",

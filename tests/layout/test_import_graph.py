@@ -26,7 +26,7 @@ MAX_FUNCTION_LINES = 100
 NOT_YET_SIZED = ("deepnvme/offload/",)
 
 
-def _modules(root: Path) -> dict[str, Path]:
+def module_files(root: Path) -> dict[str, Path]:
     """Dotted module name -> file, for the packages (from the root) and the script folders (by stem)."""
     found: dict[str, Path] = {}
     for pkg in PACKAGES:
@@ -47,7 +47,7 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+def import_nodes(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     out: list[ast.Import | ast.ImportFrom] = []
     stack = [tree]
     while stack:
@@ -64,11 +64,11 @@ def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
 
 def import_graph(root: Path) -> dict[str, set[str]]:
     """Module -> the project modules it imports."""
-    modules = _modules(root)
+    modules = module_files(root)
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in _imports(ast.parse(path.read_text(), str(path))):
+        for node in import_nodes(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:

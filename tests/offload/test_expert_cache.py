@@ -14,8 +14,8 @@ import torch
 
 from deepnvme.offload import SwapSpace
 from deepnvme.offload._doors import PAGE
-from deepnvme.offload.expert_cache import ExpertCache
-from deepnvme.offload.queues import DEMAND, Ticket
+from deepnvme.offload.experts import ExpertCache
+from deepnvme.offload.swap import DEMAND, Ticket
 
 EXPERT = 3 * PAGE  # one expert: one contiguous blob of three pages
 N = 6
@@ -469,17 +469,17 @@ def test_views_at_one_stride_stack_without_a_copy() -> None:
     """What a fused experts module is handed when its experts lie one stride apart in the cache's pool:
     one 3-D view of the same bytes (equal to the stacked slices); any other layout is refused (None) and
     the caller copies."""
-    from deepnvme.offload.expert_stream import _strided
+    from deepnvme.offload.experts.fused import stack_views
 
     pool = torch.arange(64 * 6, dtype=torch.float32)
     a, b, c = (pool[i * 64:i * 64 + 32].view(4, 8) for i in (0, 2, 4))  # 128 floats apart
-    s = _strided([a, b, c])
+    s = stack_views([a, b, c])
     assert s is not None and s.data_ptr() == a.data_ptr() and s.shape == (3, 4, 8)
     assert torch.equal(s, torch.stack([a, b, c]))
-    one = _strided([b])
+    one = stack_views([b])
     assert one is not None and one.data_ptr() == b.data_ptr() and torch.equal(one[0], b)
-    assert _strided([b, a]) is None  # descending addresses: no view keeps this order
+    assert stack_views([b, a]) is None  # descending addresses: no view keeps this order
     d = pool[5 * 64 + 16:5 * 64 + 48].view(4, 8)
-    assert _strided([a, b, d]) is None  # not one stride apart
-    assert _strided([a, pool[128:160].view(8, 4)]) is None  # another shape
-    assert _strided([a, None]) is None and _strided([]) is None
+    assert stack_views([a, b, d]) is None  # not one stride apart
+    assert stack_views([a, pool[128:160].view(8, 4)]) is None  # another shape
+    assert stack_views([a, None]) is None and stack_views([]) is None

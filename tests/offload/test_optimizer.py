@@ -10,7 +10,7 @@ import torch
 
 from deepnvme.offload import OffloadedOptimizer
 from deepnvme.offload._doors import SWAP
-from deepnvme.offload.optimizer import END_REQUESTS
+from deepnvme.offload.train.optimizer import END_REQUESTS
 from tests.offload.optim_cases import BASE, OPTIMIZERS, model, train
 
 STEPS = 20

@@ -27,7 +27,7 @@ from deepnvme.offload import (
     unstream,
     write_store,
 )
-from deepnvme.offload.placeholder import Placeholder
+from deepnvme.offload.model import Placeholder
 from tests.offload.helpers import open_fds
 from tests.offload.stream_models import BUDGET, PROMPT, build, generate, require_hf, save
 from tests.support.stream_helpers import damage_blob
@@ -565,7 +565,7 @@ def test_load_of_a_file_cut_short(gpt2: dict, tmp_path: Path) -> None:
     """A checkpoint cut short after its header was read: the load refuses before reading, naming the file
     and the bytes that lie past its end."""
     from deepnvme.offload import SafetensorsStore
-    from deepnvme.offload.bulk import read_store
+    from deepnvme.offload.infer import read_store
 
     d = _copy(gpt2["single"], tmp_path / "c")
     store = SafetensorsStore(d)

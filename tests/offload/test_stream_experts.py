@@ -16,8 +16,8 @@ pytest.importorskip("accelerate", reason="accelerate is needed for streaming tes
 from safetensors.torch import save_file  # noqa: E402
 
 from deepnvme.offload import stats, stream_weights, unstream, write_store  # noqa: E402
-from deepnvme.offload.expert_sets import FUSED, MODULES, find_expert_sets  # noqa: E402
-from deepnvme.offload.store import StoreError  # noqa: E402
+from deepnvme.offload.experts import FUSED, MODULES, find_expert_sets  # noqa: E402
+from deepnvme.offload.stores import StoreError  # noqa: E402
 from tests.offload.stream_models import NEW_TOKENS, PROMPT, generate  # noqa: E402
 from tests.support.stream_helpers import damage_blob  # noqa: E402
 
@@ -198,7 +198,7 @@ def batch_generate(model: torch.nn.Module, steps: int = 6) -> tuple[torch.Tensor
 
 
 def test_expected_share() -> None:
-    from deepnvme.offload.expert_stream import FULL_USE, expected_share
+    from deepnvme.offload.experts import FULL_USE, expected_share
 
     assert expected_share(1, 2, 8) == pytest.approx(0.25)
     assert expected_share(16, 2, 8) == pytest.approx(1 - 0.75 ** 16) and expected_share(16, 2, 8) > FULL_USE
@@ -297,7 +297,7 @@ def test_damaged_expert_in_one_tokens_views(mixtral_ref: dict, tmp_path: Path, h
     in-memory experts'."""
     import shutil
 
-    from deepnvme.offload.placeholder import Placeholder
+    from deepnvme.offload.model import Placeholder
 
     d = Path(shutil.copytree(mixtral_ref["own"], tmp_path / "own"))
     weights, repair = damage_blob(d, "model.layers.0.mlp.experts.5")
@@ -346,7 +346,7 @@ def test_damaged_expert_fails_its_crc_then_recovers(mixtral_ref: dict, tmp_path:
     again the next forwards read it again and give the in-memory output."""
     import shutil
 
-    from deepnvme.offload.placeholder import Placeholder
+    from deepnvme.offload.model import Placeholder
 
     d = Path(shutil.copytree(mixtral_ref["own"], tmp_path / "own"))
     weights, repair = damage_blob(d, "model.layers.1.mlp.experts.5")
@@ -473,7 +473,7 @@ def test_damaged_moe_expert_fails_its_crc_then_recovers(gpt_ref: dict, tmp_path:
     import json
     import shutil
 
-    from deepnvme.offload.placeholder import Placeholder
+    from deepnvme.offload.model import Placeholder
 
     d = Path(shutil.copytree(gpt_ref["own"], tmp_path / "own"))
     units = [b["unit"] for b in json.loads((d / "manifest.json").read_text())["blobs"]]
@@ -512,7 +512,7 @@ def test_interrupted_forward_leaves_the_model_usable(gpt_ref: dict) -> None:
     hook.remove()
     cache = model._deepnvme_stream.experts.cache
     assert not any(e.in_use for e in cache._entries.values())  # nothing held; the next request resets
-    from deepnvme.offload.placeholder import Placeholder
+    from deepnvme.offload.model import Placeholder
 
     assert all(isinstance(p, Placeholder) for p in victim.parameters())
     tokens, logits = gpt_generate(model)

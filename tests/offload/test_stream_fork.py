@@ -1,4 +1,4 @@
-"""fork() and a streamed model (stream.py's contract): the parent goes on as before; a forked child, by
+"""fork() and a streamed model (infer's contract): the parent goes on as before; a forked child, by
 os.fork or multiprocessing's "fork" start method, runs (or unstreams) the model through a swap space of its
 own, even when a thread of the parent was inside a forward when it forked. Every child is a real process;
 its exit is waited for with a deadline that only catches a hang. Each child first calls
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from deepnvme.offload import stats, stream_weights, unstream, write_store
-from deepnvme.offload.placeholder import Placeholder
+from deepnvme.offload.model import Placeholder
 from tests.offload.helpers import HANG, in_forked_child
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepnvme.offload import ReadAhead, SwapSpace, preflight, swapdir
+from deepnvme.offload import ReadAhead, SwapSpace
 from deepnvme.offload._doors import PAGE, locked_bytes
-from deepnvme.offload.queues import DEMAND, Ticket
+from deepnvme.offload.swap import DEMAND, Ticket, folders, preflight
 from tests.offload.helpers import in_forked_child, open_fds, tmpfs
 
 SIZES = [1, 511, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17, 100_000]
@@ -364,17 +364,17 @@ def test_missing_directory(tmp_path: Path) -> None:
 def test_stale_directories_of_dead_processes_only(workdir: Path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = workdir / f"{swapdir.PREFIX}{swapdir.HOST}-{dead.pid}-12345"
-    reused = workdir / f"{swapdir.PREFIX}{swapdir.HOST}-{os.getppid()}-1"  # a live pid, another start time
-    live = workdir / swapdir.own_name(os.getppid())
-    other_host = workdir / f"{swapdir.PREFIX}elsewhere-{dead.pid}-12345"
+    stale = workdir / f"{folders.PREFIX}{folders.HOST}-{dead.pid}-12345"
+    reused = workdir / f"{folders.PREFIX}{folders.HOST}-{os.getppid()}-1"  # a live pid, another start time
+    live = workdir / folders.own_name(os.getppid())
+    other_host = workdir / f"{folders.PREFIX}elsewhere-{dead.pid}-12345"
     for d in (stale, reused, live, other_host):
         (d / "space-0").mkdir(parents=True)
         (d / "space-0" / "swap.bin").write_bytes(b"x")
     with SwapSpace(workdir, 1 << 20) as space:
         assert not stale.exists() and not reused.exists()
         assert live.exists() and other_host.exists()
-        assert Path(space.path).parent.name == swapdir.own_name()
+        assert Path(space.path).parent.name == folders.own_name()
         with SwapSpace(workdir, 1 << 20) as second:  # two spaces of one process keep apart
             assert second.path != space.path and Path(second.path).parent == Path(space.path).parent
 

@@ -1,6 +1,6 @@
 """What a streamed tensor is between forwards: a Placeholder with the true shape, dtype and device and no
 storage, so that code asking a model's device or dtype works while any computation with it raises
-StreamedWeightError naming the tensor and its unit (shared by stream.py and expert_stream.py)."""
+StreamedWeightError naming the tensor and its unit (shared by weight streaming and expert streaming)."""
 
 from __future__ import annotations
 

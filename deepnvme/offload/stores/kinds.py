@@ -1,16 +1,17 @@
 """The table of the stores that exist: `open_store(path)` picks one by what is at `path`.
 
-A store kind is one file (store.py says what every store provides): ownstore.py for deepnvme's own
-store, safetensors_store.py for a Hugging Face checkpoint read in place.
+A store kind is a reader (protocol.py says what every store provides): own_read.py for deepnvme's own
+store, safetensors_read.py for a Hugging Face checkpoint read in place.
 """
 
 from __future__ import annotations
 
 import os
 
-from deepnvme.offload.ownstore import MANIFEST, OwnStore
-from deepnvme.offload.safetensors_store import SafetensorsStore
-from deepnvme.offload.store import Store
+from deepnvme.offload.stores.own_format import MANIFEST
+from deepnvme.offload.stores.own_read import OwnStore
+from deepnvme.offload.stores.protocol import Store
+from deepnvme.offload.stores.safetensors_read import SafetensorsStore
 
 
 def open_store(path: str | os.PathLike) -> Store:

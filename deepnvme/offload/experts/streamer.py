@@ -1,6 +1,6 @@
 """Experts streamed as units of their own: what stream_weights does with a model's Mixture-of-Experts layers.
 
-Each expert (expert_sets.py finds them and maps them to the store) is a key of an `ExpertCache` with its
+Each expert (sets.py finds them and maps them to the store) is a key of an `ExpertCache` with its
 own part of the budget; its tensors become placeholders. An expert is read only when tokens are routed to
 it, and stays cached (least recently used evicted) for the next tokens:
 
@@ -29,9 +29,9 @@ it, and stays cached (least recently used evicted) for the next tokens:
   (ExpertCache.prefetch), so the drive reads while the CPU computes; a guess changes no result, and its
   bytes are counted.
 
-The budget is split (`split_budget`): the dense units (the blocks without their experts) get all they
-need to stay in memory when that is at most half of it, else room for two of the largest (one running, one
-read ahead); the experts all the rest.
+The budget is split (budget.py, `split_budget`): the dense units (the blocks without their experts) get
+all they need to stay in memory when that is at most half of it, else room for two of the largest (one
+running, one read ahead); the experts all the rest.
 """
 
 from __future__ import annotations
@@ -42,26 +42,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepnvme.offload.expert_cache import ExpertCache
-from deepnvme.offload.expert_sets import FUSED, ExpertSet, Part, expert_parts, find_expert_sets
-from deepnvme.offload.placeholder import Placeholder
-from deepnvme.offload.store import Blob, Store, check, lease_bytes, runs, tensor_in
+from deepnvme.offload.experts.budget import FULL_USE, expected_share
+from deepnvme.offload.experts.cache import ExpertCache
+from deepnvme.offload.experts.fused import FewExperts, hooked_inside, stack_views
+from deepnvme.offload.experts.sets import FUSED, ExpertSet, Part, expert_parts, find_expert_sets
+from deepnvme.offload.model import Placeholder
+from deepnvme.offload.stores import Blob, Store, check, lease_bytes, runs, tensor_in
 from deepnvme.offload.swap import Lease, SwapSpace
 
-#: The share of a layer's experts its tokens must be expected to use for the next layers' experts to be read
-#: ahead, all of them in order: at this share a tenth of what is read ahead goes unused at most, a price
-#: worth the drive never waiting for the router; below it, the reads no token needs soon outweigh it.
-FULL_USE = 0.9
-
-
-def expected_share(tokens: int, k: int, num_experts: int) -> float:
-    """The share of a layer's `num_experts` experts that `tokens` tokens, each routed to `k` of them, are
-    expected to use when routing spreads evenly: an expert is left out by one token with probability
-    1 - k/E, by all of them with (1 - k/E)^tokens. For 16 tokens and 2 of 8 experts: 0.99; for one: 0.25."""
-    if num_experts <= 0 or tokens <= 0 or k <= 0:
-        return 0.0
-    return 1.0 - (1.0 - min(k, num_experts) / num_experts) ** tokens
-
+_MISSING = object()  # an attribute the module's __dict__ did not have before it was wrapped
 
 @dataclass
 class _Expert:
@@ -70,31 +59,6 @@ class _Expert:
     blobs: list[Blob]
     lease_bytes: int
     units: list[Any] = field(default_factory=list)
-
-
-def split_budget(budget: int, dense_units: list[int], expert_largest: int) -> tuple[int, int]:
-    """(dense pool bytes, expert cache bytes) of `budget`, given the pool bytes of each dense unit (a block
-    without its experts) and of the largest expert.
-
-    Every token runs every dense unit but only k of each layer's E experts, so a byte of dense unit saves
-    more reads than a byte of cache: when all dense units fit in half the budget they get it (read once,
-    then kept across forwards by stream_weights), else room for two of the largest (one runs while the
-    next is read). The experts get the rest, at least their largest; ValueError naming both sizes when
-    even that does not fit."""
-    from deepnvme.offload._doors import PAGE
-
-    budget = budget // PAGE * PAGE
-    largest = max(dense_units, default=0)
-    if largest + expert_largest > budget:
-        raise ValueError(f"budget_bytes={budget} cannot hold the largest unit ({largest} bytes) and "
-                         f"the largest expert ({expert_largest} bytes) together: raise budget_bytes to at "
-                         f"least {largest + expert_largest}")
-    every = sum(dense_units) + PAGE
-    if every <= budget // 2 and every + expert_largest <= budget:
-        dense = every
-    else:
-        dense = min(max(2 * largest, PAGE), budget - expert_largest)
-    return dense, budget - dense
 
 
 class ExpertStreamer:
@@ -257,7 +221,7 @@ class ExpertStreamer:
             # The expert computes while its bytes' CRC is checked on the check thread; its output is
             # returned only once the check has passed (unless a hook inside it would see what it computes:
             # then the check comes first).
-            unchecked = not _hooked_inside(expert)
+            unchecked = not hooked_inside(expert)
             placeholders: list[tuple[dict, str, Any]] = []
             lease = None
             try:
@@ -295,7 +259,7 @@ class ExpertStreamer:
             share = expected_share(top_k_index.numel() // max(1, k), k, s.num_experts)
             self._look_ahead(si, share, hidden_states, k)  # queued behind this layer's own reads
             held: list[tuple[tuple[int, int], Any]] = []
-            unchecked = not _hooked_inside(module)
+            unchecked = not hooked_inside(module)
             try:
                 if self._fit_together(len(keys)):
                     views = {}
@@ -317,7 +281,7 @@ class ExpertStreamer:
                 if hit:
                     lut[torch.tensor(hit, device=top_k_index.device)] = torch.arange(len(hit), **like)
                 index = lut[top_k_index.clamp(0, s.num_experts)]
-                proxy = _Compact(module, num_experts=len(hit), **compact)
+                proxy = FewExperts(module, num_experts=len(hit), **compact)
                 out = orig(proxy, hidden_states, index, top_k_weights, *args, **kwargs)
                 if unchecked:
                     for key, lease in held:
@@ -357,7 +321,7 @@ class ExpertStreamer:
             keys = sorted(keys, key=lambda k: first[k].data_ptr() if first[k] is not None else 0)  # type: ignore[union-attr]
         out = {}
         for p in s.params:
-            stacked = _strided([whole(k, p) for k in keys])
+            stacked = stack_views([whole(k, p) for k in keys])
             self.assembled["viewed" if stacked is not None else "copied"] += 1
             if stacked is None:
                 ph = s.module._parameters[p]
@@ -527,7 +491,7 @@ class ExpertStreamer:
         self._unhook()
 
     def stats(self) -> dict[str, Any]:
-        """The cache's statistics (expert_cache.ExpertCache.stats), the experts' count and bytes, the
+        """The cache's statistics (cache.py, ExpertCache.stats), the experts' count and bytes, the
         layers ahead whose experts are guessed (`lookahead`; 0 when no router was found), whether experts
         are read ahead when nearly all will be used (`read_ahead`), and for fused
         sets how many of the 3-D tensors handed to the experts' forward were views of the cache
@@ -554,50 +518,6 @@ class ExpertStreamer:
             self.cache.close()
 
 
-_MISSING = object()
-
-
-class _Compact:
-    """An experts module seen with some attributes replaced (the few experts' tensors, their count)."""
-
-    def __init__(self, module: nn.Module, **over: Any) -> None:
-        self.__dict__["_module"] = module
-        self.__dict__.update(over)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_module"], name)
-
-
-def _strided(views: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """One tensor with dim 0 over `views` (same shape and dtype, contiguous, at increasing addresses one
-    stride apart) without copying, or None when they do not lie so."""
-    if not views or any(v is None for v in views):
-        return None
-    first = views[0]
-    if len(views) == 1:
-        return first.unsqueeze(0)  # type: ignore[union-attr]
-    ptrs = [v.data_ptr() for v in views]  # type: ignore[union-attr]
-    step = ptrs[1] - ptrs[0]
-    size = first.element_size()  # type: ignore[union-attr]
-    if (step <= 0 or step % size or any(b - a != step for a, b in zip(ptrs, ptrs[1:]))
-            or any(v.shape != first.shape or v.dtype != first.dtype  # type: ignore[union-attr]
-                   or v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()  # type: ignore[union-attr]
-                   for v in views)):
-        return None
-    return torch.as_strided(first, (len(views), *first.shape), (step // size, *first.stride()),  # type: ignore[union-attr]
-                            first.storage_offset())  # type: ignore[union-attr]
-
-
-def _hooked_inside(module: nn.Module) -> bool:
-    """Whether a hook could see what `module`'s forward computes before the forward returns: a forward
-    (pre-)hook on a module inside it, or a global module hook. Hooks on `module` itself run outside it."""
-    from torch.nn.modules import module as nn_module
-
-    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules() if m is not module)
-
-
 def _device(t: torch.Tensor) -> torch.device:
     return torch.device("cpu") if t.is_meta else t.device
 
@@ -609,4 +529,4 @@ def _crc_check(crcs: list[tuple[Blob, Any]]) -> Any:
     return run
 
 
-__all__ = ["FULL_USE", "ExpertStreamer", "expected_share", "split_budget"]
+__all__ = ["ExpertStreamer"]

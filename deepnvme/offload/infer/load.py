@@ -5,7 +5,7 @@ offsets, and a tensor's memory from the allocator is neither; a locked pool buff
 are cut into chunks of at most a quarter of the pool, read ahead in order (ReadAhead: the next chunks are
 on the drive while this one is copied out), and each chunk's bytes are copied into the tensors they
 belong to (to a CUDA device straight from the locked buffer). CRC-32s the store keeps are checked as the
-bytes pass (store.check). Used by load_safetensors, and by stream_weights for the tensors outside units.
+bytes pass (stores.check). Used by load_safetensors, and by stream_weights for the tensors outside units.
 
 Why a load to the CPU also copies through the pool rather than reading each tensor O_DIRECT into its own
 new storage: a new storage's pages are made by whoever touches them first, and on a machine where that is
@@ -22,10 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from deepnvme.offload._doors import crc32
-from deepnvme.offload.preflight import budget_arg
-from deepnvme.offload.safetensors_store import SafetensorsStore
-from deepnvme.offload.store import Blob, Store, TensorInfo, crc_error, lease_bytes
-from deepnvme.offload.swap import ReadAhead, SwapSpace
+from deepnvme.offload.stores import Blob, SafetensorsStore, Store, TensorInfo, crc_error, lease_bytes
+from deepnvme.offload.swap import ReadAhead, SwapSpace, budget_arg
 
 _names = itertools.count()
 

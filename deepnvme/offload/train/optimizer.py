@@ -39,12 +39,8 @@ from typing import Any
 
 import torch
 
-from deepnvme.offload import preflight
 from deepnvme.offload._doors import PAGE, SWAP, madvise, save_streamed
-from deepnvme.offload.closing import Closing
-from deepnvme.offload.pool import round_up
-from deepnvme.offload.queues import Ticket
-from deepnvme.offload.swap import Lease, ReadAhead, SwapSpace, Unit
+from deepnvme.offload.swap import Closing, Lease, ReadAhead, SwapSpace, Ticket, Unit, budget_arg, round_up
 
 # The state key under which checkpoints carry the fp32 master of a parameter (master_weights=True).
 MASTER = "master"
@@ -128,7 +124,7 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
                  tile_bytes: int | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OffloadedOptimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        budget = preflight.budget_arg(DEFAULT_BUDGET if budget_bytes is None else budget_bytes)
+        budget = budget_arg(DEFAULT_BUDGET if budget_bytes is None else budget_bytes)
         self._closed = True  # until the swap space exists
         self.optimizer = optimizer
         self.master_weights = bool(master_weights)

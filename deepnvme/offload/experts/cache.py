@@ -43,9 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepnvme.offload._doors import new_handle
-from deepnvme.offload.closing import Closing
-from deepnvme.offload.pool import BufferPool, round_up
-from deepnvme.offload.swap import Lease, SwapSpace, Unit
+from deepnvme.offload.swap import BufferPool, Closing, Lease, SwapSpace, Unit, round_up
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The swap space: named units of bytes in files on a drive, moved through one budgeted pool of locked memory.
 
 A unit is a byte range of a file: (file, offset, nbytes). Units the space owns live in one swap file of its
-own subdirectory (see swapdir), each at a page-aligned offset and padded to whole pages for O_DIRECT, the
+own subdirectory (see folders.py), each at a page-aligned offset and padded to whole pages for O_DIRECT, the
 true length kept; units of existing files (read-only, e.g. tensors in a safetensors shard) are read from
 where they are, the pages around them read too so that the read stays O_DIRECT, and the view given back is
 the true range. Space for owned units is reserved with fallocate when they are added, so a full disk shows
@@ -26,11 +26,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deepnvme.offload import preflight, swapdir
 from deepnvme.offload._doors import PAGE, check_settings, locked_bytes, new_handle
-from deepnvme.offload.closing import Closing
-from deepnvme.offload.pool import Buffer, BufferPool, round_up
-from deepnvme.offload.queues import DEMAND, PREFETCH, IOQueue, Ticket, check_runner, run_check
+from deepnvme.offload.swap import folders, preflight
+from deepnvme.offload.swap.closing import Closing
+from deepnvme.offload.swap.pool import Buffer, BufferPool, round_up
+from deepnvme.offload.swap.queues import DEMAND, PREFETCH, IOQueue, Ticket, check_runner, run_check
 
 SWAP_FILE = "swap.bin"
 # Spaces still open when the interpreter exits are closed first: a read still in flight on a handle's
@@ -222,12 +222,12 @@ class SwapSpace(Closing):
         if directory is not None:
             directory = os.path.abspath(os.fspath(directory))
             preflight.check_writable(directory)
-            swapdir.remove_stale(directory)
+            folders.remove_stale(directory)
             if expected_bytes:
                 preflight.check_free_space(directory, expected_bytes)
         self.directory = directory
         self.handle_settings = settings
-        self.path = None if directory is None else swapdir.make_own(directory)
+        self.path = None if directory is None else folders.make_own(directory)
         self.file = None if self.path is None else os.path.join(self.path, SWAP_FILE)
         self._fd = -1
         self._ext: dict[str, int] = {}
@@ -437,7 +437,7 @@ class SwapSpace(Closing):
         self._fd = -1
         self._ext.clear()
         if getattr(self, "path", None) is not None:
-            swapdir.remove_own(self.path)
+            folders.remove_own(self.path)
 
 
 

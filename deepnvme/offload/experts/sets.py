@@ -3,8 +3,9 @@ keeps them: what streaming needs to make every expert a unit of its own.
 
 Two kinds of expert sets are found:
 
-* ``modules``: a :class:`deepnvme.moe.experts.Experts` (one module per expert in ``deepspeed_experts``, as
-  in DeepSpeed). Expert e is the module ``<set>.deepspeed_experts.<e>``; its tensors keep their names.
+* ``modules``: a :class:`deepnvme.moe.experts.Experts`, recognised by its contract (one module per expert
+  in ``deepspeed_experts``, as in DeepSpeed, and the ``before_run`` hook). Expert e is the module
+  ``<set>.deepspeed_experts.<e>``; its tensors keep their names.
 * ``fused``: a Hugging Face experts module of transformers 5 (Mixtral's ``MixtralExperts`` and its kin:
   ``num_experts`` and 3-D parameters such as ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], whose
   slice e along dim 0 is expert e; forward takes ``(hidden_states, top_k_index, top_k_weights)``). Expert
@@ -29,8 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deepnvme.offload.model_map import _conversions, _plain, find_tensor
-from deepnvme.offload.store import StoreError, TensorInfo, check_kind
+from deepnvme.offload.model import conversions, find_tensor, plain_pattern
+from deepnvme.offload.stores import StoreError, TensorInfo, check_kind
 
 MODULES, FUSED = "modules", "fused"
 
@@ -117,16 +118,25 @@ def _is_fused_experts(mod: nn.Module) -> tuple[str, ...] | None:
     return params
 
 
+def _is_module_experts(mod: nn.Module) -> bool:
+    """Whether `mod` keeps the contract of deepnvme.moe's Experts: one module per expert in the ModuleList
+    ``deepspeed_experts`` (DeepSpeed's name), ``num_local_experts`` of them, and the ``before_run`` hook
+    the MoE layer calls with the experts about to run. Recognised by that contract rather than by class, so
+    that offload needs nothing from deepnvme.moe (it reaches the rest of deepnvme through _core only)."""
+    experts = getattr(mod, "deepspeed_experts", None)
+    n = getattr(mod, "num_local_experts", None)
+    return (isinstance(experts, nn.ModuleList) and type(n) is int and n == len(experts)
+            and hasattr(mod, "before_run"))
+
+
 def find_expert_sets(model: nn.Module) -> list[ExpertSet]:
     """The expert sets of `model`, in named_modules() order (the order layers run in a transformer)."""
-    from deepnvme.moe.experts import Experts
-
     out: list[ExpertSet] = []
     inside: list[str] = []
     for name, mod in model.named_modules():
         if any(name.startswith(p + ".") for p in inside):
             continue
-        if isinstance(mod, Experts):
+        if _is_module_experts(mod):
             out.append(ExpertSet(name, mod, MODULES, mod.num_local_experts))
             inside.append(name)
             continue
@@ -172,11 +182,11 @@ def _per_expert_sources(model: nn.Module, s: ExpertSet, param: str, e: int) -> l
     """Checkpoint names of the tensors that form slice e of fused parameter `param`, concatenated along
     dim 0, from the model's conversion table (None when the table has no plain entry for it)."""
     full = f"{s.name}.{param}"
-    for conv in _conversions(model):
+    for conv in conversions(model):
         if type(conv).__name__ != "WeightConverter" or len(conv.target_patterns) != 1:
             continue
         target = conv.target_patterns[0]
-        if not full.endswith(target.lstrip(".")) or not _plain(target):
+        if not full.endswith(target.lstrip(".")) or not plain_pattern(target):
             continue
         ops = [(type(o).__name__, getattr(o, "dim", None)) for o in conv.operations]
         if ops not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):

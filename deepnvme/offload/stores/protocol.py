@@ -1,20 +1,22 @@
 """The store protocol: where the bytes of a model's tensors lie on the drive, for streaming them.
 
-Weights are streamed from a store (stream.py; the MoE expert cache reads experts the same way). A store
-says, for each tensor name (the model's state-dict names), where its bytes are: a `TensorInfo` with the
-file, the byte offset, the length, the dtype and the shape; nothing is read when a store is opened beyond
-its header or manifest, which is validated then (a tensor past the end of its file, a length that does
-not match dtype and shape, an unknown dtype: a `StoreError` naming the tensor and the file).
+Weights are streamed from a store (deepnvme.offload.infer; the MoE expert cache reads experts the same
+way). A store says, for each tensor name (the model's state-dict names), where its bytes are: a
+`TensorInfo` with the file, the byte offset, the length, the dtype and the shape; nothing is read when a
+store is opened beyond its header or manifest, which is validated then (a tensor past the end of its
+file, a length that does not match dtype and shape, an unknown dtype: a `StoreError` naming the tensor
+and the file).
 
 Readers move bytes in `Blob`s: a byte range of one file covering one or more tensors. `blobs(names)`
-covers the named tensors with as few ranges as it can: deepnvme's own store (ownstore.py) keeps each
+covers the named tensors with as few ranges as it can: deepnvme's own store (own_read.py) keeps each
 unit's tensors in one aligned, contiguous blob, so a unit is one request; a safetensors checkpoint
-(safetensors_store.py) gives the runs of tensors that lie back to back in a file. Blobs
+(safetensors_read.py) gives the runs of tensors that lie back to back in a file. Blobs
 carry the CRC-32 of their bytes where the store keeps one (deepnvme's store does; safetensors has none):
 readers check it with `check(blob, data)`.
 
 Implementations: `SafetensorsStore` (a Hugging Face checkpoint, one file or sharded, read in place) and
-`OwnStore` (written by `write_store`). `open_store(path)` picks by what is at `path`.
+`OwnStore` (written by own_write.py, from a model by `write_store`). `open_store(path)` (kinds.py)
+picks by what is at `path`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from deepnvme.offload._doors import PAGE, crc32
-from deepnvme.offload.pool import round_up
+from deepnvme.offload.swap import round_up
 
 # Tensors of one run may be apart by up to this many bytes and still be read in one request (the gap is
 # read and ignored): one request costs more than a page of bandwidth.

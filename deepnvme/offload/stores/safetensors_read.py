@@ -1,4 +1,4 @@
-"""A Hugging Face safetensors checkpoint as a store (store.py), read in place: one file or sharded.
+"""A Hugging Face safetensors checkpoint as a store (protocol.py), read in place: one file or sharded.
 
 The format: 8 bytes of little-endian header length, a JSON header (per tensor: dtype, shape, data_offsets
 relative to the end of the header), then the data. Sharded checkpoints have `model.safetensors.index.json`
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from deepnvme.offload._doors import open_regular
-from deepnvme.offload.ownstore import MANIFEST
-from deepnvme.offload.store import Blob, StoreError, TensorInfo, runs
+from deepnvme.offload.stores.own_format import MANIFEST
+from deepnvme.offload.stores.protocol import Blob, StoreError, TensorInfo, runs
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -145,7 +145,7 @@ def _weight_map(index: str) -> dict[str, str]:
 
 
 class SafetensorsStore:
-    """The tensors of a safetensors checkpoint at `path`, by name (see the module and store.py)."""
+    """The tensors of a safetensors checkpoint at `path`, by name (see the module and protocol.py)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.path.abspath(os.fspath(path))
