@@ -30,7 +30,7 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
     """torch.save(obj) to `path` atomically, storage payloads written O_DIRECT from the tensors' memory.
 
     `handle` is an aio_handle (default: this thread's own for checkpoints in that directory, see
-    deepnvme._core.handles.checkpoint_settings: a tuned file there or the process's, else 8 MiB blocks).
+    deepnvme.defaults.checkpoint_settings(): a tuned file there or the process's, else 8 MiB blocks).
     Raises FileNotFoundError when the directory is missing, IsADirectoryError when `path` is a directory,
     OSError (errno, path) when a write fails — ENOSPC included — and pickling errors as torch.save does; in
     every case a file that was at `path` before is left as it was. `checksum=False` leaves every record's
