@@ -77,9 +77,10 @@ STAGING_POOL_MAX_BYTES = 64 << 30
 #: csrc/aio/handle_config.h's make_config), and deepnvme._core.handles.check_settings checks the library's
 #: and the tuned-settings files' against the same table, before any handle is made.
 HANDLE_LIMITS: dict[str, tuple[int, str]] = {
-    # The handle cuts no request into parts larger than 1 GiB (engine.h kMaxOpBytes); a larger block only
-    # wastes staging.
-    "block_size": (1 << 30, "the largest request part the handle issues"),
+    # DeepSpeed's callers pass a tensor's size as its block, so any block a tensor could have is taken; the
+    # handle itself cuts no request into parts above 1 GiB (engine.h kMaxOpBytes). The bound keeps size
+    # arithmetic far from wrapping around 64 bits.
+    "block_size": (1 << 62, "any tensor's size; parts above 1 GiB are cut by the handle"),
     # io_uring rings hold at most 32768 entries (IORING_MAX_ENTRIES), and libaio's contexts share the
     # system-wide fs.aio-max-nr (65536 by default) with every other process.
     "queue_depth": (32768, "io_uring's largest ring (IORING_MAX_ENTRIES)"),

@@ -41,7 +41,8 @@ def test_other_checks_follow_the_same_rule() -> None:
 @pytest.mark.parametrize("settings, error, name", [
     ({"queue_depth": 100000}, ValueError, "queue_depth"),
     ({"queue_depth": 0}, ValueError, "queue_depth"),
-    ({"block_size": 2 << 30}, ValueError, "block_size"),
+    ({"block_size": (1 << 62) + 1}, ValueError, "block_size"),
+    ({"block_size": -1}, ValueError, "block_size"),
     ({"intra_op_parallelism": 1.5}, TypeError, "intra_op_parallelism"),
     ({"overlap_events": 1}, TypeError, "overlap_events"),
     ({"engine": 3}, TypeError, "engine"),
@@ -87,7 +88,7 @@ def test_memlock_limit_is_one_rule() -> None:
     import resource
 
     from deepnvme._core.memory import memlock_limit
-    from deepnvme.offload import preflight
+    from deepnvme.offload.swap import preflight
 
     assert memlock_limit(8 << 20, privileged=False) == 8 << 20
     assert memlock_limit(8 << 20, privileged=True) is None

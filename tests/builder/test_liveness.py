@@ -67,7 +67,7 @@ def test_stale_temporaries_go_by_the_same_rule(tmp_path: Path, live: subprocess.
 
 
 def test_the_swap_folders_use_the_same_marks() -> None:
-    from deepnvme.offload import swapdir
+    from deepnvme.offload.swap import folders as swapdir
 
     assert swapdir.own_name().endswith(f"-{owner_mark()}")
     assert not swapdir.is_stale(swapdir.own_name())
