@@ -14,6 +14,10 @@ from here.
                      to it, plus the rule that errors name the caller's path), opening regular files
                      only, and the seekable read-only stream torch's zip reader is handed
 - :mod:`.zipformat`  the zip layout of torch's archives, read and written in one place
+- :mod:`.saving`     ``deepnvme.save`` itself (deepnvme.serialization is its face): the temporary, the
+                     handle, the atomic replace; here because offload writes torch-format files too
+- :mod:`.archive_writer`  the stream torch.save writes into, with its CRC-32s
+- :mod:`.interrupts` Ctrl-C inside torch's callbacks, found again under the error torch wraps it in
 - :mod:`.errors`     the checkpoint format error and the "with path" wrapping of OSError
 - :mod:`.crc`        zip's CRC-32 at the fastest speed this machine offers
 - :mod:`.checks`     argument checks: TypeError for a wrong type, ValueError for a wrong value, both naming

@@ -1,7 +1,8 @@
 """Every import deepnvme.offload takes from the rest of deepnvme, in one place: the private core's page
 size, round_up, madvise and locked-memory limit, its handles (the recommended settings, the swap's, and
 their check), the O_DIRECT opener (the project's one refusal rule), the owner-process liveness rule, the
-compiled ops, CRC-32, the atomic file replacement and the regular-file open, and deepnvme.save."""
+compiled ops, CRC-32, the atomic file replacement and the regular-file open, and deepnvme.save (its
+writing half is in the core for this door's sake)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def locked_bytes() -> int:
 
 
 def save_streamed(obj: Any, path: Any, payloads: Any) -> None:
-    """deepnvme.save of `obj`, each storage's bytes given by `payloads(storage)` (serialization.save)."""
-    from deepnvme.serialization import save
+    """deepnvme.save of `obj`, each storage's bytes given by `payloads(storage)`."""
+    from deepnvme._core.saving import save  # imports torch: only when a save runs
 
     save(obj, path, payloads=payloads)

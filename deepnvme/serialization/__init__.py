@@ -30,15 +30,20 @@ torch.save wrote. Both are built on torch.save/torch.load themselves:
   (map_location="meta") or byte-swaps them first (a big-endian file), torch's own storages are filled.
 
 Where things are (this package's modules, internal to it: its public face is ``__all__`` and the
-save and load switches named in ``_KNOBS``, below):
+save and load switches named in ``_KNOBS``, below). The writing half lives in the private core, because
+deepnvme.offload writes torch-format files through it too and reaches the rest of deepnvme through
+``_core`` only:
 
-- :mod:`.saving`          ``save``: the temporary, the handle, the atomic replace, freeing the replaced file
-- :mod:`.archive_writer`  the stream torch.save writes into, its CRC-32s, the page-aligned payload setting
+- :mod:`deepnvme._core.saving`          ``save``: the temporary, the handle, the atomic replace, freeing the
+                                        replaced file
+- :mod:`deepnvme._core.archive_writer`  the stream torch.save writes into, its CRC-32s, the page-aligned
+                                        payload setting
+- :mod:`deepnvme._core.interrupts`      Ctrl-C inside torch's callbacks, found again under the error torch
+                                        wraps it in (save's and load's)
 - :mod:`.loading`         ``load``: torch.load over the archive read by the handles; its errors named
 - :mod:`.archive_reader`  the file object torch.load reads through (on demand, or served from the prefetch)
 - :mod:`.prefetch`        the whole archive read ahead in batches on two handles, CRC-32s checked beside
 - :mod:`.read_errors`     what a truncated, damaged or unexpectedly laid-out archive is reported as
-- :mod:`.interrupts`      Ctrl-C inside torch's callbacks, found again under the error torch wraps it in
 
 Importing this package does not import torch.
 """
@@ -49,11 +54,12 @@ import sys
 import types
 from typing import Any
 
+from deepnvme._core import archive_writer, saving
 from deepnvme._core.errors import CheckpointFormatError
 from deepnvme._core.files import TEMP_SUFFIX
-from deepnvme.serialization import archive_reader, archive_writer, prefetch, saving
+from deepnvme._core.saving import save
+from deepnvme.serialization import archive_reader, prefetch
 from deepnvme.serialization.loading import load
-from deepnvme.serialization.saving import save
 
 __all__ = ["TEMP_SUFFIX", "CheckpointFormatError", "load", "save"]
 

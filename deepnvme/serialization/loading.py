@@ -13,8 +13,8 @@ from deepnvme._core.checks import check_path
 from deepnvme._core.errors import CheckpointFormatError, RefusedPickle, with_path
 from deepnvme._core.files import open_regular
 from deepnvme._core.handles import checkpoint_handle
+from deepnvme._core.interrupts import interruption, interrupts_noted
 from deepnvme.serialization.archive_reader import ArchiveReader
-from deepnvme.serialization.interrupts import interruption, interrupts_noted
 from deepnvme.serialization.read_errors import Mispredicted
 
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import deepnvme
+from deepnvme._core.archive_writer import SaveStream, page_aligned_storages, storages_of
 from deepnvme._core.direct import DIRECT_MIN_BYTES, AlignedWriter, close_pair, open_for_write
 from deepnvme._core.memory import PAGE, aligned_buffer, byte_view
 from deepnvme._core.zipformat import read_records as _records
 from deepnvme.serialization import CheckpointFormatError
 from deepnvme.serialization.archive_reader import ArchiveReader
-from deepnvme.serialization.archive_writer import SaveStream, page_aligned_storages, storages_of
 
 BIG = DIRECT_MIN_BYTES + 12_345  # a payload large enough for the direct path, with a partial last page
 

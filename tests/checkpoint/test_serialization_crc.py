@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 import deepnvme
 from deepnvme import serialization
 from deepnvme._core import crc as crc_module
-from deepnvme._core import zipformat
+from deepnvme._core import saving, zipformat
 from deepnvme._core.direct import DIRECT_MIN_BYTES
 from deepnvme._core.memory import PAGE
-from deepnvme.serialization import prefetch, saving
+from deepnvme.serialization import prefetch
 
 BIG = DIRECT_MIN_BYTES + 12_345
 

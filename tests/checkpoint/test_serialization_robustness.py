@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme._core import zipformat
+from deepnvme._core import saving, zipformat
 from deepnvme._core.direct import DIRECT_MIN_BYTES
 from deepnvme._core.memory import PAGE
-from deepnvme.serialization import TEMP_SUFFIX, archive_reader, saving
+from deepnvme.serialization import TEMP_SUFFIX, archive_reader
 
 # Several whole pages between a partial first and last page: head, tail and the O_DIRECT middle all read.
 NUMEL = (DIRECT_MIN_BYTES + 5 * PAGE + 123) // 4

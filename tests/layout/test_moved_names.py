@@ -13,7 +13,8 @@ import pytest
 
 import deepnvme
 from deepnvme import filesystem, serialization
-from deepnvme.serialization import archive_reader, archive_writer, prefetch, saving
+from deepnvme._core import archive_writer, saving
+from deepnvme.serialization import archive_reader, prefetch
 
 
 def test_the_old_files_module_warns_naming_the_new_one_and_gives_its_names() -> None:
@@ -77,4 +78,5 @@ def test_a_switch_set_on_serialization_is_set_where_it_is_read(monkeypatch: pyte
         monkeypatch.setattr(serialization, name, before)  # as the tests and bench set them
         assert getattr(owner, name) == before
     finally:
+        monkeypatch.undo()  # its undo would set back the value it found, the changed one
         setattr(owner, name, before)

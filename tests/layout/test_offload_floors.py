@@ -5,8 +5,8 @@
 - a floor imports only the floors below it (train and infer, the users, stand side by side and import
   neither the other), and those through their faces only (`deepnvme.offload.swap`, never
   `deepnvme.offload.swap.pool`); no floor imports the package face or _moved;
-- only the door imports the rest of deepnvme (or op_builder), and it imports deepnvme._core only, save
-  the exceptions in DOOR_EXCEPTIONS, each with its reason;
+- only the door imports the rest of deepnvme (or op_builder), and it imports deepnvme._core only (an
+  exception would go in DOOR_EXCEPTIONS, with its reason; there is none);
 - no name with a leading underscore is imported from another file (a private submodule of the importer's
   own package is its package's, and may be);
 - no module over MAX_LINES lines, no function over MAX_FUNCTION lines; no two module names one letter
@@ -26,11 +26,7 @@ FLOORS: dict[str, int] = {"swap": 0, "stores": 1, "model": 2, "experts": 3, "tra
 DOOR = f"{PACKAGE}._doors"
 OUTSIDE_FLOORS = {PACKAGE, DOOR, f"{PACKAGE}._moved"}
 #: What the door may import outside deepnvme._core, and why.
-DOOR_EXCEPTIONS = {
-    "deepnvme.serialization": "OffloadedOptimizer.save streams its state through deepnvme.save's payloads "
-                              "(serialization.save); the format's writer is to move into _core when "
-                              "serialization.py is split by job (issue 34, point 3)",
-}
+DOOR_EXCEPTIONS: dict[str, str] = {}
 MAX_LINES = 600
 MAX_FUNCTION = 100
 

@@ -12,14 +12,14 @@ import threading
 from typing import Any
 
 from deepnvme._core.aio_types import AioHandle
+from deepnvme._core.archive_writer import SaveStream, page_aligned_storages, storages_of
 from deepnvme._core.checks import check_path
 from deepnvme._core.direct import AlignedWriter, close_pair, open_for_write
 from deepnvme._core.errors import with_path
 from deepnvme._core.files import close_all, commit, discard, open_into, temporary_name
 from deepnvme._core.handles import checkpoint_handle
+from deepnvme._core.interrupts import interruption, interrupts_noted
 from deepnvme._core.memory import aligned_buffer
-from deepnvme.serialization.archive_writer import SaveStream, page_aligned_storages, storages_of
-from deepnvme.serialization.interrupts import interruption, interrupts_noted
 
 # Each of the two staging buffers for the small records between payloads.
 STAGING_BYTES = 4 << 20
