@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import torch
 
 from deepnvme.offload import ReadAhead, SwapSpace
 from deepnvme.offload._doors import PAGE, locked_bytes
-from deepnvme.offload.swap import DEMAND, Ticket, folders, preflight
+from deepnvme.offload.swap import DEMAND, MAX_REQUESTS_IN_FLIGHT, Ticket, folders, preflight
 from tests.offload.helpers import in_forked_child, open_fds, tmpfs
 
 SIZES = [1, 511, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17, 100_000]
@@ -122,43 +123,73 @@ def test_writes_never_delay_reads_and_completion_is_per_request(workdir: Path) -
 
 
 def test_two_requests_in_flight_each_way(workdir: Path) -> None:
-    """With requests_in_flight=2 reads go on while one read thread is held, and the free thread serves a
-    demanded read before queued prefetches; a lease written in several requests, completed on both write
-    threads, gives its memory back exactly once."""
+    """With requests_in_flight=2 two reads are issued on the one read handle at once, while the queue's
+    thread is still busy completing an earlier one; when slots free up, a demanded read is issued before
+    queued prefetches; a lease written in several requests in flight at once gives its memory back exactly
+    once."""
     with SwapSpace(workdir, 1 << 20, requests_in_flight=2) as space:
         data = _fill(space, [PAGE] * 8)
         units = [space.unit(f"u{i}") for i in range(8)]
-        gates = [threading.Event(), threading.Event()]
-        held = [space.reads.submit(Ticket(space.pool.acquire(PAGE).tensor, space._fd, 0, space.file, False,
-                                          lambda _t, g=g: g.wait())) for g in gates]
-        while not all(t.started for t in held):  # both read threads are busy with these two
+        gate = threading.Event()
+        held = space.reads.submit(Ticket(space.pool.acquire(PAGE).tensor, space._fd, 0, space.file, False,
+                                         lambda _t: gate.wait()))
+        while held.ended == 0.0:  # its transfer is over: the queue's thread now waits in its callback
             time.sleep(0.001)
-        order: list[int] = []
+        both = [space.read([units[i]]) for i in (0, 1)]
+        assert all(t.started for le in both for t in le.tickets)  # both in the drive, neither waited for
         leases = [space.read([units[i]]) for i in range(2, 6)]
-        for i, le in zip(range(2, 6), leases):
-            for t in le.tickets:
-                t.on_done = lambda _t, i=i: order.append(i)
+        assert not any(t.started for le in leases for t in le.tickets)  # both slots are taken
         leases[-1].demand()
-        gates[0].set()  # one thread free, the other still held
-        for le in leases:
+        assert not held.done()
+        gate.set()
+        for le in both + leases:
             le.wait()
-        assert order == [5, 2, 3, 4] and not held[1].done()
-        for le, i in zip(leases, range(2, 6)):
+        began = [le.tickets[0].began for le in leases]
+        assert began[3] < min(began[:3]) and began[:3] == sorted(began[:3]), began
+        assert leases[-1].tickets[0].priority == DEMAND
+        for le, i in zip(both + leases, range(6)):
             assert torch.equal(le.view(units[i]), data[i])
             le.release()
-        gates[1].set()
-        held[1].wait()
-        for _ in range(20):  # units out of file order: one write request each, on either thread
+        held.wait()
+        for _ in range(20):  # units out of file order: one write request each, two in flight
             lease = space.read(units[::-1], demand=True)
             lease.wait()
             assert len(lease.write_back()) == 8
             space.wait_writes()
-            assert space.pool.in_use == 2 * PAGE  # the two held tickets' buffers only
+            assert space.pool.in_use == PAGE  # the held ticket's buffer only
         for i, u in enumerate(units):
             lease = space.read([u], demand=True)
             lease.wait()
             assert torch.equal(lease.view(u), data[i])
             lease.release()
+
+
+def test_many_requests_in_flight_complete_each_on_its_own(workdir: Path) -> None:
+    """requests_in_flight=8 on one handle per direction: every ticket completes on its own, with its own
+    bytes; an issued request that fails (its file cut short under the space) fails its ticket alone, with
+    an OSError naming the file, and the requests around it succeed."""
+    path = workdir / "ext.bin"
+    gen = torch.Generator().manual_seed(3)
+    payload = torch.randint(0, 256, (64 * PAGE,), dtype=torch.uint8, generator=gen)
+    path.write_bytes(payload.numpy().tobytes())
+    with SwapSpace(None, 1 << 20, requests_in_flight=8) as space:
+        units = [space.add_external(f"e{i}", path, i * 8 * PAGE, 8 * PAGE) for i in range(8)]
+        leases = [space.read([u]) for u in units]
+        for i, (le, u) in enumerate(zip(leases, units)):
+            le.wait()
+            assert torch.equal(le.view(u), payload[i * 8 * PAGE:(i + 1) * 8 * PAGE])
+            le.release()
+        os.truncate(path, 4 * 8 * PAGE)  # the last four units are gone
+        leases = [space.read([u]) for u in units]
+        for i, le in enumerate(leases):
+            if i < 4:
+                le.wait()
+                assert torch.equal(le.view(units[i]), payload[i * 8 * PAGE:(i + 1) * 8 * PAGE])
+            else:
+                with pytest.raises(OSError, match="ext.bin") as info:
+                    le.wait()
+                assert info.value.errno == errno.EIO and info.value.filename == str(path)
+            le.release()
 
 
 @pytest.mark.parametrize("parts", [2, 3, 64])
@@ -225,7 +256,7 @@ def test_handle_settings_checked(workdir: Path, settings: dict, error: type) -> 
     assert os.listdir(workdir) == []
 
 
-@pytest.mark.parametrize("bad", [0, 17, True, 1.5, "2"])
+@pytest.mark.parametrize("bad", [0, MAX_REQUESTS_IN_FLIGHT + 1, True, 1.5, "2"])
 def test_requests_in_flight_checked(workdir: Path, bad: object) -> None:
     with pytest.raises(ValueError, match="requests_in_flight"):
         SwapSpace(workdir, 1 << 20, requests_in_flight=bad)  # type: ignore[arg-type]

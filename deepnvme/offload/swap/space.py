@@ -7,11 +7,12 @@ where they are, the pages around them read too so that the read stays O_DIRECT, 
 the true range. Space for owned units is reserved with fallocate when they are added, so a full disk shows
 up then, naming the directory, and never as a short write later.
 
-Reads and writes go through two queues (queues.IOQueue), each with `requests_in_flight` threads and
-handles (one by default); every request has its own ticket. Units that lie back to back in a file and in a
-lease move in one request. A `Lease` is the memory of a group of units (one pool buffer, the units laid out
-in it at page boundaries) and the tickets of their reads; `ReadAhead` issues the leases of a sequence of
-groups in order, as far ahead as the pool has room, and demands the one the caller needs next.
+Reads and writes go through two queues (queues.IOQueue), each keeping `requests_in_flight` requests in
+flight on one aio handle (one by default) and completing each on its own ticket. Units that lie back to
+back in a file and in a lease move in one request. A `Lease` is the memory of a group of units (one pool
+buffer, the units laid out in it at page boundaries) and the tickets of their reads; `ReadAhead` issues the
+leases of a sequence of groups in order, as far ahead as the pool has room, and demands the one the caller
+needs next.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from deepnvme.offload.swap.pool import Buffer, BufferPool, round_up
 from deepnvme.offload.swap.queues import DEMAND, PREFETCH, IOQueue, Ticket, check_runner, run_check
 
 SWAP_FILE = "swap.bin"
+#: The most requests a queue keeps in flight: each holds a pool buffer's worth of the budget in the drive,
+#: and past a few the drive is saturated (the handle splits each request over its own queue depth).
+MAX_REQUESTS_IN_FLIGHT = 64
 # Spaces still open when the interpreter exits are closed first: a read still in flight on a handle's
 # threads at exit would otherwise end the process with std::terminate.
 _OPEN: weakref.WeakSet[SwapSpace] = weakref.WeakSet()
@@ -195,9 +199,10 @@ class SwapSpace(Closing):
     writable, O_DIRECT or a warning), `expected_bytes` against the free space. Stale subdirectories of
     dead processes in `directory` are removed. `close()` removes this space's files.
 
-    `requests_in_flight` is how many requests each queue serves at once (a thread and an aio handle each;
-    `handle`, if given, is the pool's and the first reader's). One keeps requests strictly one after
-    another; two keep the drive busy across each request's tail, which is what a stream of tiles needs.
+    `requests_in_flight` is how many requests each queue keeps in the drive at once, on its one aio handle
+    (`handle`, if given, is the pool's, which allocates its locked memory through it). One keeps requests
+    strictly one after another; two or more keep the drive busy across each request's tail, which is what
+    a stream of tiles needs.
 
     `handle_settings` are the aio_handle settings of every handle the space makes (over the project's
     recommended ones; checked first, a bad one raising ValueError/TypeError naming it).
@@ -216,8 +221,9 @@ class SwapSpace(Closing):
         budget_bytes = preflight.budget_arg(budget_bytes)
         settings = check_settings(handle_settings or {})  # a bad value fails here, before anything is made
         if (isinstance(requests_in_flight, bool) or not isinstance(requests_in_flight, int)
-                or not 1 <= requests_in_flight <= 16):
-            raise ValueError(f"requests_in_flight must be an int from 1 to 16, got {requests_in_flight!r}")
+                or not 1 <= requests_in_flight <= MAX_REQUESTS_IN_FLIGHT):
+            raise ValueError(f"requests_in_flight must be an int from 1 to {MAX_REQUESTS_IN_FLIGHT}, got "
+                             f"{requests_in_flight!r}")
         preflight.check_memlock(budget_bytes, locked_bytes())
         if directory is not None:
             directory = os.path.abspath(os.fspath(directory))
@@ -243,13 +249,13 @@ class SwapSpace(Closing):
         try:
             if self.file is not None:
                 self._fd, self.direct = preflight.open_direct(self.file, os.O_RDWR | os.O_CREAT | os.O_EXCL)
-            self.pool = BufferPool(budget_bytes, handle if handle is not None else new_handle(**settings))
-            more = requests_in_flight - 1
-            self.reads = IOQueue(handle if handle is not None else new_handle(**settings), "read",
-                                 [new_handle(**settings) for _ in range(more)])
+            # The queues' handles are their own (a queue completes whatever its handle reports done); the
+            # pool only allocates through its handle, so it shares the read queue's unless given one.
+            read_handle = new_handle(**settings)
+            self.pool = BufferPool(budget_bytes, handle if handle is not None else read_handle)
+            self.reads = IOQueue(read_handle, "read", requests_in_flight)
             if self.file is not None:
-                self.writes = IOQueue(new_handle(**settings), "write",
-                                      [new_handle(**settings) for _ in range(more)])
+                self.writes = IOQueue(new_handle(**settings), "write", requests_in_flight)
         except BaseException:
             self.close()
             raise
@@ -367,7 +373,7 @@ class SwapSpace(Closing):
         priority = DEMAND if demand else PREFETCH
         runs = lease.runs(lease.units, parts)
         left = [len(runs)]
-        count = threading.Lock()  # a queue with several threads completes the runs on any of them
+        count = threading.Lock()  # a run the handle refuses at once completes on the submitting thread
         if check is not None:
             lease.checked = concurrent.futures.Future()
 
