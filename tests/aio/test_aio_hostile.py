@@ -27,6 +27,7 @@ PRELUDE = textwrap.dedent("""
     import torch
     from op_builder import AsyncIOBuilder
     m = AsyncIOBuilder().load()
+    from tests.support.forks import reap_child
     U8 = torch.empty(0, dtype=torch.uint8)
     d = sys.argv[1]
 
@@ -289,16 +290,7 @@ def test_fork_child_with_idle_and_busy_handles(workdir: Path) -> None:
                 assert h.sync_pread(back, f"{d}/c-{engine}") == 1
                 assert torch.equal(back, t)
             sys.exit(0)  # a normal exit: the inherited handles are destroyed at interpreter shutdown
-        deadline = time.monotonic() + 60
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                raise AssertionError("the child hung")
-            time.sleep(0.05)
-        assert os.waitstatus_to_exitcode(status) == 0, status
+        assert reap_child(pid, 60) == 0
         assert busy.wait() == 3
         for i in range(3):
             with open(f"{d}/p{i}", "rb") as f:

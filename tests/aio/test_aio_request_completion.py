@@ -295,6 +295,7 @@ PRELUDE = textwrap.dedent("""
     import torch
     from op_builder import AsyncIOBuilder
     m = AsyncIOBuilder().load()
+    from tests.support.forks import reap_child
     d = sys.argv[1]
     gate = f"{d}/gate"
     os.mkdir(gate)
@@ -396,16 +397,7 @@ def test_fork_child_refuses_and_parent_request_completes(workdir: Path) -> None:
                 else:
                     raise AssertionError(f"call {i}: an inherited handle took work")
             sys.exit(0)  # a normal exit: the inherited handle is destroyed at interpreter shutdown
-        deadline = time.monotonic() + 60
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                raise AssertionError("the child hung")
-            time.sleep(0.01)
-        assert os.waitstatus_to_exitcode(status) == 0, status
+        assert reap_child(pid, 60) == 0
         assert h.request_done(rid) is False
         open(f"{gate}/go.1", "w").close()
         assert h.wait_request(rid) == len(data)

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from forks import reap_child
 from mounts import mounted
 
 HANG = 60.0  # seconds: far beyond what a test's child does; reaching it means a hang
@@ -46,16 +45,6 @@ def in_forked_child(body: Callable[[], None]) -> str:
         os.write(w, msg.encode()[-4000:])
         os._exit(0)
     os.close(w)
-    deadline = time.monotonic() + HANG
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        os.close(r)
-        raise AssertionError("the forked child hung")
     with os.fdopen(r, "rb") as f:
-        return f.read().decode() or f"the child exited with status {status} and said nothing"
+        code = reap_child(pid, HANG, 0.05)
+        return f.read().decode() or f"the child exited with status {code} and said nothing"
