@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from thread_helpers import wait_until
 
 from deepnvme.offload import ReadAhead, SwapSpace
 from deepnvme.offload._doors import PAGE, locked_bytes
 from deepnvme.offload.swap import DEMAND, MAX_REQUESTS_IN_FLIGHT, Ticket, folders, preflight
+from deepnvme.offload.swap.queues import IOQueue
 from tests.offload.helpers import in_forked_child, open_fds, tmpfs
 
 SIZES = [1, 511, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17, 100_000]
@@ -123,31 +125,30 @@ def test_writes_never_delay_reads_and_completion_is_per_request(workdir: Path) -
 
 
 def test_two_requests_in_flight_each_way(workdir: Path) -> None:
-    """With requests_in_flight=2 two reads are issued on the one read handle at once, while the queue's
-    thread is still busy completing an earlier one; when slots free up, a demanded read is issued before
-    queued prefetches; a lease written in several requests in flight at once gives its memory back exactly
-    once."""
+    """With requests_in_flight=2 a second read is in the drive while the first still holds its slot (its
+    callback has not returned); with both slots taken, further reads wait, and when a slot frees a
+    demanded read is issued before queued prefetches; a lease written in several requests in flight at
+    once gives its memory back exactly once."""
     with SwapSpace(workdir, 1 << 20, requests_in_flight=2) as space:
         data = _fill(space, [PAGE] * 8)
         units = [space.unit(f"u{i}") for i in range(8)]
         gate = threading.Event()
         held = space.reads.submit(Ticket(space.pool.acquire(PAGE).tensor, space._fd, 0, space.file, False,
                                          lambda _t: gate.wait()))
-        while held.ended == 0.0:  # its transfer is over: the queue's thread now waits in its callback
-            time.sleep(0.001)
-        both = [space.read([units[i]]) for i in (0, 1)]
-        assert all(t.started for le in both for t in le.tickets)  # both in the drive, neither waited for
+        wait_until(lambda: held.ended != 0.0, "the held read's callback")  # it holds its slot there
+        second = space.read([units[0]])
+        wait_until(lambda: second.tickets[0].started, "the second read")  # in the other slot
         leases = [space.read([units[i]]) for i in range(2, 6)]
-        assert not any(t.started for le in leases for t in le.tickets)  # both slots are taken
         leases[-1].demand()
-        assert not held.done()
+        time.sleep(0.05)  # were a slot free, the issuing thread would have taken one by now
+        assert not any(t.started for le in leases for t in le.tickets) and not held.done()
         gate.set()
-        for le in both + leases:
+        for le in [second, *leases]:
             le.wait()
         began = [le.tickets[0].began for le in leases]
         assert began[3] < min(began[:3]) and began[:3] == sorted(began[:3]), began
         assert leases[-1].tickets[0].priority == DEMAND
-        for le, i in zip(both + leases, range(6)):
+        for le, i in zip([second, *leases], [0, 2, 3, 4, 5]):
             assert torch.equal(le.view(units[i]), data[i])
             le.release()
         held.wait()
@@ -540,3 +541,50 @@ def test_pool_places_a_buffer_within_a_range_when_it_can(workdir: Path) -> None:
         for buf in (a, b, c, d):
             buf.release()
         assert pool.in_use == 0 and pool._free == [(0, 8 * PAGE)]
+
+
+def test_signals_while_submitting_strand_nothing(workdir: Path) -> None:
+    """A signal handler raising in the submitting thread every 0.2 ms (as Ctrl-C does) never strands a
+    request: every ticket submit() returned completes with its bytes, the queue's threads live on, and
+    close() drains and returns. (Requests are issued by the queue's own threads, which Python never
+    interrupts; a signal can only land before or after a ticket is queued.)"""
+    path = workdir / "ext.bin"
+    path.write_bytes(bytes(range(256)) * (PAGE // 256))
+
+    class Interrupted(Exception):
+        pass
+
+    def child() -> None:
+        import signal
+
+        def handler(_signum: int, frame: object) -> None:
+            while frame is not None:  # only inside submit() (or what it calls), where the test catches it
+                if frame.f_code is IOQueue.submit.__code__:  # type: ignore[attr-defined]
+                    raise Interrupted
+                frame = frame.f_back  # type: ignore[attr-defined]
+
+        space = SwapSpace(None, 64 * PAGE, requests_in_flight=4)
+        space.add_external("e", path, 0, PAGE)
+        fd = space._ext[str(path)]
+        returned, interrupted = [], 0
+        signal.signal(signal.SIGALRM, handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.0002, 0.0002)
+        try:
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline:
+                try:  # memory of its own (not the pool's): a ticket cut off before it was queued keeps it
+                    returned.append(space.reads.submit(Ticket(torch.empty(PAGE, dtype=torch.uint8), fd, 0,
+                                                              str(path), False)))
+                except Interrupted:
+                    interrupted += 1
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        assert interrupted > 0 and len(returned) > 100, (interrupted, len(returned))
+        for t in returned:
+            t.wait()
+            assert bytes(t.tensor[:256].tolist()) == bytes(range(256))
+        assert all(th.is_alive() for th in space.reads._threads)
+        space.close()
+        assert not any(th.is_alive() for th in space.reads._threads)
+
+    assert in_forked_child(child) == "ok"

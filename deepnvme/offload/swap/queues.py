@@ -7,26 +7,33 @@ writes have a handle and a queue each, a write-back never delays the next read. 
 requests are in the drive at once, so the next one is already there while the last blocks of the previous
 one complete, instead of the drive idling at each request's tail. A request not yet issued can be
 promoted: demanded reads are issued before queued prefetches (the heap orders by priority, then by
-submission). One thread per queue completes what the handle reports done and issues the next request;
-`submit` issues at once when a slot is free. Checks of the bytes read (CRC-32s) run on a thread of their
-own (check_runner), beside the reads.
+submission).
+
+Two threads per queue, whatever `in_flight` is: one issues requests as slots free up, one completes what
+the handle reports done. Why not issue from the caller's thread: a Ctrl-C (or any signal handler's
+exception) there could land between the handle taking a request and the queue recording its id, leaving
+a request in flight that no ticket owns while its buffer goes back to the pool; Python runs signal
+handlers on the main thread only, so these two threads are never interrupted that way. Checks of the bytes
+read (CRC-32s) run on a thread of their own (check_runner), beside the reads.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import heapq
 import itertools
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 DEMAND, PREFETCH = 0, 1
-#: How long the completing thread waits for the handle at a time: it is woken by completions, so this only
-#: bounds how late it notices that the process is shutting down around it.
+#: How long the completing thread waits for the handle at a time: completions wake it, so this only bounds
+#: how late it notices that the handle failed to wait.
 _POLL_S = 1.0
 
 
@@ -34,9 +41,9 @@ class Ticket:
     """One request: `tensor` (uint8, locked) to or from `fd` at `offset`; completion is per ticket.
 
     `began` and `ended` are the time.perf_counter() at which the request was issued to the handle and
-    found completed (0.0 until then): what a profile of the pipeline reads. `on_done` runs on the queue's
-    thread before waiters are released; it should be quick (it delays the completion of the requests
-    behind it, not their transfer).
+    found completed (0.0 until then): what a profile of the pipeline reads. `on_done` runs on one of the
+    queue's threads before waiters are released, and the request holds its slot until it returns: it
+    should be quick.
     """
 
     __slots__ = ("_done", "began", "ended", "error", "fd", "offset", "on_done", "path", "priority", "started",
@@ -83,103 +90,131 @@ class Ticket:
 
 class IOQueue:
     """Requests of one direction, issued on `handle` in order of (priority, submission), at most
-    `in_flight` at once, each completed on its own by the queue's one thread.
+    `in_flight` at once (a request's slot is free again once its `on_done` has returned), each completed
+    on its own. See the module docstring for the two threads.
 
-    `on_done` callbacks run on that thread, one at a time.
+    The caller's side (`submit`, `demand`) only posts a message to the issuing thread's inbox, a
+    queue.SimpleQueue, whose put is one C call: a signal handler raising in the caller (Ctrl-C) lands
+    before or after it, never inside a lock that the queue's threads would then wait for forever (a
+    `with lock:` is not safe against that in CPython). The heap and the count of busy slots belong to
+    the issuing thread alone.
+
+    `handle` is the queue's alone as far as completion goes: ids its `wait_completed` reports that the
+    queue did not issue are left to whoever did (their `wait_request` still hands them over).
     """
 
     def __init__(self, handle: Any, name: str, in_flight: int = 1) -> None:
         self._handle = handle
         self._in_flight = in_flight
-        self._heap: list[tuple[int, int, Ticket]] = []
-        self._seq = itertools.count()
-        self._cond = threading.Condition()
+        self._inbox: queue.SimpleQueue[tuple[str, Ticket | None]] = queue.SimpleQueue()
+        self._cond = threading.Condition()  # the two threads' only: issued requests, and whether issuing
         self._issued: dict[int, Ticket] = {}
+        self._issuing = True  # False once closing and nothing is left to issue
         self._stop = False
-        self._thread = threading.Thread(target=self._complete, name=f"deepnvme-offload-{name}", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=fn, name=f"deepnvme-offload-{name}-{role}", daemon=True)
+                         for fn, role in ((self._issue_loop, "issue"), (self._complete_loop, "complete"))]
+        for t in self._threads:
+            t.start()
 
     def submit(self, ticket: Ticket, priority: int = PREFETCH) -> Ticket:
-        """Queue `ticket` (issued at once while fewer than `in_flight` are in the drive); returns it."""
-        with self._cond:
-            if self._stop:
-                raise RuntimeError("the swap space is closed")
-            ticket.priority = priority
-            heapq.heappush(self._heap, (priority, next(self._seq), ticket))
-            failed = self._issue()
-            self._cond.notify()
-        self._finish_all(failed)
+        """Queue `ticket`; returns it."""
+        if self._stop:
+            raise RuntimeError("the swap space is closed")
+        ticket.priority = priority
+        self._inbox.put(("submit", ticket))
         return ticket
 
     def demand(self, ticket: Ticket) -> None:
         """Issue `ticket` before every queued prefetch (no effect once it has been issued)."""
-        with self._cond:
-            if ticket.started or ticket.priority == DEMAND or ticket.done():
-                return
-            ticket.priority = DEMAND
-            # The old heap entry stays and is skipped when popped (the ticket has started by then).
-            heapq.heappush(self._heap, (DEMAND, next(self._seq), ticket))
+        if not (ticket.started or ticket.priority == DEMAND or ticket.done()):
+            self._inbox.put(("demand", ticket))
 
-    def _issue(self) -> list[Ticket]:
-        """Issue queued tickets while slots are free (the lock held); those the handle refused at once (a
-        bad descriptor, a read past the end of the file), to be finished outside the lock."""
-        failed = []
-        while self._heap and len(self._issued) < self._in_flight:
-            ticket = heapq.heappop(self._heap)[2]
-            if ticket.started:
-                continue
-            ticket.started = True
-            ticket.began = time.perf_counter()
-            submit = self._handle.submit_pwrite if ticket.write else self._handle.submit_pread
+    def _issue_loop(self) -> None:
+        heap: list[tuple[int, int, Ticket]] = []
+        seq = itertools.count()
+        busy = 0  # issued and not yet finished (its on_done not yet returned)
+        stopping = False
+        try:
+            while not (stopping and not heap and busy == 0):
+                messages = [self._inbox.get()] if not heap or busy >= self._in_flight else []
+                with contextlib.suppress(queue.Empty):
+                    while True:  # all that is waiting, so that a demand counts before the next issue
+                        messages.append(self._inbox.get_nowait())
+                for kind, ticket in messages:
+                    if kind == "freed":
+                        busy -= 1
+                    elif kind == "stop":
+                        stopping = True
+                    elif kind == "submit" or (kind == "demand" and not ticket.started
+                                              and ticket.priority != DEMAND):
+                        if kind == "demand":
+                            ticket.priority = DEMAND  # the old heap entry stays; skipped once started
+                        heapq.heappush(heap, (ticket.priority, next(seq), ticket))
+                while heap and busy < self._in_flight:
+                    ticket = heapq.heappop(heap)[2]
+                    if not ticket.started:
+                        busy += self._issue(ticket)
+        finally:
+            with self._cond:
+                self._issuing = False
+                self._cond.notify_all()
+            self._refuse_late()
+
+    def _issue(self, ticket: Ticket) -> int:
+        """Issue `ticket` on the handle: 1 (a slot taken), or 0 when the handle refused it at once (a bad
+        descriptor, a read past the end of the file), the ticket then finished with that error."""
+        ticket.started = True
+        ticket.began = time.perf_counter()
+        submit = self._handle.submit_pwrite if ticket.write else self._handle.submit_pread
+        with self._cond:  # the completing thread looks an id up only once it is recorded here
             try:
                 self._issued[submit(ticket.tensor, ticket.fd, ticket.offset)] = ticket
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            except Exception as exc:  # noqa: BLE001 - handed to the waiter
                 ticket.fail(exc)
-                failed.append(ticket)
-        return failed
+            else:
+                self._cond.notify_all()
+                return 1
+        self._finish(ticket)
+        return 0
 
-    def _complete(self) -> None:
-        """The queue's thread: wait for the handle to report requests done, finish their tickets, issue more;
-        after close(), until nothing is queued or in flight."""
+    def _refuse_late(self) -> None:
+        """Tickets submitted while close() ran: finished with the error submit() gives after it."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                kind, ticket = self._inbox.get_nowait()
+                if kind == "submit" and not ticket.started:
+                    ticket.started = True
+                    ticket.error = RuntimeError("the swap space is closed")
+                    self._finish(ticket)
+
+    def _complete_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._issued and not (self._stop and not self._heap):
-                    if self._heap:  # slots free (nothing issued): issue, outside a wait
-                        break
+                while not self._issued:
+                    if not self._issuing:
+                        return
                     self._cond.wait()
-                if not self._issued and not self._heap:
-                    return
-                failed = self._issue()
-            self._finish_all(failed)
             try:
-                ids = self._handle.wait_completed(_POLL_S) if self._issued else []
-            except BaseException as exc:  # noqa: BLE001 - never strand a waiter: every issued request fails
+                ids = self._handle.wait_completed(_POLL_S)
+            except Exception:  # noqa: BLE001 - then wait for each request in flight on its own
                 with self._cond:
-                    lost, self._issued = list(self._issued.values()), {}
-                for ticket in lost:
-                    ticket.fail(exc)
-                self._finish_all(lost)
-                continue
+                    ids = list(self._issued)
             for rid in ids:
                 with self._cond:
-                    ticket = self._issued.pop(rid)
+                    ticket = self._issued.pop(rid, None)
+                if ticket is None:  # not this queue's request
+                    continue
                 try:
-                    self._handle.wait_request(rid)  # hands the request over: returns at once
-                except BaseException as exc:  # noqa: BLE001 - handed to the waiter, never lost in this thread
+                    self._handle.wait_request(rid)  # hands the request over (at once, when reported done)
+                except Exception as exc:  # noqa: BLE001 - handed to the waiter, never lost in this thread
                     ticket.fail(exc)
-                ticket.ended = time.perf_counter()
-                with self._cond:  # the next request goes into the drive before this one's callback runs
-                    failed = self._issue()
-                self._finish_all(failed)
                 self._finish(ticket)
-
-    def _finish_all(self, tickets: list[Ticket]) -> None:
-        for ticket in tickets:
-            ticket.ended = time.perf_counter()
-            self._finish(ticket)
+                self._inbox.put(("freed", None))
 
     @staticmethod
     def _finish(ticket: Ticket) -> None:
+        """Run `ticket`'s callback, then release its waiters."""
+        ticket.ended = time.perf_counter()
         if ticket.on_done is not None:
             try:
                 ticket.on_done(ticket)
@@ -188,12 +223,12 @@ class IOQueue:
         ticket._done.set()
 
     def close(self) -> None:
-        """Finish what is queued and in flight, then stop the thread and drop the handle, so that its
+        """Finish what is queued and in flight, then stop the threads and drop the handle, so that its
         descriptors close now, not when a reference cycle around the owner is collected."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        self._thread.join()
+        self._stop = True
+        self._inbox.put(("stop", None))
+        for t in self._threads:
+            t.join()
         self._handle = None
 
 

@@ -87,7 +87,7 @@ class Lease:
             self._slot[u.name] = at
             at += round_up(u.io_nbytes)
         self._writes_left = 0
-        self._writes_lock = threading.Lock()  # a queue with several threads completes writes on any of them
+        self._writes_lock = threading.Lock()  # a queue completes a lease's writes on either of its threads
 
     @staticmethod
     def size_of(units: Sequence[Unit]) -> int:
@@ -102,7 +102,7 @@ class Lease:
         """(pool view, file offset, path) of one request per run of units that lie back to back both in the
         pool and in one file (the parameters of a tile, written in order, do): one request per tile
         rather than one per tensor. With `parts` > 1 each run is cut into that many requests (whole pages
-        each), so that several queue threads can serve one lease at once."""
+        each), so that several requests of one lease are in flight at once."""
         out: list[list[Any]] = []  # [slot, io_start, io_end, path]
         for u in units:
             slot = self._slot[u.name]
@@ -200,7 +200,8 @@ class SwapSpace(Closing):
     dead processes in `directory` are removed. `close()` removes this space's files.
 
     `requests_in_flight` is how many requests each queue keeps in the drive at once, on its one aio handle
-    (`handle`, if given, is the pool's, which allocates its locked memory through it). One keeps requests
+    (`handle`, if given, is the read queue's and the pool's; requests the caller submits on it themselves
+    are theirs to complete with wait_request). One keeps requests
     strictly one after another; two or more keep the drive busy across each request's tail, which is what
     a stream of tiles needs.
 
@@ -249,10 +250,9 @@ class SwapSpace(Closing):
         try:
             if self.file is not None:
                 self._fd, self.direct = preflight.open_direct(self.file, os.O_RDWR | os.O_CREAT | os.O_EXCL)
-            # The queues' handles are their own (a queue completes whatever its handle reports done); the
-            # pool only allocates through its handle, so it shares the read queue's unless given one.
-            read_handle = new_handle(**settings)
-            self.pool = BufferPool(budget_bytes, handle if handle is not None else read_handle)
+            # The pool only allocates through its handle: it shares the read queue's.
+            read_handle = handle if handle is not None else new_handle(**settings)
+            self.pool = BufferPool(budget_bytes, read_handle)
             self.reads = IOQueue(read_handle, "read", requests_in_flight)
             if self.file is not None:
                 self.writes = IOQueue(new_handle(**settings), "write", requests_in_flight)
@@ -373,7 +373,7 @@ class SwapSpace(Closing):
         priority = DEMAND if demand else PREFETCH
         runs = lease.runs(lease.units, parts)
         left = [len(runs)]
-        count = threading.Lock()  # a run the handle refuses at once completes on the submitting thread
+        count = threading.Lock()  # runs complete on either of the queue's threads
         if check is not None:
             lease.checked = concurrent.futures.Future()
 
@@ -455,8 +455,8 @@ class ReadAhead:
     (None for an empty group). The caller writes back or releases each lease; `close()` releases those
     issued but never taken.
 
-    `end_parts` cuts the reads of the first and the last group into that many requests, so that every
-    read thread serves them (a walk that is a pipeline starts sooner on the first group, and the last one
+    `end_parts` cuts the reads of the first and the last group into that many requests, so that they fill
+    every slot of the read queue (a walk that is a pipeline starts sooner on the first group, and the last one
     no longer completes together with the one before it, behind which its update and write-back would
     wait). `check` is handed to every read (SwapSpace.read). With `cyclic`, the sequence repeats without end:
     position i is group i % len(groups) (the layers of a model, forward after forward), so reads for the
