@@ -235,8 +235,8 @@ class IOQueue:
 def check_runner() -> concurrent.futures.ThreadPoolExecutor:
     """The one thread a swap space runs its checks of read bytes on (CRC-32s), in submission order.
 
-    Why not on the read thread that completed the reads: a CRC-32 of a 50 MB unit takes milliseconds of
-    CPU, and a read thread computing it starts no request meanwhile, so the drive idles for every check;
+    Why not on the read queue's completing thread: a CRC-32 of a 50 MB unit takes milliseconds of CPU, and
+    the request holds its slot while its callback runs, so the drive would idle for every check;
     here the next read is in flight while the last one is checked.
     """
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deepnvme-offload-check")

@@ -364,9 +364,9 @@ class SwapSpace(Closing):
         units into that many requests (see Lease.runs).
 
         `check(lease)` runs on the space's check thread once every read of the lease has succeeded: a
-        checksum computed there overlaps the caller's work and the next reads (run on the read thread, the
-        drive would idle while it is computed); `lease.wait()` returns once it has, and raises what it
-        raises."""
+        checksum computed there overlaps the caller's work and the next reads (run on the read queue's
+        completing thread, the drive would idle while it is computed); `lease.wait()` returns once it has,
+        and raises what it raises."""
         lease = self.allocate(units, block, pool=pool, within=within)
         if lease is None:
             return None

@@ -14,7 +14,7 @@ tile's write-back, which gives the memory back to the pool once written. The ari
 wrapped optimizer's own, on the same values: results are bit-identical to the optimizer kept in memory.
 Each direction keeps two requests in flight (REQUESTS_IN_FLIGHT), so the drive is not left idle at the
 tail of every tile's request; the first tile's read and the last tile's read and write are cut into as many
-requests (END_REQUESTS), so every queue thread serves the ends of the walk. The swap's handles move 4 MiB
+requests (END_REQUESTS), so the ends of the walk fill every slot of the queues. The swap's handles move 4 MiB
 blocks (handles.SWAP). `last_step` (a StepProfile) says what the last step moved and when.
 
 With `master_weights=True` the model's parameters may be bf16/fp16: the wrapped optimizer steps fp32
@@ -47,10 +47,10 @@ MASTER = "master"
 # Budget when none is given (bytes of locked memory).
 DEFAULT_BUDGET = 256 << 20
 # Requests each direction serves at once: with one, the drive idles while each request's last blocks
-# complete and the queue thread picks the next; with two, the next is already in the drive.
+# complete and the queue issues the next; with two, the next is already in the drive.
 REQUESTS_IN_FLIGHT = 2
-# Requests the first and the last tile move in (each way): every queue thread serves the tile that starts
-# the pipeline and the one that ends it, where nothing else is left to overlap with (see ReadAhead).
+# Requests the first and the last tile move in (each way): the tile that starts the pipeline and the one
+# that ends it, where nothing else is left to overlap with, fill every slot of the queue (see ReadAhead).
 END_REQUESTS = REQUESTS_IN_FLIGHT
 
 
