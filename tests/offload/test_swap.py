@@ -388,9 +388,28 @@ def test_read_only_directory(tmp_path: Path) -> None:
     assert err.value.filename == str(mnt)
 
 
-def test_missing_directory(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="create it first"):
-        SwapSpace(tmp_path / "nope", 1 << 20)
+def test_missing_directory_is_created_with_its_parents(tmp_path: Path) -> None:
+    """As DCP's FileSystemWriter, accelerate's offload_folder and DeepSpeed's swappers do; close() removes
+    the space's own folder only, not the directories it made for it."""
+    where = tmp_path / "a" / "b" / "swap"
+    with SwapSpace(where, 1 << 20) as space:
+        space.add("u", 10)
+        assert where.is_dir() and Path(space.file).parent.parent.parent == where
+    assert where.is_dir() and os.listdir(where) == []
+
+
+def test_a_directory_that_cannot_be_made_is_named(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(NotADirectoryError, match="not a directory") as err:
+        SwapSpace(tmp_path / "file", 1 << 20)
+    assert err.value.errno == errno.ENOTDIR and err.value.filename == str(tmp_path / "file")
+    with pytest.raises(OSError, match="cannot create the swap directory") as err:
+        SwapSpace(tmp_path / "file" / "under", 1 << 20)  # a parent is a regular file
+    assert err.value.errno == errno.ENOTDIR and err.value.filename == str(tmp_path / "file" / "under")
+    with tmpfs(tmp_path / "ro", "ro,size=64k") as mnt, pytest.raises(OSError, match="cannot create") as err:
+        SwapSpace(mnt / "new", 1 << 20)  # root too: a read-only file system refuses everyone
+    assert err.value.errno == errno.EROFS and err.value.filename == str(mnt / "new")
+    assert sorted(os.listdir(tmp_path)) == ["file", "ro"]
 
 
 def test_stale_directories_of_dead_processes_only(workdir: Path) -> None:

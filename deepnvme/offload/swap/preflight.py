@@ -2,8 +2,8 @@
 
 - locked memory: the pool locks `budget_bytes`; without CAP_IPC_LOCK, RLIMIT_MEMLOCK must allow it;
 - free space: what will be written must fit on the drive (checked again when space is reserved);
-- the directory: it must be writable; where the file system refuses O_DIRECT, I/O goes buffered with
-  the project's usual warning.
+- the directory: made with its parents when missing, then it must be writable; where the file system
+  refuses O_DIRECT, I/O goes buffered with the project's usual warning.
 """
 
 from __future__ import annotations
@@ -66,9 +66,17 @@ def check_free_space(directory: str, nbytes: int) -> None:
 
 
 def check_writable(directory: str) -> None:
-    """Raise the OSError (EACCES, EROFS, ENOENT...) that making a file in `directory` gives."""
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(errno.ENOENT, "the swap directory does not exist: create it first", directory)
+    """Create `directory` with its parents when missing (as torch's DCP FileSystemWriter, accelerate's
+    offload_folder and DeepSpeed's swappers do, so code moved from them runs), then raise the OSError
+    (EACCES, EROFS, ENOTDIR...) that making a file there gives, naming the directory."""
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(errno.ENOTDIR, "the swap directory exists and is not a directory", directory)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        code = exc.errno or errno.EIO
+        raise OSError(code, f"{os.strerror(code)}: cannot create the swap directory (or a parent: "
+                      f"{exc.filename})", directory) from exc
     probe = os.path.join(directory, f".deepnvme-probe-{os.getpid()}")
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
