@@ -15,7 +15,7 @@ import torch
 from thread_helpers import wait_until
 
 from deepnvme.offload import ReadAhead, SwapSpace
-from deepnvme.offload._doors import PAGE, locked_bytes
+from deepnvme.offload._doors import PAGE, SWAP, locked_bytes, new_handle
 from deepnvme.offload.swap import DEMAND, MAX_REQUESTS_IN_FLIGHT, Ticket, folders, preflight
 from deepnvme.offload.swap.queues import IOQueue
 from tests.offload.helpers import in_forked_child, open_fds, tmpfs
@@ -607,3 +607,63 @@ def test_signals_while_submitting_strand_nothing(workdir: Path) -> None:
         assert not any(th.is_alive() for th in space.reads._threads)
 
     assert in_forked_child(child) == "ok"
+
+
+def test_a_shared_handle_whose_completions_are_taken_elsewhere(workdir: Path) -> None:
+    """A handle given to the space is the read queue's: a caller calling its wait_completed may take the
+    queue's report of a request; the queue still finishes that ticket (request_done tells it), and close()
+    returns."""
+    path = workdir / "f.bin"
+    path.write_bytes(b"x" * (2 * PAGE))
+    h = new_handle(**SWAP)
+    queue = IOQueue(h, "read", 2)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        bufs = [torch.empty(PAGE, dtype=torch.uint8) for _ in range(2)]
+        slow = queue.submit(Ticket(bufs[0], fd, 0, str(path), False, lambda _t: time.sleep(0.5)))
+        wait_until(lambda: slow.ended != 0.0, "the first read's callback")  # the completing thread is busy
+        other = queue.submit(Ticket(bufs[1], fd, PAGE, str(path), False))
+        wait_until(lambda: other.started, "the second read")
+        taken = h.wait_completed(5.0)  # the queue's report, taken by someone else
+        assert taken, "the second read was reported to the caller"
+        other.wait()  # finished all the same
+        assert bytes(bufs[1][:4].tolist()) == b"xxxx"
+        slow.wait()
+        closer = threading.Thread(target=queue.close)
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive()
+    finally:
+        os.close(fd)
+
+
+def test_submits_racing_close_never_hang(workdir: Path) -> None:
+    """A submit() racing close() either raises RuntimeError or returns a ticket that finishes (read, or
+    refused with RuntimeError), never one that waits forever."""
+    path = workdir / "f.bin"
+    path.write_bytes(b"y" * PAGE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for _ in range(30):
+            queue = IOQueue(new_handle(**SWAP), "read", 2)
+            returned: list[Ticket] = []
+
+            def submitter(q: IOQueue = queue, out: list[Ticket] = returned) -> None:
+                for _ in range(200):
+                    try:
+                        out.append(q.submit(Ticket(torch.empty(PAGE, dtype=torch.uint8), fd, 0, str(path),
+                                                   False)))
+                    except RuntimeError:
+                        return
+
+            t = threading.Thread(target=submitter)
+            t.start()
+            queue.close()
+            t.join(10)
+            assert not t.is_alive()
+            for ticket in returned:
+                ticket._done.wait(10)
+                assert ticket.done()
+                assert ticket.error is None or isinstance(ticket.error, RuntimeError), ticket.error
+    finally:
+        os.close(fd)

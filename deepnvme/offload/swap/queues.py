@@ -111,6 +111,8 @@ class IOQueue:
         self._issued: dict[int, Ticket] = {}
         self._issuing = True  # False once closing and nothing is left to issue
         self._stop = False
+        self._closed = False  # close() has returned: a late submit() finishes its ticket itself
+        self._heap: list[tuple[int, int, Ticket]] = []  # the issuing thread's alone
         self._threads = [threading.Thread(target=fn, name=f"deepnvme-offload-{name}-{role}", daemon=True)
                          for fn, role in ((self._issue_loop, "issue"), (self._complete_loop, "complete"))]
         for t in self._threads:
@@ -122,6 +124,8 @@ class IOQueue:
             raise RuntimeError("the swap space is closed")
         ticket.priority = priority
         self._inbox.put(("submit", ticket))
+        if self._closed:  # close() ran to its end meanwhile: no thread reads the inbox any more
+            self._refuse_late()
         return ticket
 
     def demand(self, ticket: Ticket) -> None:
@@ -130,7 +134,7 @@ class IOQueue:
             self._inbox.put(("demand", ticket))
 
     def _issue_loop(self) -> None:
-        heap: list[tuple[int, int, Ticket]] = []
+        heap = self._heap
         seq = itertools.count()
         busy = 0  # issued and not yet finished (its on_done not yet returned)
         stopping = False
@@ -158,7 +162,7 @@ class IOQueue:
             with self._cond:
                 self._issuing = False
                 self._cond.notify_all()
-            self._refuse_late()
+            self._refuse_late()  # and, were this thread to die, what it held
 
     def _issue(self, ticket: Ticket) -> int:
         """Issue `ticket` on the handle: 1 (a slot taken), or 0 when the handle refused it at once (a bad
@@ -178,14 +182,20 @@ class IOQueue:
         return 0
 
     def _refuse_late(self) -> None:
-        """Tickets submitted while close() ran: finished with the error submit() gives after it."""
+        """Tickets submitted while close() ran (or left queued by an issuing thread that died): finished with
+        the error submit() gives after close()."""
+        late = [entry[2] for entry in self._heap]
+        self._heap.clear()
         with contextlib.suppress(queue.Empty):
             while True:
                 kind, ticket = self._inbox.get_nowait()
-                if kind == "submit" and not ticket.started:
-                    ticket.started = True
-                    ticket.error = RuntimeError("the swap space is closed")
-                    self._finish(ticket)
+                if kind == "submit":
+                    late.append(ticket)
+        for ticket in late:
+            if not ticket.started:
+                ticket.started = True
+                ticket.error = RuntimeError("the swap space is closed")
+                self._finish(ticket)
 
     def _complete_loop(self) -> None:
         while True:
@@ -197,8 +207,12 @@ class IOQueue:
             try:
                 ids = self._handle.wait_completed(_POLL_S)
             except Exception:  # noqa: BLE001 - then wait for each request in flight on its own
+                ids = None
+            if not ids:
+                # Nothing reported for a while: a request of ours may have been reported to someone else
+                # calling wait_completed on a shared handle; request_done still tells.
                 with self._cond:
-                    ids = list(self._issued)
+                    ids = [rid for rid in self._issued if ids is None or self._done_elsewhere(rid)]
             for rid in ids:
                 with self._cond:
                     ticket = self._issued.pop(rid, None)
@@ -210,6 +224,14 @@ class IOQueue:
                     ticket.fail(exc)
                 self._finish(ticket)
                 self._inbox.put(("freed", None))
+
+    def _done_elsewhere(self, rid: int) -> bool:
+        """Whether request `rid` has finished though wait_completed did not say so (True when the handle
+        no longer knows it: wait_request then raises, and the ticket gets that error)."""
+        try:
+            return bool(self._handle.request_done(rid))
+        except Exception:  # noqa: BLE001
+            return True
 
     @staticmethod
     def _finish(ticket: Ticket) -> None:
@@ -224,12 +246,15 @@ class IOQueue:
 
     def close(self) -> None:
         """Finish what is queued and in flight, then stop the threads and drop the handle, so that its
-        descriptors close now, not when a reference cycle around the owner is collected."""
+        descriptors close now, not when a reference cycle around the owner is collected. A submit() racing
+        it finishes its ticket with RuntimeError (here, or in submit() itself once this has returned)."""
         self._stop = True
         self._inbox.put(("stop", None))
         for t in self._threads:
             t.join()
         self._handle = None
+        self._closed = True
+        self._refuse_late()
 
 
 def check_runner() -> concurrent.futures.ThreadPoolExecutor:

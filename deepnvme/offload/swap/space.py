@@ -126,9 +126,10 @@ class Lease:
         return self.buffer.tensor[at:at + u.nbytes]
 
     def demand(self) -> None:
-        """Serve this lease's reads before queued prefetches."""
+        """Serve this lease's reads before queued prefetches (its write-back, once made, is not a read)."""
         for t in self.tickets:
-            self.space.reads.demand(t)
+            if not t.write:
+                self.space.reads.demand(t)
 
     def done(self) -> bool:
         """Whether every request of this lease, and the check of its bytes, has finished (wait() would not
@@ -200,10 +201,10 @@ class SwapSpace(Closing):
     dead processes in `directory` are removed. `close()` removes this space's files.
 
     `requests_in_flight` is how many requests each queue keeps in the drive at once, on its one aio handle
-    (`handle`, if given, is the read queue's and the pool's; requests the caller submits on it themselves
-    are theirs to complete with wait_request). One keeps requests
-    strictly one after another; two or more keep the drive busy across each request's tail, which is what
-    a stream of tiles needs.
+    (`handle`, if given, is the read queue's and the pool's: requests the caller submits on it themselves
+    are theirs to complete with wait_request, and its wait_completed is the queue's to call). One keeps
+    requests strictly one after another; two or more keep the drive busy across each request's tail, which
+    is what a stream of tiles needs.
 
     `handle_settings` are the aio_handle settings of every handle the space makes (over the project's
     recommended ones; checked first, a bad one raising ValueError/TypeError naming it).
