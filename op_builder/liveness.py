@@ -7,6 +7,14 @@ holds would look alive, and be kept for ever. An owner is therefore marked by it
 started at that time, runs. Where /proc cannot be read at all, the start time is unknown (0 in a mark) and
 the rule falls back to the pid: better to keep a dead process's leftovers than remove a live one's files.
 
+A directory that a process works in for a long time (a swap folder) is held instead by a lock: the owner
+creates `OWNER_LOCK` in it and keeps an exclusive flock on it while it lives; the kernel drops the lock when
+the process dies, however it dies. Unlike a pid, a lock means the same to every process that can open the
+file: containers on one host (each its own PID namespace, where the owner's pid names another process or
+none) sharing a folder no longer take each other for dead. `lock_held` is the question, `hold_lock` the
+answer's other side; a directory without the file (made by a version that did not lock) falls back to the
+pid rule above.
+
 It lives in op_builder, the lowest layer, because op_builder.atomic_file (the JIT stamp's and the
 checkpoints' temporaries) uses it; deepnvme._core.files re-exports it for the library (the swap
 directories). Standard library only.
@@ -14,9 +22,14 @@ directories). Standard library only.
 
 from __future__ import annotations
 
+import fcntl
 import os
 
-__all__ = ["owner_alive", "owner_mark", "parse_owner_mark", "start_time"]
+__all__ = ["OWNER_LOCK", "hold_lock", "lock_held", "owner_alive", "owner_mark", "parse_owner_mark",
+           "start_time"]
+
+#: The file in a held directory whose flock says its owner lives.
+OWNER_LOCK = ".deepnvme-owner.lock"
 
 
 def start_time(pid: int) -> int | None:
@@ -67,3 +80,37 @@ def owner_alive(pid: int, start: int | None) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def hold_lock(directory: str) -> int:
+    """Create `directory`/OWNER_LOCK and take an exclusive flock on it: the returned descriptor holds it
+    until closed (or the process ends). BlockingIOError when another open file description holds it;
+    OSError naming the file otherwise. The descriptor is not inherited by exec'd programs; a forked child
+    shares the lock until it closes its copy."""
+    path = os.path.join(directory, OWNER_LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def lock_held(directory: str) -> bool | None:
+    """Whether a live process holds `directory`'s owner lock: True (held, or it cannot be told: keep it),
+    False (the file is there and nobody holds it: its owner is gone), None (no lock file: ask the pid
+    rule)."""
+    try:
+        fd = os.open(os.path.join(directory, OWNER_LOCK), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # dropped when fd closes, just below
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False

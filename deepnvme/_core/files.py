@@ -8,14 +8,14 @@ fsync_directory) directly; atomic_target and write_atomically add the library's 
 error names the caller's path, never the temporary, and a failing cleanup never hides the error that made
 it necessary. Used by the DCP writer's `.metadata` and the MoE checkpoint's `latest`.
 
-And one way to open a file for reading that never blocks on a FIFO or a device and refuses anything but
-a regular file, checked on the descriptor itself (fstat after open: no window for a swap); open_into /
-close_all (the recipe's too), which keep a descriptor from being lost to a KeyboardInterrupt;
-SeekableReader, the seekable read-only stream torch's zip reader is handed; the one rule for "does the
-process that left this behind still run?" (op_builder.liveness's owner_alive / owner_mark / start_time,
-re-exported: pid and start time), which the temporaries above and the swap space's directories both
-follow; and the mount of a path (public as deepnvme.filesystem.mount_of), which names a file system in
-the O_DIRECT notice and the tools' reports.
+And one way to open a file for reading that never blocks on a FIFO or a device and refuses anything but a
+regular file, checked on the descriptor itself (fstat after open: no window for a swap); open_into / close_all
+(the recipe's too), which keep a descriptor from being lost to a KeyboardInterrupt; SeekableReader, the
+seekable read-only stream torch's zip reader is handed; the one rule for "does the process that left this
+behind still run?" (op_builder.liveness, re-exported: owner_alive / owner_mark / start_time, pid and start
+time, for the temporaries above; hold_lock / lock_held, a flock held by the owner, for the swap space's
+directories, which may be shared across PID namespaces); and the mount of a path (public as
+deepnvme.filesystem.mount_of), which names a file system in the O_DIRECT notice and the tools' reports.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from op_builder.atomic_file import (
     replace_bytes,
     temporary_name,
 )
-from op_builder.liveness import owner_alive, owner_mark, start_time
+from op_builder.liveness import hold_lock, lock_held, owner_alive, owner_mark, start_time
 
 __all__ = ["TEMP_SUFFIX", "SeekableReader", "atomic_target", "close_all", "commit", "discard",
-           "fsync_directory", "mount_of", "open_into", "open_regular", "owner_alive", "owner_mark",
-           "start_time", "temporary_name", "write_atomically"]
+           "fsync_directory", "hold_lock", "lock_held", "mount_of", "open_into", "open_regular",
+           "owner_alive", "owner_mark", "start_time", "temporary_name", "write_atomically"]
 
 
 @contextlib.contextmanager

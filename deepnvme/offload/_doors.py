@@ -12,6 +12,8 @@ from deepnvme._core.crc import crc32  # noqa: F401 - re-exported
 from deepnvme._core.direct import open_maybe_direct  # noqa: F401 - re-exported
 from deepnvme._core.files import (  # noqa: F401 - re-exported
     atomic_target,
+    hold_lock,
+    lock_held,
     open_regular,
     owner_alive,
     owner_mark,

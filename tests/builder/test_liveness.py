@@ -66,11 +66,12 @@ def test_stale_temporaries_go_by_the_same_rule(tmp_path: Path, live: subprocess.
     assert all(p.exists() for p in kept)
 
 
-def test_the_swap_folders_use_the_same_marks() -> None:
+def test_the_swap_folders_use_the_same_marks(tmp_path: Path) -> None:
+    """Swap folders without an owner lock (left by a version that did not lock) fall back to this rule."""
     from deepnvme.offload.swap import folders as swapdir
 
     assert swapdir.own_name().endswith(f"-{owner_mark()}")
-    assert not swapdir.is_stale(swapdir.own_name())
+    assert not swapdir.is_stale(str(tmp_path), swapdir.own_name())
     pid, start = parse_owner_mark(owner_mark())
-    assert swapdir.is_stale(swapdir.own_name().replace(f"-{start}", f"-{start + 1}"))
+    assert swapdir.is_stale(str(tmp_path), swapdir.own_name().replace(f"-{start}", f"-{start + 1}"))
     assert os.getpid() == pid
