@@ -166,6 +166,7 @@ def pipeline(profile: StepProfile) -> dict:
         return total / wall
 
     return {"s": wall, "read_requests": len(profile.reads), "write_requests": len(profile.writes),
+            "bytes_written": profile.bytes_written,
             "tiles": len(profile.updates), "read_wait_s": profile.read_wait_s,
             "fill_s": profile.updates[0][0] - profile.began if profile.updates else wall,
             "drain_s": profile.ended - profile.updates[-1][1] if profile.updates else 0.0,
@@ -357,13 +358,15 @@ def render(results: list[dict], meta: dict) -> str:
     lines += ["", "Raw settings chosen: " + "; ".join(
         f"{r['state_bytes'] / GB:.2f} GB: {r['raw_settings'] or 'recommended'}" for r in results) + ".",
               "", "The offloaded step's pipeline (its median repeat; shares of the step's time):", "",
-              "| state | tiles | read / write requests | waited for reads | fill / drain | drive reading | "
-              "writing | either | updating |", "|---|---|---|---|---|---|---|---|---|"]
+              "| state | tiles | read / write requests | GB written (drive wear) | waited for reads | "
+              "fill / drain | drive reading | writing | either | updating |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         p = r.get("pipeline")
         if p:
             lines.append(f"| {r['state_bytes'] / GB:.2f} GB | {p['tiles']} | {p['read_requests']} / "
-                         f"{p['write_requests']} | {p['read_wait_s']:.3f} s | {p['fill_s'] * 1e3:.0f} / "
+                         f"{p['write_requests']} | {p.get('bytes_written', 0) / GB:.2f} | "
+                         f"{p['read_wait_s']:.3f} s | {p['fill_s'] * 1e3:.0f} / "
                          f"{p['drain_s'] * 1e3:.0f} ms | {p['reading']:.0%} | "
                          f"{p['writing']:.0%} | {p['io']:.0%} | {p['updating']:.0%} |")
     return "\n".join(lines) + "\n"

@@ -139,7 +139,8 @@ def test_last_step_profiles_the_pipeline(workdir: Path) -> None:
         assert len(prof.reads) == len(prof.updates) + 2 * extra
         assert len(prof.writes) == len(prof.updates) + extra
         assert opt.swap.handle_settings["block_size"] == SWAP["block_size"]
-        assert sum(n for *_, n in prof.reads) == sum(n for *_, n in prof.writes) == opt.swap.reserved_bytes
+        assert prof.bytes_read == prof.bytes_written == opt.swap.reserved_bytes
+        assert prof.bytes_written == sum(n for *_, n in prof.writes)
         assert sum(n for *_, n in prof.updates) == sum(p.numel() * 4 for p in m.parameters())
         for a, b, _ in prof.reads + prof.updates + prof.writes:
             assert prof.began <= a <= b <= prof.ended

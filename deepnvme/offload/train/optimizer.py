@@ -81,6 +81,16 @@ class StepProfile:
     writes: list[Span] = field(default_factory=list)
     read_wait_s: float = 0.0
 
+    @property
+    def bytes_read(self) -> int:
+        """Bytes the step read from the drive."""
+        return sum(n for *_, n in self.reads)
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes the step wrote to the drive: what it wears (every swapped byte once per step)."""
+        return sum(n for *_, n in self.writes)
+
     def add_requests(self, tickets: list[Ticket]) -> None:
         for t in tickets:
             (self.writes if t.write else self.reads).append((t.began, t.ended, t.tensor.numel()))
