@@ -171,3 +171,46 @@ def test_close_removes_files_and_fds(workdir: Path) -> None:
     assert open_fds() - before == set()
     with pytest.raises(RuntimeError, match="closed"):
         opt.step()
+
+
+def test_masters_of_a_stateless_optimizer_are_kept(workdir: Path) -> None:
+    """SGD without momentum keeps no state, yet with master_weights its fp32 masters must carry from step to
+    step (else training silently becomes plain bf16): bit-identical to SGD over fp32 masters in memory."""
+    make = lambda ps: torch.optim.SGD(ps, lr=1e-2)  # noqa: E731
+    ref, off = model(dtype=torch.bfloat16), model(dtype=torch.bfloat16)
+    masters = [p.detach().float().clone() for p in ref.parameters()]
+    ref_opt = make(masters)
+    with OffloadedOptimizer(make(off.parameters()), workdir, BUDGET, master_weights=True) as opt:
+        assert train(ref, ref_opt, range(STEPS), masters=masters) == train(off, opt, range(STEPS))
+        assert _same(ref, off)
+        sd = opt.state_dict()
+        for i, w in enumerate(masters):
+            assert torch.equal(sd["state"][i]["master"], w)
+
+
+class Fp32Momentum(torch.optim.Optimizer):
+    """Momentum SGD that keeps its momentum in fp32 whatever the parameters' dtype (as mixed-precision
+    optimizers do): offload must keep that state fp32, not the parameter's bf16."""
+
+    def __init__(self, params: object, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("m", torch.zeros(p.shape, dtype=torch.float32))
+                m.mul_(0.9).add_(p.grad.float())
+                p.add_(m.to(p.dtype), alpha=-group["lr"])
+
+
+def test_state_keeps_its_own_dtype(workdir: Path) -> None:
+    ref, off = model(dtype=torch.bfloat16), model(dtype=torch.bfloat16)
+    ref_opt = Fp32Momentum(ref.parameters())
+    with OffloadedOptimizer(Fp32Momentum(off.parameters()), workdir, BUDGET) as opt:
+        assert train(ref, ref_opt, range(STEPS)) == train(off, opt, range(STEPS))
+        assert _same(ref, off)
+        assert all(st["m"].dtype == torch.float32 for st in opt.state.values())
+        _same_state(ref_opt.state_dict(), opt.state_dict())

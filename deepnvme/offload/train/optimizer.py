@@ -273,10 +273,11 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
             if self.master_weights:
                 target.grad = None
                 p.copy_(target)
+                # Stored even when the optimizer keeps no state (SGD without momentum): the master is what
+                # makes the next step fp32 arithmetic rather than the 16-bit parameter's.
+                state = {**(state or {}), MASTER: target}
             if state is None:
                 continue
-            if self.master_weights:
-                state = {**state, MASTER: target}
             rec = self._records.get(p)
             if rec is None:
                 fresh.append((p, state))
@@ -319,10 +320,10 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
         entries, at = [], 0
         for k, v in state.items():
             if self._is_swapped(p, k, v):
-                # The state of an fp32 master is fp32 (Adagrad makes its sums at construction, in the
-                # model's dtype); otherwise torch's rule: floating state takes the parameter's dtype.
-                floating = torch.float32 if self.master_weights else p.dtype
-                dtype = floating if v.is_floating_point() else v.dtype
+                # State keeps its own dtype (an optimizer may keep fp32 moments of 16-bit parameters), but
+                # the floating state of an fp32 master is fp32: Adagrad makes its sums at construction, in
+                # the 16-bit parameter's dtype, where the same optimizer over fp32 masters makes fp32 ones.
+                dtype = torch.float32 if self.master_weights and v.is_floating_point() else v.dtype
                 entries.append(_Entry(k, at, dtype, v.shape))
                 at += round_up(v.numel() * dtype.itemsize)
         self._units += 1
