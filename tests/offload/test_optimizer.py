@@ -28,6 +28,9 @@ def _same_state(a: dict, b: dict) -> None:
     assert a["param_groups"] == b["param_groups"]
     assert a["state"].keys() == b["state"].keys()
     for i, st in a["state"].items():
+        if not isinstance(st, dict):  # state not keyed by a parameter
+            assert st == b["state"][i], i
+            continue
         assert st.keys() == b["state"][i].keys(), i
         for k, v in st.items():
             w = b["state"][i][k]
@@ -214,3 +217,70 @@ def test_state_keeps_its_own_dtype(workdir: Path) -> None:
         assert _same(ref, off)
         assert all(st["m"].dtype == torch.float32 for st in opt.state.values())
         _same_state(ref_opt.state_dict(), opt.state_dict())
+
+
+class GroupClipped(torch.optim.Optimizer):
+    """Momentum SGD whose gradients are clipped by their norm over the whole group, with a counter in its
+    param_groups and one in state not keyed by a parameter: stepped a tile at a time it would compute
+    another norm per tile and count tiles, so offload must step it whole."""
+
+    def __init__(self, params: object, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr, "calls": 0})
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        self.state["steps"] = self.state.get("steps", 0) + 1
+        for group in self.param_groups:
+            group["calls"] += 1
+            ps = [p for p in group["params"] if p.grad is not None]
+            norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in ps)) if ps else torch.tensor(0.0)
+            scale = min(1.0, 0.5 / (float(norm) + 1e-6))
+            for p in ps:
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                m.mul_(0.9).add_(p.grad, alpha=scale)
+                p.add_(m, alpha=-group["lr"] / group["calls"] ** 0.5)
+
+
+def test_an_optimizer_that_works_across_the_group_is_stepped_whole(workdir: Path, tmp_path: Path) -> None:
+    ref, off = model(), model()
+    ref_opt = GroupClipped(ref.parameters())
+    with OffloadedOptimizer(GroupClipped(off.parameters()), workdir, BUDGET) as opt:
+        assert not opt.elementwise
+        assert train(ref, ref_opt, range(STEPS)) == train(off, opt, range(STEPS))
+        assert _same(ref, off)
+        assert opt.param_groups[0]["calls"] == ref_opt.param_groups[0]["calls"] == STEPS
+        assert len(opt.last_step.updates) == 1  # one call over every parameter
+        _same_state(ref_opt.state_dict(), opt.state_dict())  # "steps" (not a parameter's) included
+        opt.save(tmp_path / "o.pt")
+    again = model()
+    again.load_state_dict(off.state_dict())
+    with OffloadedOptimizer(GroupClipped(again.parameters()), workdir, BUDGET) as opt:
+        opt.load(tmp_path / "o.pt")
+        assert train(ref, ref_opt, range(STEPS, STEPS + 3)) == train(again, opt, range(STEPS, STEPS + 3))
+        assert _same(ref, again)
+        _same_state(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_a_whole_step_that_does_not_fit_is_refused_before_anything_moves(workdir: Path) -> None:
+    m = model(width=64)
+    with OffloadedOptimizer(GroupClipped(m.parameters()), workdir, 5 * 4096) as opt:
+        train(m, opt, range(1))  # the state is made (outside the pool) and stored
+        before = [p.detach().clone() for p in m.parameters()]
+        state = opt.state_dict()
+        with pytest.raises(ValueError, match=r"GroupClipped is not known to update each parameter.*"
+                                             r"budget_bytes.*elementwise=True"):
+            train(m, opt, range(1, 2))
+        assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
+        _same_state(state, opt.state_dict())
+
+
+def test_elementwise_is_what_the_caller_declares(workdir: Path) -> None:
+    """A custom element-wise optimizer declared so is stepped a tile at a time, bit-identical; a bad value
+    of the argument is a TypeError naming it."""
+    ref, off = model(), model()
+    ref_opt = Fp32Momentum(ref.parameters())
+    with OffloadedOptimizer(Fp32Momentum(off.parameters()), workdir, BUDGET, elementwise=True) as opt:
+        assert train(ref, ref_opt, range(STEPS)) == train(off, opt, range(STEPS))
+        assert _same(ref, off) and len(opt.last_step.updates) > 1
+    with pytest.raises(TypeError, match="elementwise"):
+        OffloadedOptimizer(Fp32Momentum(model().parameters()), workdir, BUDGET, elementwise=1)  # type: ignore

@@ -41,6 +41,7 @@ import torch
 
 from deepnvme.offload._doors import PAGE, SWAP, madvise, save_streamed
 from deepnvme.offload.swap import Closing, Lease, ReadAhead, SwapSpace, Ticket, Unit, budget_arg, round_up
+from deepnvme.offload.train.grouping import is_elementwise, whole_step_too_large
 
 # The state key under which checkpoints carry the fp32 master of a parameter (master_weights=True).
 MASTER = "master"
@@ -120,6 +121,12 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
     aio handle for reads (default: a new one with the swap's settings, deepnvme._core.handles.SWAP, as
     every other handle of the swap space has).
 
+    Tiles give the optimizer's own arithmetic only for an optimizer that updates each parameter from its
+    own state and gradient (torch's, see grouping.py): any other is stepped whole, every parameter in one
+    call, its whole state in the budget (else a ValueError before anything moves), unless `elementwise=True`
+    says it is element-wise. State it keeps under keys that are not parameters stays in memory, and in
+    state_dict() and save().
+
     Use it as the optimizer: `param_groups` are the wrapped optimizer's live groups (LR schedulers attach
     here), `zero_grad`, `add_param_group` work as usual. `state` is a read-only outline: for each parameter
     with state, its small values (Adam's `step`) and, for each tensor kept on the drive, an empty tensor on
@@ -131,13 +138,15 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, directory: str | os.PathLike,
                  budget_bytes: int | None = None, *, master_weights: bool = False, handle: Any = None,
-                 tile_bytes: int | None = None) -> None:
+                 tile_bytes: int | None = None, elementwise: bool | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OffloadedOptimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         budget = budget_arg(DEFAULT_BUDGET if budget_bytes is None else budget_bytes)
         self._closed = True  # until the swap space exists
         self.optimizer = optimizer
         self.master_weights = bool(master_weights)
+        self.elementwise = is_elementwise(optimizer, elementwise)
+        self._loose: dict[Any, Any] = {}  # the wrapped optimizer's state not keyed by a parameter
         params = [p for g in optimizer.param_groups for p in g["params"]]
         for i, p in enumerate(params):
             self._check_param(p, f"parameter {i}")
@@ -228,16 +237,21 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
         return loss
 
     def _tiles(self, work: list[tuple[int, torch.Tensor]]) -> list[list[tuple[int, torch.Tensor]]]:
+        """The work in tiles of about tile_bytes (see grouping.py); all of it in one for an optimizer that
+        is not element-wise, refused before anything moves when its state would not fit the pool."""
         tiles: list[list[tuple[int, torch.Tensor]]] = []
-        size = 0
+        size = total = 0
         for gi, p in work:
             rec = self._records.get(p)
             n = rec.unit.io_nbytes if rec else round_up(p.numel() * 4) * (3 if self.master_weights else 2)
-            if not tiles or size + n > self.tile_bytes:
+            if not tiles or (self.elementwise and size + n > self.tile_bytes):
                 tiles.append([])
                 size = 0
             tiles[-1].append((gi, p))
             size += n
+            total += round_up(n) if rec else 0
+        if not self.elementwise and total > self.swap.pool.capacity:
+            raise whole_step_too_large(self.optimizer, total, self.swap.pool.capacity)
         return tiles
 
     def _step_tile(self, tile: list[tuple[int, torch.Tensor]], lease: Lease | None) -> None:
@@ -260,13 +274,20 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
             if chosen:
                 groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": chosen})
         live = inner.param_groups
+        inner.state.update(self._loose)
         try:
             inner.param_groups = groups
             inner.step()
         finally:
             inner.param_groups = live
             after = {p: inner.state.pop(targets[p], None) for _, p in tile}
+            self._loose = dict(inner.state)
             inner.state.clear()
+        if not self.elementwise:  # stepped whole: what it wrote to its groups is theirs
+            copies = iter(groups)
+            for gi, group in enumerate(live):
+                if any(g == gi for g, _ in tile):
+                    group.update({k: v for k, v in next(copies).items() if k != "params"})
         fresh: list[tuple[torch.Tensor, dict[str, Any]]] = []
         for _, p in tile:
             target, state = targets[p], after[p]
@@ -350,7 +371,7 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
 
     def _packed(self, state: dict[torch.Tensor, dict[str, Any]]) -> dict[str, Any]:
         inner = self.optimizer
-        inner.state = defaultdict(dict, state)
+        inner.state = defaultdict(dict, {**state, **self._loose})
         try:
             return inner.state_dict()
         finally:
@@ -459,9 +480,12 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
             by_index.update(zip(saved["params"], live["params"]))
         self._broken = "a load was interrupted"
         self.swap.wait_writes()
-        kept = {}
+        kept, loose = {}, {}
         for idx, st in sd["state"].items():
             p = by_index.get(idx)
+            if p is None and not isinstance(idx, int):
+                loose[idx] = st  # state not keyed by a parameter (torch's state_dict keeps such keys as is)
+                continue
             if p is None:
                 raise ValueError(f"the state dict holds state for parameter {idx!r}, which no group names")
             st = dict(st)
@@ -488,6 +512,7 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
             lease.write_back()
             kept[p] = rec
         self._records = kept  # parameters without saved state start afresh, as with torch's load_state_dict
+        self._loose = loose
         for live, saved in zip(self.param_groups, saved_groups):
             live.update({k: v for k, v in saved.items() if k != "params"})
         self.swap.wait_writes()
