@@ -284,3 +284,19 @@ def test_elementwise_is_what_the_caller_declares(workdir: Path) -> None:
         assert _same(ref, off) and len(opt.last_step.updates) > 1
     with pytest.raises(TypeError, match="elementwise"):
         OffloadedOptimizer(Fp32Momentum(model().parameters()), workdir, BUDGET, elementwise=1)  # type: ignore
+
+
+def test_a_flipped_byte_of_swapped_state_is_an_error(workdir: Path) -> None:
+    m = model()
+    with OffloadedOptimizer(OPTIMIZERS["adam"](m.parameters()), workdir, BUDGET) as opt:
+        train(m, opt, range(2))
+        fd = os.open(opt.swap.file, os.O_RDWR)
+        try:
+            old = os.pread(fd, 1, 100)
+            os.pwrite(fd, bytes([old[0] ^ 1]), 100)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError, match=r"swapped unit 'param-1'.*CRC-32") as err:
+            train(m, opt, range(2, 3))
+        assert err.value.filename == opt.swap.file

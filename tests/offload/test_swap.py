@@ -109,7 +109,7 @@ def test_writes_never_delay_reads_and_completion_is_per_request(workdir: Path) -
         leases = [space.read([units[i]]) for i in range(2, 6)]
         for i, le in zip(range(2, 6), leases):
             for t in le.tickets:
-                t.on_done = lambda _t, i=i: order.append(i)
+                t.on_done = lambda _t, i=i, then=t.on_done: (order.append(i), then(_t))  # then: its check
         leases[-1].demand()
         read_gate.set()
         first.wait()
@@ -667,3 +667,29 @@ def test_submits_racing_close_never_hang(workdir: Path) -> None:
                 assert ticket.error is None or isinstance(ticket.error, RuntimeError), ticket.error
     finally:
         os.close(fd)
+
+
+def test_a_byte_changed_on_the_drive_is_caught_when_read_back(workdir: Path) -> None:
+    """Every owned unit is read back against the CRC-32 it was written with: one byte flipped in the swap
+    file is an OSError EIO naming the file and the unit, not data; the units around it read fine."""
+    with SwapSpace(workdir, 1 << 20) as space:
+        data = _fill(space, [3 * PAGE, 5000, PAGE])
+        units = [space.unit(f"u{i}") for i in range(3)]
+        fd = os.open(space.file, os.O_RDWR)
+        try:
+            at = units[1].offset + 1234
+            old = os.pread(fd, 1, at)
+            os.pwrite(fd, bytes([old[0] ^ 0x10]), at)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        lease = space.read(units, demand=True)
+        with pytest.raises(OSError, match=r"swapped unit 'u1'.*CRC-32") as err:
+            lease.wait()
+        assert err.value.errno == errno.EIO and err.value.filename == space.file
+        lease.release()
+        for i in (0, 2):
+            lease = space.read([units[i]], demand=True)
+            lease.wait()
+            assert torch.equal(lease.view(units[i]), data[i])
+            lease.release()

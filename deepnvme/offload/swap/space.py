@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deepnvme.offload._doors import PAGE, check_settings, locked_bytes, new_handle
+from deepnvme.offload._doors import PAGE, check_settings, crc32, locked_bytes, new_handle
 from deepnvme.offload.swap import folders, preflight
 from deepnvme.offload.swap.closing import Closing
 from deepnvme.offload.swap.pool import Buffer, BufferPool, round_up
@@ -168,6 +168,7 @@ class Lease:
         if not owned:
             self.buffer.release()
             return []
+        self.space.record_sums(self, owned)
         runs = self.runs(owned, parts)
         self._writes_left = len(runs)
         self.tickets = [Ticket(view, self.space._fd, start, path, True, self._written)
@@ -246,6 +247,7 @@ class SwapSpace(Closing):
         self.pid = os.getpid()  # a forked child leaves this space to the process that made it (close())
         self._checks: concurrent.futures.ThreadPoolExecutor | None = None
         self._checks_lock = threading.Lock()
+        self._sums: dict[str, int] = {}  # owned unit -> CRC-32 of the bytes last written (read back checked)
         self.pool = None
         self.closed = False
         try:
@@ -372,6 +374,7 @@ class SwapSpace(Closing):
         if lease is None:
             return None
         priority = DEMAND if demand else PREFETCH
+        check = self._with_sums(lease, check)
         runs = lease.runs(lease.units, parts)
         left = [len(runs)]
         count = threading.Lock()  # runs complete on either of the queue's threads
@@ -394,6 +397,35 @@ class SwapSpace(Closing):
         for t in lease.tickets:
             self.reads.submit(t, priority)
         return lease
+
+    def record_sums(self, lease: Lease, units: Sequence[Unit]) -> None:
+        """Remember the CRC-32 of each of `units`' bytes as `lease` is about to write them (the whole page
+        range written), so that the next read of the unit is checked against it."""
+        sums = {u.name: crc32(lease.io_view(u).numpy()) for u in units}
+        with self._checks_lock:
+            self._sums.update(sums)
+
+    def _with_sums(self, lease: Lease,
+                   check: Callable[[Lease], None] | None) -> Callable[[Lease], None] | None:
+        """`check`, preceded by the check of every unit of `lease` written by this space against the CRC-32
+        it was written with: a byte changed on the drive (or in the file) raises OSError EIO naming the
+        file and the unit instead of being used."""
+        with self._checks_lock:
+            expected = [(u, self._sums[u.name]) for u in lease.units if u.name in self._sums]
+        if not expected:
+            return check
+
+        def verify(done: Lease) -> None:
+            for u, crc in expected:
+                got = crc32(done.io_view(u).numpy())
+                if got != crc:
+                    raise OSError(errno.EIO, f"swapped unit {u.name!r} ({u.io_nbytes} bytes at offset "
+                                  f"{u.io_start}) read back with CRC-32 {got:#010x}, written with "
+                                  f"{crc:#010x}: the file or the drive changed it", u.path)
+            if check is not None:
+                check(done)
+
+        return verify
 
     def _checker(self) -> concurrent.futures.ThreadPoolExecutor:
         """The thread checks of read bytes run on, started on first use."""
