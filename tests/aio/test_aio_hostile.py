@@ -28,16 +28,13 @@ PRELUDE = textwrap.dedent("""
     from op_builder import AsyncIOBuilder
     m = AsyncIOBuilder().load()
     from tests.support.forks import reap_child
+    from tests.support.thread_helpers import wait_until
     U8 = torch.empty(0, dtype=torch.uint8)
     d = sys.argv[1]
 
     def wait_for_file(path, limit=60):
         # An event another thread or the fault engine announces by creating a file (see hold@N).
-        give_up = time.monotonic() + limit
-        while not os.path.exists(path):
-            if time.monotonic() > give_up:
-                raise AssertionError(f"{path} never appeared")
-            time.sleep(0.001)
+        wait_until(lambda: os.path.exists(path), path, limit)
 """)
 
 

@@ -296,17 +296,14 @@ PRELUDE = textwrap.dedent("""
     from op_builder import AsyncIOBuilder
     m = AsyncIOBuilder().load()
     from tests.support.forks import reap_child
+    from tests.support.thread_helpers import wait_until
     d = sys.argv[1]
     gate = f"{d}/gate"
     os.mkdir(gate)
     os.environ.update(DEEPNVME_FAULT="hold@1", DEEPNVME_FAULT_GATE=gate)
 
     def wait_for_file(path, limit=60):
-        give_up = time.monotonic() + limit
-        while not os.path.exists(path):
-            if time.monotonic() > give_up:
-                raise AssertionError(f"{path} never appeared")
-            time.sleep(0.001)
+        wait_until(lambda: os.path.exists(path), path, limit)
 """)
 
 
