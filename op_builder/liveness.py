@@ -22,6 +22,7 @@ directories). Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 
@@ -87,12 +88,18 @@ def hold_lock(directory: str) -> int:
     until closed (or the process ends). BlockingIOError when another open file description holds it;
     OSError naming the file otherwise. The descriptor is not inherited by exec'd programs; a forked child
     shares the lock until it closes its copy."""
+    # Locked under a name of its own, then renamed (the lock stays with the open file): whoever opens
+    # OWNER_LOCK finds it held from its first moment.
     path = os.path.join(directory, OWNER_LOCK)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, path)
     except BaseException:
         os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
     return fd
 
@@ -101,8 +108,8 @@ def lock_held(directory: str) -> bool | None:
     """Whether a live process holds `directory`'s owner lock: True (held, or it cannot be told: keep it),
     False (the file is there and nobody holds it: its owner is gone), None (no lock file: ask the pid
     rule)."""
-    try:
-        fd = os.open(os.path.join(directory, OWNER_LOCK), os.O_RDONLY | os.O_CLOEXEC)
+    try:  # read-write: NFS emulates flock with fcntl locks, whose exclusive kind needs a writable file
+        fd = os.open(os.path.join(directory, OWNER_LOCK), os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     except OSError:

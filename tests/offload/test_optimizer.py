@@ -262,16 +262,39 @@ def test_an_optimizer_that_works_across_the_group_is_stepped_whole(workdir: Path
 
 
 def test_a_whole_step_that_does_not_fit_is_refused_before_anything_moves(workdir: Path) -> None:
+    """Refused at the first step, by the state Adam (the largest of torch's) would make, before the
+    parameters move or any state is made; and at a later step, by the state there is."""
     m = model(width=64)
+    before = [p.detach().clone() for p in m.parameters()]
     with OffloadedOptimizer(GroupClipped(m.parameters()), workdir, 5 * 4096) as opt:
-        train(m, opt, range(1))  # the state is made (outside the pool) and stored
-        before = [p.detach().clone() for p in m.parameters()]
-        state = opt.state_dict()
         with pytest.raises(ValueError, match=r"GroupClipped is not known to update each parameter.*"
                                              r"budget_bytes.*elementwise=True"):
-            train(m, opt, range(1, 2))
+            train(m, opt, range(1))
         assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
-        _same_state(state, opt.state_dict())
+        assert opt.state_dict()["state"] == {} and opt.swap.reserved_bytes == 0
+
+
+def test_a_whole_step_sees_every_group_every_step(workdir: Path) -> None:
+    """Stepped whole, the optimizer sees its groups as in memory: one whose parameters have no gradient
+    this step, and a step where none has one (its counters move all the same)."""
+    def groups(m: torch.nn.Module) -> list[dict]:
+        ps = list(m.parameters())
+        return [{"params": ps[:2]}, {"params": ps[2:]}]
+
+    ref, off = model(), model()
+    ref_opt = GroupClipped(groups(ref))
+    with OffloadedOptimizer(GroupClipped(groups(off)), workdir, 1 << 20) as opt:
+        for s in range(6):
+            a = train(ref, ref_opt, range(s, s + 1), frozen_until=3)  # the first layer: no gradient until 3
+            b = train(off, opt, range(s, s + 1), frozen_until=3)
+            assert a == b, s
+        for o in (ref_opt, opt):
+            for p in (ref if o is ref_opt else off).parameters():
+                p.grad = None
+            o.step()
+        assert _same(ref, off)
+        assert [g["calls"] for g in opt.param_groups] == [g["calls"] for g in ref_opt.param_groups] == [7, 7]
+        _same_state(ref_opt.state_dict(), opt.state_dict())
 
 
 def test_elementwise_is_what_the_caller_declares(workdir: Path) -> None:

@@ -119,3 +119,17 @@ def test_a_forked_child_makes_its_own_folder_and_leaves_the_parents_lock(workdir
         assert in_forked_child(child) == "ok"
         assert own.exists() and not folders.is_stale(str(workdir), own.name)
     assert os.listdir(workdir) == []
+
+
+def test_a_folder_being_made_is_kept_until_its_maker_is_surely_gone(workdir: Path) -> None:
+    """A `.making` folder without a lock file yet (its maker between mkdir and locking) is kept for a
+    minute, then taken for the leftover of a maker that died there."""
+    young = workdir / f"{folders.own_name()}.0123abcd.making"
+    old = workdir / f"{folders.own_name()}.89abcdef.making"
+    young.mkdir()
+    old.mkdir()
+    os.utime(old, (os.stat(old).st_atime, os.stat(old).st_mtime - 120))
+    assert not folders.is_stale(str(workdir), young.name) and folders.is_stale(str(workdir), old.name)
+    with SwapSpace(workdir, 1 << 20):
+        assert young.exists() and not old.exists()
+    young.rmdir()

@@ -21,6 +21,7 @@ import re
 import shutil
 import socket
 import threading
+import time
 
 from deepnvme.offload._doors import hold_lock, lock_held, owner_alive, owner_mark
 
@@ -28,6 +29,7 @@ PREFIX = "deepnvme-swap-"
 HOST = "".join(c if c.isalnum() or c == "_" else "_" for c in socket.gethostname()) or "host"
 _NAME = re.compile(rf"^{re.escape(PREFIX)}(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-(?P<start>\d+)(?:-\d+)?$")
 _MAKING = re.compile(rf"^{re.escape(PREFIX)}[A-Za-z0-9_-]+\.[0-9a-f]{{8}}\.making$")
+_MAKING_GRACE_S = 60.0
 #: This process's subdirectories (path -> the descriptor holding its lock), guarded by _LOCK.
 _HELD: dict[str, int] = {}
 _LOCK = threading.Lock()
@@ -41,8 +43,15 @@ def own_name(pid: int | None = None) -> str:
 def is_stale(directory: str, name: str) -> bool:
     """Whether `name` in `directory` is a swap subdirectory whose owner is gone: its lock file is there and
     nobody holds it; without a lock file, a subdirectory of this host whose process no longer runs."""
-    if _MAKING.match(name):  # one being made: stale only once its maker is gone with the lock taken
-        return lock_held(os.path.join(directory, name)) is False
+    if _MAKING.match(name):  # one being made: stale once its maker is gone (lock free, or never made)
+        path = os.path.join(directory, name)
+        held = lock_held(path)
+        if held is None:  # its maker died before locking, or is about to lock: give it a minute
+            try:
+                return time.time() - os.stat(path).st_mtime > _MAKING_GRACE_S
+            except OSError:
+                return False
+        return not held
     m = _NAME.match(name)
     if m is None:
         return False
@@ -69,9 +78,12 @@ def remove_stale(directory: str) -> list[str]:
 
 def _own_directory(directory: str) -> str:
     """This process's subdirectory of `directory`, made and locked on first use (the lock held)."""
-    for path, _ in _HELD.items():
-        if os.path.dirname(path) == directory and os.path.isdir(path):
-            return path
+    for path, fd in list(_HELD.items()):
+        if os.path.dirname(path) == directory:
+            if os.path.isdir(path):
+                return path
+            del _HELD[path]  # removed under us (by hand): its lock goes, a new folder is made
+            os.close(fd)
     base = os.path.join(directory, own_name())
     for n in range(1000):
         own = base if n == 0 else f"{base}-{n}"

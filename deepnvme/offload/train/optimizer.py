@@ -210,7 +210,7 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
                 if lease is not None:
                     profile.add_requests(lease.tickets)
                 try:
-                    self._step_tile(tile, lease)
+                    fresh = self._step_tile(tile, lease)
                 except BaseException:
                     if lease is not None:
                         lease.release()
@@ -219,6 +219,8 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
                                         sum(p.numel() * p.element_size() for _, p in tile)))
                 if lease is not None:
                     writes += lease.write_back(END_REQUESTS if i == len(tiles) - 1 else 1)
+                if fresh:  # after the write-back is queued: its memory comes back as it lands
+                    self._store_fresh(fresh)
             self.swap.wait_writes()
             profile.add_requests(writes)
             profile.ended = time.perf_counter()
@@ -249,12 +251,15 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
                 size = 0
             tiles[-1].append((gi, p))
             size += n
-            total += round_up(n) if rec else 0
+            total += round_up(n)  # new state: as much as Adam's (with masters), the largest of torch's
         if not self.elementwise and total > self.swap.pool.capacity:
             raise whole_step_too_large(self.optimizer, total, self.swap.pool.capacity)
-        return tiles
+        return tiles or ([] if self.elementwise else [[]])  # stepped whole: one call even with no gradient
 
-    def _step_tile(self, tile: list[tuple[int, torch.Tensor]], lease: Lease | None) -> None:
+    def _step_tile(self, tile: list[tuple[int, torch.Tensor]],
+                   lease: Lease | None) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """Step the parameters of `tile` (their state in `lease`); the state made for parameters that had
+        none, to be stored once the lease is written back."""
         inner = self.optimizer
         targets: dict[torch.Tensor, torch.Tensor] = {}
         for _, p in tile:
@@ -271,7 +276,7 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
         groups = []
         for gi, group in enumerate(self.param_groups):
             chosen = [targets[p] for g, p in tile if g == gi]
-            if chosen:
+            if chosen or not self.elementwise:  # stepped whole: every group, as its step in memory sees them
                 groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": chosen})
         live = inner.param_groups
         inner.state.update(self._loose)
@@ -284,10 +289,8 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
             self._loose = dict(inner.state)
             inner.state.clear()
         if not self.elementwise:  # stepped whole: what it wrote to its groups is theirs
-            copies = iter(groups)
-            for gi, group in enumerate(live):
-                if any(g == gi for g, _ in tile):
-                    group.update({k: v for k, v in next(copies).items() if k != "params"})
+            for group, copy in zip(live, groups):
+                group.update({k: v for k, v in copy.items() if k != "params"})
         fresh: list[tuple[torch.Tensor, dict[str, Any]]] = []
         for _, p in tile:
             target, state = targets[p], after[p]
@@ -312,8 +315,7 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
                 if state[k].data_ptr() != views[k].data_ptr():
                     views[k].copy_(state[k])
             rec.scalars = {k: v for k, v in state.items() if k not in swapped}
-        if fresh:
-            self._store_fresh(fresh)
+        return fresh
 
     def _outline(self) -> None:
         """Make `state` show, per parameter, its small state and a meta tensor for each swapped one."""
@@ -337,14 +339,16 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
                 v.copy_(state[k])
             lease.write_back()
 
-    def _new_record(self, p: torch.Tensor, state: dict[str, Any]) -> _Record:
+    def _new_record(self, p: torch.Tensor, state: dict[str, Any], promote: bool = False) -> _Record:
         entries, at = [], 0
         for k, v in state.items():
             if self._is_swapped(p, k, v):
-                # State keeps its own dtype (an optimizer may keep fp32 moments of 16-bit parameters), but
-                # the floating state of an fp32 master is fp32: Adagrad makes its sums at construction, in
-                # the 16-bit parameter's dtype, where the same optimizer over fp32 masters makes fp32 ones.
-                dtype = torch.float32 if self.master_weights and v.is_floating_point() else v.dtype
+                # State keeps its own dtype (an optimizer may keep fp32 moments of 16-bit parameters). Only
+                # state taken over (adopted, loaded) for an fp32 master in the 16-bit parameter's dtype
+                # becomes fp32: Adagrad makes its sums at construction, in the parameter's dtype, where the
+                # same optimizer over fp32 masters makes fp32 ones.
+                dtype = (torch.float32 if promote and v.is_floating_point() and v.dtype == p.dtype
+                         and p.dtype != torch.float32 else v.dtype)
                 entries.append(_Entry(k, at, dtype, v.shape))
                 at += round_up(v.numel() * dtype.itemsize)
         self._units += 1
@@ -494,7 +498,8 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
             elif not self.master_weights:
                 st.pop(MASTER, None)
             old = self._records.pop(p, None)
-            rec = self._new_record(p, st) if old is None or not self._same_layout(p, old, st) else old
+            rec = (self._new_record(p, st, promote=self.master_weights)
+                   if old is None or not self._same_layout(p, old, st) else old)
             if rec is old:
                 self._records[p] = rec
                 rec.scalars = {k: _own(v) for k, v in st.items() if not self._is_swapped(p, k, v)}
