@@ -323,3 +323,20 @@ def test_a_flipped_byte_of_swapped_state_is_an_error(workdir: Path) -> None:
         with pytest.raises(OSError, match=r"swapped unit 'param-1'.*CRC-32") as err:
             train(m, opt, range(2, 3))
         assert err.value.filename == opt.swap.file
+
+
+def test_the_next_tiles_read_is_queued_before_this_tile_updates(workdir: Path) -> None:
+    """The overlap, held by the request log and not only by the bench: in a step over state that exists,
+    each tile's reads are queued before the update of the tile ahead of it begins (the read-ahead); the
+    first tile's, before any update."""
+    m = model()
+    # Small tiles in a pool with room for all of them: how far ahead reads run never waits on write-backs.
+    with OffloadedOptimizer(torch.optim.Adam(m.parameters(), lr=1e-3), workdir, 1 << 20,
+                            tile_bytes=16 << 10) as opt:
+        train(m, opt, range(3))
+        prof = opt.last_step
+        queued, updates = prof.tile_reads_queued, prof.updates
+        assert len(queued) == len(updates) >= 3 and None not in queued
+        assert queued[0] < updates[0][0]
+        for i in range(1, len(updates)):
+            assert queued[i] < updates[i - 1][0], (i, queued[i] - updates[i - 1][0])

@@ -40,14 +40,14 @@ _POLL_S = 1.0
 class Ticket:
     """One request: `tensor` (uint8, locked) to or from `fd` at `offset`; completion is per ticket.
 
-    `began` and `ended` are the time.perf_counter() at which the request was issued to the handle and
-    found completed (0.0 until then): what a profile of the pipeline reads. `on_done` runs on one of the
-    queue's threads before waiters are released, and the request holds its slot until it returns: it
-    should be quick.
+    `queued`, `began` and `ended` are the time.perf_counter() at which the request was submitted to its
+    queue, issued to the handle and found completed (0.0 until then): what a profile of the pipeline
+    reads. `on_done` runs on one of the queue's threads before waiters are released, and the request
+    holds its slot until it returns: it should be quick.
     """
 
-    __slots__ = ("_done", "began", "ended", "error", "fd", "offset", "on_done", "path", "priority", "started",
-                 "tensor", "write")
+    __slots__ = ("_done", "began", "ended", "error", "fd", "offset", "on_done", "path", "priority", "queued",
+                 "started", "tensor", "write")
 
     def __init__(self, tensor: Any, fd: int, offset: int, path: str, write: bool,
                  on_done: Callable[[Ticket], None] | None = None) -> None:
@@ -56,7 +56,7 @@ class Ticket:
         self.error: BaseException | None = None
         self.priority = PREFETCH
         self.started = False
-        self.began = self.ended = 0.0
+        self.queued = self.began = self.ended = 0.0
         self._done = threading.Event()
 
     def done(self) -> bool:
@@ -123,6 +123,7 @@ class IOQueue:
         if self._stop:
             raise RuntimeError("the swap space is closed")
         ticket.priority = priority
+        ticket.queued = time.perf_counter()
         self._inbox.put(("submit", ticket))
         if self._closed:  # close() ran to its end meanwhile: no thread reads the inbox any more
             self._refuse_late()

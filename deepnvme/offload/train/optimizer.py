@@ -81,6 +81,9 @@ class StepProfile:
     updates: list[Span] = field(default_factory=list)  # bytes: the tile's parameters' bytes
     writes: list[Span] = field(default_factory=list)
     read_wait_s: float = 0.0
+    #: When each tile's reads were queued (None for a tile with nothing to read): before the update of the
+    #: tile ahead of it began, where the read-ahead works.
+    tile_reads_queued: list[float | None] = field(default_factory=list)
 
     @property
     def bytes_read(self) -> int:
@@ -207,6 +210,8 @@ class OffloadedOptimizer(Closing, torch.optim.Optimizer):
                 lease = reader.take(i)
                 began = time.perf_counter()
                 profile.read_wait_s += began - waited
+                profile.tile_reads_queued.append(min(t.queued for t in lease.tickets)
+                                                 if lease is not None and lease.tickets else None)
                 if lease is not None:
                     profile.add_requests(lease.tickets)
                 try:
