@@ -620,11 +620,13 @@ def test_a_shared_handle_whose_completions_are_taken_elsewhere(workdir: Path) ->
     fd = os.open(path, os.O_RDONLY)
     try:
         bufs = [torch.empty(PAGE, dtype=torch.uint8) for _ in range(2)]
-        slow = queue.submit(Ticket(bufs[0], fd, 0, str(path), False, lambda _t: time.sleep(0.5)))
+        gate = threading.Event()  # held shut until the caller has taken the report: no race with a timer
+        slow = queue.submit(Ticket(bufs[0], fd, 0, str(path), False, lambda _t: gate.wait()))
         wait_until(lambda: slow.ended != 0.0, "the first read's callback")  # the completing thread is busy
         other = queue.submit(Ticket(bufs[1], fd, PAGE, str(path), False))
         wait_until(lambda: other.started, "the second read")
-        taken = h.wait_completed(5.0)  # the queue's report, taken by someone else
+        taken = h.wait_completed(60.0)  # the queue's report, taken by someone else
+        gate.set()
         assert taken, "the second read was reported to the caller"
         other.wait()  # finished all the same
         assert bytes(bufs[1][:4].tolist()) == b"xxxx"
