@@ -5,7 +5,8 @@ own subdirectory (see folders.py), each at a page-aligned offset and padded to w
 true length kept; units of existing files (read-only, e.g. tensors in a safetensors shard) are read from
 where they are, the pages around them read too so that the read stays O_DIRECT, and the view given back is
 the true range. Space for owned units is reserved with fallocate when they are added, so a full disk shows
-up then, naming the directory, and never as a short write later.
+up then, naming the directory, and never as a short write later; a unit removed gives its range back
+(extents.py).
 
 Reads and writes go through two queues (queues.IOQueue), each keeping `requests_in_flight` requests in
 flight on one aio handle (one by default) and completing each on its own ticket. Units that lie back to
@@ -30,6 +31,7 @@ from typing import Any
 from deepnvme.offload._doors import PAGE, check_settings, crc32, locked_bytes, new_handle
 from deepnvme.offload.swap import folders, preflight
 from deepnvme.offload.swap.closing import Closing
+from deepnvme.offload.swap.extents import Extents
 from deepnvme.offload.swap.pool import Buffer, BufferPool, round_up
 from deepnvme.offload.swap.queues import DEMAND, PREFETCH, IOQueue, Ticket, check_runner, run_check
 
@@ -241,7 +243,7 @@ class SwapSpace(Closing):
         self._fd = -1
         self._ext: dict[str, int] = {}
         self._units: dict[str, Unit] = {}
-        self._reserved = 0
+        self._extents: Extents | None = None  # the swap file's ranges (none for a read-only space)
         self._pending_writes: list[Ticket] = []
         self.reads = self.writes = None
         self.pid = os.getpid()  # a forked child leaves this space to the process that made it (close())
@@ -253,6 +255,7 @@ class SwapSpace(Closing):
         try:
             if self.file is not None:
                 self._fd, self.direct = preflight.open_direct(self.file, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+                self._extents = Extents(self._fd, self.file, directory)
             # The pool only allocates through its handle: it shares the read queue's.
             read_handle = handle if handle is not None else new_handle(**settings)
             self.pool = BufferPool(budget_bytes, read_handle)
@@ -279,22 +282,22 @@ class SwapSpace(Closing):
         if padded > self.pool.capacity:
             raise ValueError(f"unit {name!r} takes {padded} bytes, over budget_bytes={self.pool.capacity}: "
                              f"raise budget_bytes to at least {padded}")
-        offset = self._reserved
-        try:
-            os.posix_fallocate(self._fd, offset, padded)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                st = os.statvfs(self.directory)
-                raise OSError(errno.ENOSPC, f"no space for {padded} more bytes of swap ({offset} reserved, "
-                              f"{st.f_bavail * st.f_frsize} free): free space or choose another directory",
-                              self.directory) from exc
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise OSError(exc.errno, exc.strerror, self.file) from exc
-            os.ftruncate(self._fd, offset + padded)  # no fallocate here: at least the length is right
-        self._reserved = offset + padded
+        offset = self._extents.take(padded)  # type: ignore[union-attr] - set with self.file
         unit = Unit(name, self.file, offset, nbytes, True, offset, offset + padded)
         self._units[name] = unit
         return unit
+
+    def remove(self, unit: Unit) -> None:
+        """Forget the owned `unit` and give its range of the swap file back (its drive space is released;
+        a later unit may take the range). Queued writes finish first: none may land in a range reused."""
+        self._check_open()
+        if not unit.owned or self._units.get(unit.name) is not unit:
+            raise ValueError(f"unit {unit.name!r} is not an owned unit of this swap space")
+        self.wait_writes()
+        del self._units[unit.name]
+        with self._checks_lock:
+            self._sums.pop(unit.name, None)
+        self._extents.give(unit.io_start, unit.io_nbytes)  # type: ignore[union-attr] - owned: set
 
     def add_external(self, name: str, path: str | os.PathLike, offset: int, nbytes: int, *,
                      pool: BufferPool | None = None) -> Unit:
@@ -332,8 +335,8 @@ class SwapSpace(Closing):
 
     @property
     def reserved_bytes(self) -> int:
-        """Bytes of the swap file reserved for owned units."""
-        return self._reserved
+        """Bytes of the swap file reserved for owned units (ranges given back not counted)."""
+        return 0 if self._extents is None else self._extents.end - self._extents.free_bytes
 
     def check_files(self) -> None:
         """Raise OSError naming the swap file if it was deleted or cut short under this space."""
@@ -344,8 +347,8 @@ class SwapSpace(Closing):
         if st.st_nlink == 0:
             raise OSError(errno.ENOENT, "the swap file was deleted while in use; its state is lost (load a "
                           "checkpoint into a new optimizer)", self.file)
-        if st.st_size < self._reserved:
-            raise OSError(errno.EIO, f"the swap file holds {st.st_size} bytes, {self._reserved} written: "
+        if self._extents is not None and st.st_size < self._extents.end:
+            raise OSError(errno.EIO, f"the swap file holds {st.st_size} bytes, {self._extents.end} written: "
                           "it was truncated while in use; its state is lost (load a checkpoint)", self.file)
 
     # ------------------------------------------------------------------------------------------ moves
