@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from deepnvme._core import zipformat
+from deepnvme._core.crc import crc32
 from deepnvme._core.direct import DIRECT_MIN_BYTES, AlignedWriter
 from deepnvme._core.memory import address_of, byte_view, memory_of
 
@@ -60,6 +61,8 @@ class SaveStream:
             storage = self._storages.get((address_of(view), n))
             if storage is not None and self._payloads is not None:
                 supplied = self._payloads(storage)
+            if supplied is not None and not hasattr(supplied, "numel"):
+                return self._write_pieces(supplied, n)
             if supplied is not None:
                 if supplied.numel() != n:
                     raise ValueError(f"payloads gave {supplied.numel()} bytes for a storage of {n}")
@@ -74,6 +77,29 @@ class SaveStream:
             self._zip.settle()
         if supplied is not None:  # the caller may reuse that memory once this returns
             self._writer.wait()
+        self.pos += n
+        return n
+
+    def _write_pieces(self, pieces: Any, n: int) -> int:
+        """Write a storage's `n` bytes given as consecutive uint8 tensors (a payload larger than the memory
+        that supplies it), each written before the next is asked for; its CRC-32 is computed as they go."""
+        zip_data = self._zip is not None and self._zip.expects_data()
+        if self._zip is not None and not zip_data:
+            self._zip.lost("a payload in pieces came outside a member's data")
+        at, crc = self.pos, 0
+        for piece in pieces:
+            if at - self.pos + piece.numel() > n:
+                raise ValueError(f"payloads gave more than the {n} bytes of the storage")
+            view = memory_of(piece)
+            self._writer.put(view, at, piece)
+            if zip_data:
+                crc = crc32(view, crc)
+            self._writer.wait()  # the caller may reuse that memory for the next piece
+            at += piece.numel()
+        if at - self.pos != n:
+            raise ValueError(f"payloads gave {at - self.pos} bytes for a storage of {n}")
+        if zip_data:
+            self._zip.data_written(n, crc)  # type: ignore[union-attr]
         self.pos += n
         return n
 

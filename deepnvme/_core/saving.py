@@ -40,8 +40,9 @@ def save(obj: Any, path: str | os.PathLike, pickle_module: Any = pickle, pickle_
 
     `payloads` lets a caller supply storage bytes that are not in memory (deepnvme.offload streams an
     optimizer's state from its swap file this way): called with each storage of `obj` as torch writes
-    it, it returns a uint8 tensor holding that storage's bytes, or None to write the storage's own. The
-    tensor is written before the next call, so it may be reused then.
+    it, it returns a uint8 tensor holding that storage's bytes, an iterator of uint8 tensors holding them
+    one after another (a storage larger than the memory supplying it), or None to write the storage's own.
+    Each tensor is written before the next is asked for, so its memory may be reused then.
     """
     import torch
 

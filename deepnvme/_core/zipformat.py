@@ -317,6 +317,15 @@ class CrcFollower:
         self._unsettled = view
         return [(view, at, known_storage)]
 
+    def expects_data(self) -> bool:
+        """Whether the next bytes written are a member's data (a header and its extra field just ended)."""
+        return self._state == "data"
+
+    def data_written(self, nbytes: int, crc: int) -> None:
+        """The member's data was written by the caller (in pieces, its CRC-32 `crc` computed as they went):
+        the descriptor that follows is next."""
+        self._data_len, self._data_crc, self._state = nbytes, crc, "descriptor"
+
     def settle(self) -> None:
         """The CRC of the data feed() just gave back, once the caller has queued its write."""
         if self._unsettled is not None:
