@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -262,13 +263,21 @@ def test_an_optimizer_that_works_across_the_group_is_stepped_whole(workdir: Path
 
 
 def test_a_whole_step_that_does_not_fit_is_refused_before_anything_moves(workdir: Path) -> None:
-    """Refused at the first step, by the state Adam (the largest of torch's) would make, before the
-    parameters move or any state is made; and at a later step, by the state there is."""
+    """Refused when the optimizer is made, by the state its step will make (learnt ahead, exact: the
+    number given is the least budget that works); and at a later step, for parameters added since, before
+    the parameters move or any state is made."""
     m = model(width=64)
-    before = [p.detach().clone() for p in m.parameters()]
-    with OffloadedOptimizer(GroupClipped(m.parameters()), workdir, 5 * 4096) as opt:
-        with pytest.raises(ValueError, match=r"GroupClipped is not known to update each parameter.*"
-                                             r"budget_bytes.*elementwise=True"):
+    with pytest.raises(ValueError, match=r"GroupClipped is not known to update each parameter.*needs "
+                                         r"(\d+) bytes, and budget_bytes.*elementwise=True") as caught:
+        OffloadedOptimizer(GroupClipped(m.parameters()), workdir, 5 * 4096)
+    need = int(re.search(r"needs (\d+) bytes", str(caught.value)).group(1))
+    with OffloadedOptimizer(GroupClipped(m.parameters()), workdir, need) as opt:
+        train(m, opt, range(2))  # the number given is enough
+    first, *rest = list(m.parameters())
+    with OffloadedOptimizer(GroupClipped([first]), workdir, need // 2) as opt:
+        opt.add_param_group({"params": rest})
+        before = [p.detach().clone() for p in m.parameters()]
+        with pytest.raises(ValueError, match=r"GroupClipped is not known to update each parameter"):
             train(m, opt, range(1))
         assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
         assert opt.state_dict()["state"] == {} and opt.swap.reserved_bytes == 0

@@ -1,0 +1,222 @@
+"""The offloaded optimizer's state in and out whole: state_dict(), load_state_dict(), save(), load().
+
+save() and load() stream: the state is never all in memory, only a piece at a time in the pool (a
+parameter's state, or one tensor's chunk of it); state_dict() holds everything, as it must.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from deepnvme.offload._doors import PAGE, madvise, save_streamed
+from deepnvme.offload.swap import Lease, ReadAhead, Unit, round_up
+from deepnvme.offload.train.records import Record, entries_of, is_swapped
+
+if TYPE_CHECKING:
+    from deepnvme.offload.train.optimizer import OffloadedOptimizer
+
+    _Base = OffloadedOptimizer
+else:
+    _Base = object
+
+_MASTER = "master"  # optimizer.MASTER (not imported: that module imports this one)
+
+
+class Checkpoints(_Base):
+    """state_dict / load_state_dict / save / load of OffloadedOptimizer (a mixin of it)."""
+
+    def _placeholders(self) -> tuple[dict[torch.Tensor, dict[str, Any]], dict[int, tuple[Record, str]]]:
+        """State dicts whose swapped tensors are untouched anonymous memory (no RSS), and their owners."""
+        state: dict[torch.Tensor, dict[str, Any]] = {}
+        owners: dict[int, tuple[Record, str]] = {}
+        for p, rec in self._records.items():
+            st = dict(rec.scalars)
+            for e in rec.entries:
+                t = torch.frombuffer(mmap.mmap(-1, max(e.nbytes, 1)), dtype=torch.uint8)[:e.nbytes]
+                t = t.view(e.dtype).view(e.shape)
+                owners[t.untyped_storage().data_ptr()] = (rec, e.key)
+                st[e.key] = t
+            state[p] = st
+        return state, owners
+
+    def _packed(self, state: dict[torch.Tensor, dict[str, Any]]) -> dict[str, Any]:
+        inner = self.optimizer
+        inner.state = defaultdict(dict, {**state, **self._loose})
+        try:
+            return inner.state_dict()
+        finally:
+            inner.state = defaultdict(dict)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the whole optimizer state to `path` in torch's format (deepnvme.save: atomic, O_DIRECT).
+
+        Streamed a piece at a time through the pool: the state is never all in memory. The file is what
+        `state_dict()` would give: a plain optimizer's `load_state_dict(torch.load(path))` takes it (with
+        master weights, each parameter's state also holds its fp32 master under "master").
+        """
+        self._check_usable()
+        self._prune()
+        self.swap.check_files()
+        state, owners = self._placeholders()
+        # What torch asks for, in its order: a whole record's tensors from one read of its unit; a chunked
+        # record's tensors one after another, each a chunk at a time.
+        groups: list[list[Unit]] = []
+        first: dict[tuple[int, str], int] = {}
+        for rec in self._records.values():
+            if not rec.chunk:
+                first.update({(id(rec), e.key): len(groups) for e in rec.entries})
+                groups.append(rec.units[0])
+                continue
+            for i, e in enumerate(rec.entries):
+                first[(id(rec), e.key)] = len(groups)
+                groups += [[units[i]] for units in rec.units]
+        reader = ReadAhead(self.swap, groups)
+        held: list[Any] = [-1, None]  # the group whose lease is held, the lease
+
+        def lease_at(g: int) -> Lease:
+            if held[0] != g:
+                if held[1] is not None:
+                    held[1].release()
+                    held[1] = None
+                if g < held[0]:
+                    raise RuntimeError("torch.save asked for the state out of order")
+                while held[0] < g:  # groups torch never asked for (none are expected) are skipped
+                    held[0] += 1
+                    lease = reader.take(held[0])
+                    if held[0] < g and lease is not None:
+                        lease.release()
+                    else:
+                        held[1] = lease
+            return held[1]
+
+        def chunks(rec: Record, g: int, i: int) -> Iterator[torch.Tensor]:
+            for k in range(rec.pieces):
+                lo, hi = rec.span(k)
+                yield lease_at(g + k).view(rec.units[k][i])[:(hi - lo) * rec.entries[i].dtype.itemsize]
+
+        def payload(storage: Any) -> Any:
+            owner = owners.get(storage.data_ptr())
+            if owner is None:
+                return None
+            rec, key = owner
+            g = first[(id(rec), key)]
+            if rec.chunk:
+                return chunks(rec, g, [e.key for e in rec.entries].index(key))
+            return rec.tensors(lease_at(g))[key].reshape(-1).view(torch.uint8)
+
+        try:
+            save_streamed(self._packed(state), path, payload)
+        finally:
+            if held[1] is not None:
+                held[1].release()
+            reader.close()
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Restore the state saved by save() (or any state_dict torch.save wrote for these parameters).
+
+        Streamed: the file is memory-mapped and each parameter's state is copied into the pool a piece at
+        a time, written to the swap file and its pages dropped, so memory stays within the budget plus one
+        page-cache window. Clears the refusal to step that an interrupted step leaves.
+        """
+        self._check_open()
+        sd = torch.load(os.fspath(path), map_location="cpu", mmap=True, weights_only=True)
+        self._load_packed(sd, drop_pages=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole state, in memory, in the wrapped optimizer's format (holds all of it: see save()).
+
+        Also what torch.distributed.checkpoint saves, and (once there is state) the tensors it loads into
+        in place before load_state_dict() takes them; torch's get_optimizer_state_dict works on this too.
+        """
+        self._check_usable()
+        self._prune()
+        self.swap.check_files()
+        order = list(self._records.items())
+        reader = ReadAhead(self.swap, [units for _, rec in order for units in rec.units])
+        state: dict[torch.Tensor, dict[str, Any]] = {}
+        g = 0
+        try:
+            for p, rec in order:
+                st = dict(rec.scalars)
+                whole = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in rec.entries} if rec.chunk else {}
+                for k in range(rec.pieces):
+                    lease = reader.take(g)
+                    g += 1
+                    try:
+                        if not rec.chunk:
+                            st.update({key: v.clone() for key, v in rec.tensors(lease, k).items()})
+                            continue
+                        lo, hi = rec.span(k)
+                        for key, v in rec.tensors(lease, k).items():
+                            whole[key].view(-1)[lo:hi].copy_(v)
+                    finally:
+                        lease.release()
+                state[p] = {**st, **whole}
+        finally:
+            reader.close()
+        return self._packed(state)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take a whole state (as state_dict() gives, or the wrapped optimizer's) onto the drive."""
+        self._check_open()
+        self._load_packed(state_dict, drop_pages=False)
+
+    def _load_packed(self, sd: dict[str, Any], drop_pages: bool) -> None:
+        if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+            raise ValueError("not an optimizer state dict (needs 'state' and 'param_groups')")
+        saved_groups = sd["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(saved_groups)} parameter groups, this optimizer "
+                             f"{len(self.param_groups)}")
+        by_index: dict[Any, torch.Tensor] = {}
+        for live, saved in zip(self.param_groups, saved_groups):
+            if len(live["params"]) != len(saved["params"]):
+                raise ValueError(f"a group of the state dict has {len(saved['params'])} parameters, "
+                                 f"this optimizer's has {len(live['params'])}")
+            by_index.update(zip(saved["params"], live["params"]))
+        loose, states = {}, []
+        for idx, st in sd["state"].items():
+            p = by_index.get(idx)
+            if p is None and not isinstance(idx, int):
+                loose[idx] = st  # state not keyed by a parameter (torch's state_dict keeps such keys as is)
+            elif p is None:
+                raise ValueError(f"the state dict holds state for parameter {idx!r}, which no group names")
+            else:
+                states.append((p, dict(st)))
+        self._broken = "a load was interrupted"
+        self.swap.wait_writes()
+        for p in list(self._records):  # the state loaded replaces all of it, as with torch's load_state_dict
+            self._drop(p)
+        for p, st in states:
+            if self.master_weights and _MASTER not in st:
+                st[_MASTER] = p.detach().to(torch.float32, copy=True)
+            elif not self.master_weights:
+                st.pop(_MASTER, None)
+            rec = self._reserve(p, entries_of(st, p.dtype if self.master_weights else None))
+            rec.scalars = {k: _own(v) for k, v in st.items() if not is_swapped(k, v)}
+            self._write_record(rec, st, _drop_pages if drop_pages else None)
+        self._loose = loose
+        for live, saved in zip(self.param_groups, saved_groups):
+            live.update({k: v for k, v in saved.items() if k != "params"})
+        self.swap.wait_writes()
+        self._broken = None
+        self._outline()
+
+
+def _own(v: Any) -> Any:
+    """A tensor in memory of its own (not a view of a memory-mapped checkpoint)."""
+    return v.clone() if isinstance(v, torch.Tensor) else v
+
+
+def _drop_pages(t: torch.Tensor) -> None:
+    """Release the memory-mapped pages behind `t` (from torch.load(mmap=True); re-read if touched)."""
+    start = t.data_ptr() // PAGE * PAGE
+    end = round_up(t.data_ptr() + t.numel() * t.element_size())
+    if end > start:
+        madvise(start, end - start, mmap.MADV_DONTNEED)  # advice: a refusal only keeps the pages

@@ -1,0 +1,367 @@
+"""OffloadedOptimizer with parameters and state of every size and shape: parameters larger than the budget
+stepped in chunks, the budget and the drive's share computed exactly up front, state of another shape than
+its parameter (factored, quantized, preconditioners) swapped exactly, state the swap cannot carry refused,
+parameters added and removed between steps, and the staging path GPU parameters take."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from deepnvme.checkpoint import AioStorageWriter
+from deepnvme.offload import OffloadedOptimizer
+from tests.offload.helpers import tmpfs
+from tests.offload.optim_cases import BASE, OPTIMIZERS, model
+
+STEPS = 20
+BUDGET = 64 << 10  # 16 KiB tiles: the wide layer's state (4 x 116 KiB with masters) is cut into chunks
+
+
+def wide(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A model whose first weight (29,100 elements: not a multiple of a chunk) has more state than the
+    budget holds."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(300, 97), nn.Tanh(), nn.Linear(97, 3)).to(dtype)
+
+
+def run(m: nn.Module, opt: torch.optim.Optimizer, steps: range,
+        masters: list[torch.Tensor] | None = None) -> list[float]:
+    """Training on seeded batches of `m`'s input width; with `masters`, `opt` steps them (the reference for
+    master weights) and the model gets their rounded values."""
+    width = next(m.parameters()).shape[1]
+    dtype = next(m.parameters()).dtype
+    losses = []
+    for s in steps:
+        gen = torch.Generator().manual_seed(s)
+        x = torch.randn(8, width, generator=gen).to(dtype)
+        m.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
+        loss = m(x).float().pow(2).mean()
+        loss.backward()
+        if masters is not None:
+            for p, w in zip(m.parameters(), masters):
+                w.grad = p.grad.float()
+        opt.step()
+        if masters is not None:
+            with torch.no_grad():
+                for p, w in zip(m.parameters(), masters):
+                    p.copy_(w)
+        losses.append(loss.item())
+    return losses
+
+
+def same(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def same_state(a: dict, b: dict) -> None:
+    assert a["state"].keys() == b["state"].keys()
+    for i, st in a["state"].items():
+        assert st.keys() == b["state"][i].keys() - {"master"}, i
+        for k, v in st.items():
+            w = b["state"][i][k]
+            exact = torch.equal(v, w) and v.dtype == w.dtype if isinstance(v, torch.Tensor) else v == w
+            assert exact, (i, k)
+
+
+@pytest.mark.parametrize("name", [*BASE, "adam-foreach", "adamw-fused", "adam-amsgrad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-master"])
+def test_a_parameter_larger_than_the_budget_is_stepped_in_chunks(name: str, dtype: torch.dtype,
+                                                                  workdir: Path, tmp_path: Path) -> None:
+    masters = dtype != torch.float32
+    ref, off = wide(dtype=dtype), wide(dtype=dtype)
+    ref_masters = [p.detach().float().clone() for p in ref.parameters()] if masters else None
+    ref_opt = OPTIMIZERS[name](ref_masters if masters else ref.parameters())
+    with OffloadedOptimizer(OPTIMIZERS[name](off.parameters()), workdir, BUDGET,
+                            master_weights=masters) as opt:
+        assert run(ref, ref_opt, range(STEPS), ref_masters) == run(off, opt, range(STEPS))
+        assert same(ref, off)
+        big = opt._records[next(off.parameters())]
+        assert big.pieces > 1 and big.nbytes > opt.budget_bytes  # more state than the pool, a chunk at a time
+        same_state(ref_opt.state_dict(), opt.state_dict())
+        opt.save(tmp_path / "o.pt")  # streamed chunk by chunk: a plain optimizer takes the file
+        saved = torch.load(tmp_path / "o.pt", weights_only=True)
+        same_state(ref_opt.state_dict(), saved)
+    again = wide(dtype=dtype)
+    again.load_state_dict(off.state_dict())
+    with OffloadedOptimizer(OPTIMIZERS[name](again.parameters()), workdir, BUDGET,
+                            master_weights=masters) as opt:
+        opt.load(tmp_path / "o.pt")
+        later = range(STEPS, STEPS + 3)
+        assert run(ref, ref_opt, later, ref_masters) == run(again, opt, later)
+        assert same(ref, again)
+
+
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_the_budget_and_the_drive_are_computed_exactly_up_front(master_weights: bool, workdir: Path) -> None:
+    """swap_bytes is what the first step reserves, to the byte; min_budget_bytes is enough, a page less is
+    refused when the optimizer is made, naming the number; Adagrad keeps one tensor, Adam two, RMSprop
+    (centered, with momentum) three, each as large as the parameter, each counted."""
+    for name, tensors in (("adagrad", 1), ("adam", 2), ("rmsprop", 3)):
+        m = model(dtype=torch.bfloat16 if master_weights else torch.float32)
+        with OffloadedOptimizer(OPTIMIZERS[name](m.parameters()), workdir, BUDGET,
+                                master_weights=master_weights) as opt:
+            per = 4 if master_weights else m[0].weight.element_size()
+            assert opt.swap_bytes >= sum(math.ceil(p.numel() * per * (tensors + master_weights) / 4096) * 4096
+                                         for p in m.parameters())
+            run(m, opt, range(1))
+            assert opt.swap.reserved_bytes == opt.swap_bytes, name
+
+    # Adafactor's factored state cannot be cut: with masters, one parameter's state is the least budget.
+    m = nn.Linear(300, 97)
+    with pytest.raises(ValueError, match=r"budget_bytes=65536 is less than this optimizer needs: (\d+) bytes "
+                                         r"\(parameter 0 of group 0 \(97, 300\).*row_var.*in one piece\)"
+                       ) as caught:
+        OffloadedOptimizer(torch.optim.Adafactor(m.parameters()), workdir, BUDGET, master_weights=True)
+    need = int(caught.value.args[0].split("needs: ")[1].split(" ")[0])
+    with OffloadedOptimizer(torch.optim.Adafactor(m.parameters()), workdir, need, master_weights=True) as opt:
+        assert opt.min_budget_bytes == need
+        run(m, opt, range(2))
+    with pytest.raises(ValueError, match=f"raise budget_bytes to at least {need}"):
+        OffloadedOptimizer(torch.optim.Adafactor(m.parameters()), workdir, need - 4096, master_weights=True)
+
+
+def test_the_free_space_check_counts_every_state_tensor(tmp_path: Path) -> None:
+    """On a drive with room for one fp32 tensor per parameter but not Adam's two and the master, the
+    optimizer is refused when made (ENOSPC naming the folder and the bytes), not inside its first step."""
+    m = nn.Linear(512, 256)  # 131,328 parameters: 0.5 MiB per fp32 tensor, 1.5 MiB with Adam and masters
+    with tmpfs(tmp_path / "small", "size=1m") as small:
+        with pytest.raises(OSError, match=r"1[0-9]{6} bytes are to be written but only") as caught:
+            OffloadedOptimizer(torch.optim.Adam(m.parameters()), small / "swap", 1 << 20, master_weights=True)
+        assert caught.value.filename == str(small / "swap")
+
+
+class Factored(torch.optim.Optimizer):
+    """An 8-bit momentum SGD with a factored second moment: codes (uint8, the parameter's shape), a scale per
+    64-element block (fp32, another shape), row and column statistics (other shapes again). Stepped per
+    parameter; each tensor must come back exactly as it went."""
+
+    def __init__(self, params: object, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                g = p.grad.reshape(p.shape[0], -1)
+                if not st:
+                    st["codes"] = torch.full(p.shape, 128, dtype=torch.uint8)
+                    st["scale"] = torch.ones(math.ceil(p.numel() / 64))
+                    st["row"] = torch.zeros(g.shape[0], 1)
+                    st["col"] = torch.zeros(1, g.shape[1])
+                    st["step"] = torch.tensor(0.0)
+                st["step"] += 1
+                flat = (st["codes"].float() - 128).reshape(-1)
+                pad = st["scale"].numel() * 64 - flat.numel()
+                blocks = torch.nn.functional.pad(flat, (0, pad)).reshape(-1, 64) * st["scale"][:, None] / 127
+                mom = blocks.reshape(-1)[:flat.numel()].reshape(p.shape) * 0.9 + p.grad
+                st["row"].lerp_(g.pow(2).mean(1, keepdim=True), 0.1)
+                st["col"].lerp_(g.pow(2).mean(0, keepdim=True), 0.1)
+                v = (st["row"] @ st["col"] / st["row"].mean()).reshape(p.shape)
+                p.add_(mom / (v.sqrt() + 1e-8), alpha=-group["lr"])
+                mb = torch.nn.functional.pad(mom.reshape(-1), (0, pad)).reshape(-1, 64)
+                st["scale"].copy_(mb.abs().amax(1).clamp(min=1e-12))
+                codes = (mb / st["scale"][:, None] * 127).round().clamp(-127, 127) + 128
+                st["codes"].copy_(codes.reshape(-1)[:flat.numel()].reshape(p.shape).to(torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["adafactor", "factored"])
+def test_state_of_another_shape_is_swapped_exactly(kind: str, workdir: Path, tmp_path: Path) -> None:
+    """Adafactor's row and column statistics, and quantized codes with per-block scales: on the drive (only
+    0-dim values stay in memory), bit-identical over 20 steps, through save and load."""
+    def make(m: nn.Module) -> torch.optim.Optimizer:
+        if kind == "adafactor":
+            return torch.optim.Adafactor(m.parameters(), lr=1e-2)
+        return Factored(m.parameters())
+
+    ref, off = model(), model()
+    ref_opt = make(ref)
+    with OffloadedOptimizer(make(off), workdir, BUDGET, elementwise=True) as opt:
+        assert run(ref, ref_opt, range(STEPS)) == run(off, opt, range(STEPS))
+        assert same(ref, off)
+        for q, p in zip(ref.parameters(), off.parameters()):
+            assert all(v.device.type == "meta" or v.dim() == 0 for v in opt.state[p].values())
+            swapped = {k for k, v in ref_opt.state[q].items() if v.dim()}
+            assert {e.key for e in opt._records[p].entries} == swapped
+        same_state(ref_opt.state_dict(), opt.state_dict())
+        opt.save(tmp_path / "o.pt")
+    again = model()
+    again.load_state_dict(off.state_dict())
+    with OffloadedOptimizer(make(again), workdir, BUDGET, elementwise=True) as opt:
+        opt.load(tmp_path / "o.pt")
+        assert run(ref, ref_opt, range(STEPS, STEPS + 3)) == run(again, opt, range(STEPS, STEPS + 3))
+        assert same(ref, again)
+
+
+class Growing(torch.optim.Optimizer):
+    """Momentum SGD that keeps a history of its last gradients' norms per parameter (a tensor that grows
+    each step up to 4 entries): state whose shape changes between steps."""
+
+    def __init__(self, params: object) -> None:
+        super().__init__(params, {"lr": 1e-2})
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                m = st.setdefault("m", torch.zeros_like(p))
+                hist = torch.cat([st.get("hist", torch.zeros(0)), p.grad.norm().reshape(1)])[-4:]
+                st["hist"] = hist
+                m.mul_(0.9).add_(p.grad / (1 + hist.mean()))
+                p.add_(m, alpha=-group["lr"])
+
+
+def test_state_that_changes_shape_between_steps_is_laid_out_anew(workdir: Path) -> None:
+    ref, off = model(), model()
+    ref_opt = Growing(ref.parameters())
+    with OffloadedOptimizer(Growing(off.parameters()), workdir, BUDGET, elementwise=True) as opt:
+        assert run(ref, ref_opt, range(8)) == run(off, opt, range(8))
+        assert same(ref, off)
+        same_state(ref_opt.state_dict(), opt.state_dict())
+
+
+class Listed(torch.optim.Optimizer):
+    """Keeps a list of tensors per parameter (as some preconditioners do): the swap cannot carry it."""
+
+    def __init__(self, params: object) -> None:
+        super().__init__(params, {"lr": 1e-2})
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                st.setdefault("blocks", [torch.zeros_like(p), torch.zeros_like(p)])
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_state_the_swap_cannot_carry_is_refused_naming_it(workdir: Path) -> None:
+    m = model()
+    with pytest.raises(TypeError, match=r"Listed's state 'blocks' of a parameter \(48, 16\) is a list "
+                                        r"holding tensors: OffloadedOptimizer swaps dense tensors"):
+        OffloadedOptimizer(Listed(m.parameters()), workdir, BUDGET)
+
+
+def test_parameters_removed_and_added_between_steps(workdir: Path, tmp_path: Path) -> None:
+    """A parameter taken out of its group: its state is dropped, its swap space given back (and reused),
+    state_dict, save and DCP work. One added: stepped from then on, as in memory."""
+    ref, off = model(), model()
+    ref_opt = OPTIMIZERS["adam"](ref.parameters())
+    with OffloadedOptimizer(OPTIMIZERS["adam"](off.parameters()), workdir, BUDGET) as opt:
+        run(ref, ref_opt, range(3))
+        run(off, opt, range(3))
+        full = opt.swap.reserved_bytes
+        for o, m in ((ref_opt, ref), (opt, off)):  # the first layer leaves
+            o.param_groups[0]["params"] = list(m.parameters())[2:]
+            o.state.pop(m[0].weight, None)
+            o.state.pop(m[0].bias, None)
+        ref[0].requires_grad_(False)
+        off[0].requires_grad_(False)
+        assert run(ref, ref_opt, range(3, 6)) == run(off, opt, range(3, 6))
+        assert same(ref, off)
+        assert opt.swap.reserved_bytes < full and len(opt._records) == 4
+        same_state(ref_opt.state_dict(), opt.state_dict())
+        opt.save(tmp_path / "o.pt")
+        same_state(ref_opt.state_dict(), torch.load(tmp_path / "o.pt", weights_only=True))
+        dcp.save({"optim": opt.state_dict()}, storage_writer=AioStorageWriter(tmp_path / "dcp"))
+        for o, m in ((ref_opt, ref), (opt, off)):  # and comes back, in a group of its own
+            m[0].requires_grad_(True)
+            o.add_param_group({"params": list(m[0].parameters()), "lr": 5e-3})
+        assert run(ref, ref_opt, range(6, 9)) == run(off, opt, range(6, 9))
+        assert same(ref, off)
+        assert opt.swap.reserved_bytes == full  # the ranges given back were taken again
+        same_state(ref_opt.state_dict(), opt.state_dict())
+
+
+class NoMeta(torch.optim.Adam):
+    """Adam whose step refuses meta tensors: its state cannot be learnt ahead."""
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> object:
+        if any(p.device.type == "meta" for g in self.param_groups for p in g["params"]):
+            raise RuntimeError("no meta tensors here")
+        return super().step(closure)
+
+
+def test_state_that_cannot_be_learnt_ahead_is_made_at_the_first_step(workdir: Path) -> None:
+    """The budget is then an estimate (said so), and the first step lays the state out as it comes."""
+    ref, off = model(), model()
+    ref_opt = NoMeta(ref.parameters(), lr=1e-2)
+    with OffloadedOptimizer(NoMeta(off.parameters(), lr=1e-2), workdir, BUDGET, elementwise=True) as opt:
+        assert opt.swap.reserved_bytes == 0
+        assert run(ref, ref_opt, range(STEPS)) == run(off, opt, range(STEPS))
+        assert same(ref, off) and opt.swap.reserved_bytes > 0
+    m = nn.Linear(300, 97)
+    with pytest.raises(ValueError, match=r"NoMeta is not known.*\(estimated: its step could not be tried"):
+        OffloadedOptimizer(NoMeta(m.parameters()), workdir, BUDGET)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-master"])
+def test_the_staging_path_of_gpu_parameters_on_the_host(dtype: torch.dtype, workdir: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU parameters step with their state copied from the pool to their device and back; forced here for
+    host parameters, the same copies give the same bit-identical result (tests/gpu runs it on a GPU)."""
+    monkeypatch.setattr(OffloadedOptimizer, "_STAGE_ON_HOST", True)
+    masters = dtype != torch.float32
+    ref, off = wide(dtype=dtype), wide(dtype=dtype)
+    ref_masters = [p.detach().float().clone() for p in ref.parameters()] if masters else None
+    ref_opt = OPTIMIZERS["adamw"](ref_masters if masters else ref.parameters())
+    with OffloadedOptimizer(OPTIMIZERS["adamw"](off.parameters()), workdir, BUDGET,
+                            master_weights=masters) as opt:
+        assert run(ref, ref_opt, range(STEPS), ref_masters) == run(off, opt, range(STEPS))
+        assert same(ref, off)
+
+
+def test_parameters_on_an_unsupported_device_are_refused(workdir: Path) -> None:
+    p = nn.Parameter(torch.empty(4, 4, device="meta"))
+    with pytest.raises(ValueError, match=r"parameter 0 is on meta: OffloadedOptimizer steps parameters on "
+                                         r"the host or a CUDA GPU"):
+        OffloadedOptimizer(torch.optim.Adam([p]), workdir, BUDGET)
+
+
+class TrustRatio(torch.optim.Optimizer):
+    """LAMB-like: Adam's moments scaled per parameter by ||w|| / ||update||. Each parameter from its own state
+    and gradient (tiles are right), but not each element from its own (chunks would not be)."""
+
+    def __init__(self, params: object, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                m = st.setdefault("m", torch.zeros_like(p))
+                v = st.setdefault("v", torch.zeros_like(p))
+                m.lerp_(p.grad, 0.1)
+                v.lerp_(p.grad.square(), 0.001)
+                update = m / (v.sqrt() + 1e-6)
+                ratio = p.norm() / update.norm().clamp(min=1e-12)
+                p.add_(update, alpha=-group["lr"] * float(ratio))
+
+
+def test_a_per_parameter_optimizer_is_not_cut_into_chunks_unless_told(workdir: Path) -> None:
+    """elementwise=True (per parameter) steps the large parameter whole, in a tile of its own: bit-identical;
+    chunks must be asked for, and only with tiles."""
+    ref, off = wide(), wide()
+    ref_opt = TrustRatio(ref.parameters())
+    with OffloadedOptimizer(TrustRatio(off.parameters()), workdir, 512 << 10, tile_bytes=16 << 10,
+                            elementwise=True) as opt:
+        assert not opt.chunks
+        assert run(ref, ref_opt, range(STEPS)) == run(off, opt, range(STEPS))
+        assert same(ref, off) and opt._records[off[0].weight].pieces == 1
+    with pytest.raises(ValueError, match="chunks=True needs an optimizer stepped a tile at a time"):
+        OffloadedOptimizer(TrustRatio(off.parameters()), workdir, BUDGET, chunks=True)
+    with pytest.raises(TypeError, match="chunks must be True, False or None, got int"):
+        OffloadedOptimizer(TrustRatio(off.parameters()), workdir, BUDGET, elementwise=True, chunks=1)  # type: ignore
