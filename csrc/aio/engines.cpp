@@ -11,6 +11,7 @@
 #include "engine_specs.h"
 #include "error.h"
 #include "file.h"
+#include "quiet_thread.h"
 #include "tunables.h"
 
 namespace dnv {
@@ -66,6 +67,9 @@ std::string round_trip(std::unique_ptr<Engine> engine) {
     FileDesc fd(::open("/proc/self/exe", O_RDONLY | O_CLOEXEC));
     if (!fd) return "cannot open /proc/self/exe for the probe: " + errno_text(errno);
     alignas(64) char buf[512];
+    // A signal pending on this (the caller's) thread could cancel the read (quiet_thread.h), and an engine
+    // that failed its probe stays off for the process.
+    SignalsBlocked quiet;
     IoOp op{fd.get(), buf, sizeof(buf), 0, false, 7, -1};
     if (engine->submit(&op, 1) != 1) return "submit accepted nothing";
     IoDone done{};

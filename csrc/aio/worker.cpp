@@ -9,6 +9,7 @@
 #include "bulk_copy.h"
 #include "continuation.h"
 #include "error.h"
+#include "quiet_thread.h"
 #include "transfer.h"
 #include "tunables.h"
 
@@ -42,7 +43,9 @@ Worker::Worker(const HandleConfig& cfg, std::unique_ptr<Engine> engine,
     free_slots_.reserve(slots_.size());
     for (size_t i = slots_.size(); i > 0; --i) free_slots_.push_back(static_cast<unsigned>(i - 1));
     ready_.reserve(slots_.size());
-    thread_ = std::thread([this] { run(); });
+    // No asynchronous signals here: one pending on this thread can cancel its io_uring requests
+    // (quiet_thread.h).
+    thread_ = quiet_thread("dnv-aio-worker", [this] { run(); });
 }
 
 Worker::~Worker() {

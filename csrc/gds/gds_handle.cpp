@@ -9,6 +9,7 @@
 
 #include "device_buffers.h"
 #include "error.h"
+#include "quiet_thread.h"
 #include "tunables.h"
 
 namespace dnv::gds {
@@ -55,7 +56,8 @@ void CudaCopier::from_host(size_t offset, const void* src, size_t len) const {
 // ---------------------------------------------------------------------------------------------------------
 // Worker
 
-GdsHandle::Worker::Worker(GdsHandle& h) : h_(h), thread_([this] { run(); }) {}
+// No asynchronous signals on this thread: they belong to Python's main thread (quiet_thread.h).
+GdsHandle::Worker::Worker(GdsHandle& h) : h_(h), thread_(quiet_thread("dnv-gds-worker", [this] { run(); })) {}
 
 GdsHandle::Worker::~Worker() {
     {
