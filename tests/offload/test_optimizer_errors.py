@@ -34,6 +34,13 @@ def test_budget_zero_or_below_a_parameter(workdir: Path) -> None:
     assert os.listdir(workdir) == []
 
 
+def test_tile_bytes_must_be_a_positive_int(workdir: Path) -> None:
+    for bad in (0, -4096, 1.5, True, "64k"):
+        with pytest.raises(ValueError, match=f"tile_bytes must be a positive int .*got {bad!r}"):
+            _opt(model(), workdir, tile_bytes=bad)
+    assert os.listdir(workdir) == []
+
+
 def test_budget_takes_any_integral_but_not_a_bool(workdir: Path) -> None:
     """The optimizer checks its budget as the swap space and stream_weights do (preflight.budget_arg)."""
     import numpy as np

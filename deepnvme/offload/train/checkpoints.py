@@ -16,7 +16,7 @@ import torch
 
 from deepnvme.offload._doors import PAGE, madvise, save_streamed
 from deepnvme.offload.swap import Lease, ReadAhead, Unit, round_up
-from deepnvme.offload.train.records import Record, entries_of, is_swapped
+from deepnvme.offload.train.records import Entry, Record, entries_of, is_swapped, layout
 
 if TYPE_CHECKING:
     from deepnvme.offload.train.optimizer import OffloadedOptimizer
@@ -35,7 +35,7 @@ class Checkpoints(_Base):
         """State dicts whose swapped tensors are untouched anonymous memory (no RSS), and their owners."""
         state: dict[torch.Tensor, dict[str, Any]] = {}
         owners: dict[int, tuple[Record, str]] = {}
-        for p, rec in self._records.items():
+        for p, rec in self._grouped():
             st = dict(rec.scalars)
             for e in rec.entries:
                 t = torch.frombuffer(mmap.mmap(-1, max(e.nbytes, 1)), dtype=torch.uint8)[:e.nbytes]
@@ -44,6 +44,11 @@ class Checkpoints(_Base):
                 st[e.key] = t
             state[p] = st
         return state, owners
+
+    def _grouped(self) -> list[tuple[torch.Tensor, Record]]:
+        """The records of parameters in a group (others' state is kept, but torch cannot pack it)."""
+        live = self._in_groups()
+        return [(p, rec) for p, rec in self._records.items() if id(p) in live]
 
     def _packed(self, state: dict[torch.Tensor, dict[str, Any]]) -> dict[str, Any]:
         inner = self.optimizer
@@ -68,7 +73,7 @@ class Checkpoints(_Base):
         # record's tensors one after another, each a chunk at a time.
         groups: list[list[Unit]] = []
         first: dict[tuple[int, str], int] = {}
-        for rec in self._records.values():
+        for _, rec in self._grouped():
             if not rec.chunk:
                 first.update({(id(rec), e.key): len(groups) for e in rec.entries})
                 groups.append(rec.units[0])
@@ -137,7 +142,7 @@ class Checkpoints(_Base):
         self._check_usable()
         self._prune()
         self.swap.check_files()
-        order = list(self._records.items())
+        order = self._grouped()
         reader = ReadAhead(self.swap, [units for _, rec in order for units in rec.units])
         state: dict[torch.Tensor, dict[str, Any]] = {}
         g = 0
@@ -168,6 +173,8 @@ class Checkpoints(_Base):
         self._load_packed(state_dict, drop_pages=False)
 
     def _load_packed(self, sd: dict[str, Any], drop_pages: bool) -> None:
+        """Replace the whole state by `sd`'s (torch's state_dict format), checked before anything is
+        dropped; `drop_pages`: give back the pages of a memory-mapped `sd` as they are copied."""
         if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
             raise ValueError("not an optimizer state dict (needs 'state' and 'param_groups')")
         saved_groups = sd["param_groups"]
@@ -189,6 +196,15 @@ class Checkpoints(_Base):
                 raise ValueError(f"the state dict holds state for parameter {idx!r}, which no group names")
             else:
                 states.append((p, dict(st)))
+        for p, st in states:  # a state the budget cannot hold is refused before the old one is dropped
+            entries = entries_of(st, p.dtype if self.master_weights else None)
+            if self.master_weights and _MASTER not in st:
+                entries.append(Entry(_MASTER, torch.float32, p.shape))
+            need = max(map(sum, layout(entries, p, self.tile_bytes, self._may_chunk(p))[1]))
+            if need > self.swap.pool.capacity:
+                raise ValueError(f"the loaded state of {self._name(p)} ({[e.key for e in entries]}) takes "
+                                 f"{need} bytes in one piece, over budget_bytes={self.swap.pool.capacity}: "
+                                 "raise budget_bytes to at least that")
         self._broken = "a load was interrupted"
         self.swap.wait_writes()
         for p in list(self._records):  # the state loaded replaces all of it, as with torch's load_state_dict

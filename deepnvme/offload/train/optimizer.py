@@ -49,7 +49,15 @@ from deepnvme.offload.train.checkpoints import Checkpoints
 from deepnvme.offload.train.grouping import how_stepped, whole_step_too_large
 from deepnvme.offload.train.probe import Prober
 from deepnvme.offload.train.profile import StepProfile
-from deepnvme.offload.train.records import Entry, Record, check_values, entries_of, is_swapped, layout
+from deepnvme.offload.train.records import (
+    REDUCED,
+    Entry,
+    Record,
+    check_values,
+    entries_of,
+    is_swapped,
+    layout,
+)
 
 # The state key under which checkpoints carry the fp32 master of a parameter (master_weights=True).
 MASTER = "master"
@@ -83,15 +91,18 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
     own state and gradient (torch's, see grouping.py): any other is stepped whole, every parameter in one
     call, its whole state in the budget (else a ValueError before anything moves), unless `elementwise=True`
     says it is. A parameter larger than a tile is stepped a chunk of its elements at a time when every
-    tensor of its state is shaped like it and the optimizer updates each element from that element's state
-    alone: torch's element-wise optimizers, or any with `chunks=True` (Adafactor, a trust ratio per
-    parameter: not). State it keeps under keys that are not parameters stays in memory, and in
+    tensor of its state is shaped like it, the optimizer updates each element from that element's state
+    alone (torch's element-wise optimizers, or any with `chunks=True`; Adafactor, a trust ratio per
+    parameter: not) and the arithmetic is fp32 (a bf16/fp16 parameter with master weights; not without).
+    State it keeps under keys that are not parameters stays in memory, and in
     state_dict() and save(). State of any shape and dtype is swapped as it is; state the swap cannot carry
     exactly (tensors in lists, sparse or quantized tensors) is refused with a TypeError naming it.
 
     Use it as the optimizer: `param_groups` are the wrapped optimizer's live groups (LR schedulers attach
-    here), `zero_grad`, `add_param_group` work as usual; a parameter taken out of every group has its state
-    dropped and its swap space given back at the next step(), state_dict() or save(). `state` is a read-only
+    here), `zero_grad`, `add_param_group` work as usual. As with torch's optimizers, a parameter taken out
+    of every group keeps its state (added back, it goes on from it) until `opt.state.pop(p)`, which drops
+    it and gives its swap space back; state_dict() and save() leave out parameters in no group (where
+    torch's raise KeyError). `state` is a read-only
     outline: for each parameter with state, its small values (Adam's `step`) and, for each tensor kept on
     the drive, an empty tensor on the "meta" device with its shape and dtype (see state_dict() for the
     values). It is there so that code asking which state exists sees the truth:
@@ -114,7 +125,11 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
         self.optimizer = optimizer
         self.master_weights = bool(master_weights)
         self.elementwise, self.chunks = how_stepped(optimizer, elementwise, chunks)
-        self.tile_bytes = max(budget // 4, PAGE) if tile_bytes is None else int(tile_bytes)
+        if tile_bytes is not None and (isinstance(tile_bytes, bool) or not isinstance(tile_bytes, int)
+                                       or tile_bytes <= 0):
+            raise ValueError(f"tile_bytes must be a positive int (bytes of state per tile), got "
+                             f"{tile_bytes!r}")
+        self.tile_bytes = max(budget // 4, PAGE) if tile_bytes is None else tile_bytes
         self._probe = Prober(optimizer)
         self._loose: dict[Any, Any] = {}  # the wrapped optimizer's state not keyed by a parameter
         params = [(gi, p) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]]
@@ -132,6 +147,8 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
                               requests_in_flight=REQUESTS_IN_FLIGHT, handle_settings=SWAP)
         self._closed = False
         self._records: dict[torch.Tensor, Record] = {}
+        self._made: set[torch.Tensor] = set()  # parameters whose state existed when the step began
+        self._flat_grads: dict[torch.Tensor, torch.Tensor] = {}  # a step's flattened gradients (chunks)
         self._units = 0
         self._broken: str | None = None
         self.last_step: StepProfile | None = None
@@ -174,7 +191,7 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
                 entries = known[0]
             if not entries:
                 continue
-            _, sizes = layout(entries, p, self.tile_bytes, self.chunks)
+            _, sizes = layout(entries, p, self.tile_bytes, self._may_chunk(p))
             swap += sum(map(sum, sizes))
             piece = max(map(sum, sizes))
             if self.elementwise and piece > least:
@@ -188,7 +205,7 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
 
     def _reserve(self, p: torch.Tensor, entries: list[Entry]) -> Record:
         """A record for `p`'s state `entries`, its units added to the swap file (whole or in chunks)."""
-        chunk, sizes = layout(entries, p, self.tile_bytes, self.chunks)
+        chunk, sizes = layout(entries, p, self.tile_bytes, self._may_chunk(p))
         if max(map(sum, sizes)) > self.swap.pool.capacity:
             what = "stepped whole" if not chunk else "a chunk"
             raise ValueError(f"the state of {self._name(p)} ({tuple(p.shape)} {p.dtype}: "
@@ -211,6 +228,11 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
         self._records[p] = rec
         return rec
 
+    def _may_chunk(self, p: torch.Tensor) -> bool:
+        """Whether `p` may be stepped in chunks: an element-wise optimizer, stepping fp32 (or wider)
+        arithmetic: a master, or the parameter itself (records.py says why not 16-bit)."""
+        return self.chunks and (self.master_weights or p.dtype not in REDUCED)
+
     def _drop(self, p: torch.Tensor) -> None:
         """Forget `p`'s state and give its swap space back."""
         rec = self._records.pop(p)
@@ -218,13 +240,14 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
             self.swap.remove(u)
 
     def _prune(self) -> None:
-        """Drop the state of parameters that are in no group any more (their space comes back)."""
-        live = {id(p) for g in self.param_groups for p in g["params"]}
-        gone = [p for p in self._records if id(p) not in live]
-        for p in gone:
+        """Drop the state of parameters whose entry the caller removed from `state` (`opt.state.pop(p)`, as
+        with torch's optimizers): their space on the drive comes back."""
+        for p in [p for p in self._records if p not in self.state]:
             self._drop(p)
-        if gone:
-            self._outline()
+
+    def _in_groups(self) -> set[int]:
+        """ids of the parameters of every group: state of others is kept but left out of state_dict()."""
+        return {id(p) for g in self.param_groups for p in g["params"]}
 
     # --------------------------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -245,6 +268,8 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
                                         for u in self._records[p].units[k]] for t in tiles],
                            end_parts=END_REQUESTS)
         starts = {p: self._records[p].scalars for _, p in work if p in self._records}
+        self._made = {p for _, p in work if p in self._records and self._records[p].made}
+        self._flat_grads: dict[torch.Tensor, torch.Tensor] = {}
         self._broken = "a step() was interrupted"
         profile = StepProfile(time.perf_counter())
         writes: list[Ticket] = []
@@ -284,9 +309,7 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
             self._broken = (f"a step() ended by {type(exc).__name__}: {exc}" if str(exc)
                             else f"a step() ended by {type(exc).__name__}")
             raise
-        for _, p in work:
-            if p in self._records:
-                self._records[p].made = True
+        self._flat_grads = {}
         self._broken = None
         self._outline()
         return loss
@@ -315,6 +338,7 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
         try:
             for gi, p in work:
                 if p in self._records:
+                    self._check_chunked(gi, p)
                     continue
                 known = self._entries(gi, p)
                 if known is not None and (known[0] or known[1]):
@@ -326,6 +350,19 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
             for p in made:
                 self._drop(p)
             raise
+
+    def _check_chunked(self, gi: int, p: torch.Tensor) -> None:
+        """A parameter stepped in chunks cannot have its state laid out anew mid-step: when its group's
+        settings now make another state (amsgrad turned on, say), refuse before anything moves."""
+        rec = self._records[p]
+        known = self._entries(gi, p) if rec.chunk else None
+        if known is None:
+            return
+        now, was = [(e.key, e.dtype) for e in known[0]], [(e.key, e.dtype) for e in rec.entries]
+        if now != was:
+            raise ValueError(f"the state of {self._name(p)} is stepped in chunks as {was}, and its group's "
+                             f"settings now make {now}: it cannot be laid out anew in chunks; save(), make a "
+                             "new optimizer with these settings and load() (or restore the settings)")
 
     def _tiles(self, pieces: list[Piece]) -> list[list[Piece]]:
         """The pieces in tiles of about tile_bytes (see grouping.py); all of them in one for an optimizer that
@@ -357,8 +394,11 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
             rec = self._records.get(p)
             lo, hi = rec.span(k) if rec is not None else (0, p.numel())
             whole = rec is None or not rec.chunk
-            views = self._stage(rec.tensors(lease, k), p) if rec is not None and rec.made else {}
-            grad = p.grad if whole else p.grad.reshape(-1)[lo:hi]
+            made = p in self._made  # as the step began: chunks after the first are made by then too
+            views = self._stage(rec.tensors(lease, k), p) if rec is not None and made else {}
+            if not whole and p not in self._flat_grads:
+                self._flat_grads[p] = p.grad.reshape(-1)  # a copy once per step if not contiguous
+            grad = p.grad if whole else self._flat_grads[p][lo:hi]
             if self.master_weights:
                 target = views.pop(MASTER, None)
                 if target is None:
@@ -370,7 +410,7 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
                 if not whole:
                     target.grad = grad
             targets[(p, k)] = target
-            if rec is not None and rec.made:
+            if rec is not None and made:
                 inner.state[target] = {**views, **(_copied(starts[p]) if rec.chunk else rec.scalars)}
         groups = []
         for gi, group in enumerate(self.param_groups):
@@ -419,16 +459,20 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
                     now = [(key, v.dtype) for key, v in state.items() if is_swapped(key, v)]
                     raise RuntimeError(f"the state of {self._name(p)}, stepped in chunks, changed from "
                                        f"{[(e.key, e.dtype) for e in rec.entries]} to {now}")
-                if rec is not None and rec.made:  # tensors of it may be views of the lease, soon reused
+                if rec is not None and p in self._made:  # tensors may be views of the lease, soon reused
                     state = {key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in state.items()}
                 fresh.append((p, state))  # new, or another shape than before: laid out anew
                 continue
-            for e, view in rec.tensors(lease, k).items():  # type: ignore[arg-type]
-                v = state[e]
-                if v.data_ptr() != view.data_ptr():
-                    view.copy_(v, non_blocking=True)
-                    devices.add(v.device)
+            views = rec.tensors(lease, k)  # type: ignore[arg-type]
+            moved = {key: state[key] for key, view in views.items()
+                     if state[key].data_ptr() != view.data_ptr()}
+            if any(_inside(v, lease) for v in moved.values()):  # e.g. two buffers swapped: read all first
+                moved = {key: v.clone() if _inside(v, lease) else v for key, v in moved.items()}
+            for key, v in moved.items():
+                views[key].copy_(v, non_blocking=True)
+                devices.add(v.device)
             rec.scalars = {key: v for key, v in state.items() if not is_swapped(key, v)}
+            rec.made = True
         for d in devices:
             if d.type == "cuda":
                 torch.cuda.synchronize(d)  # the copies back land before the write-back reads the pool
@@ -461,8 +505,8 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
                 for key, view in rec.tensors(lease, k).items():  # type: ignore[arg-type]
                     src = state[key] if not rec.chunk else state[key].reshape(-1)[lo:hi]
                     view.copy_(src)
-                    if drop is not None and k == rec.pieces - 1:
-                        drop(state[key])
+                    if drop is not None:  # this piece's pages: memory stays within a piece of the file
+                        drop(src)
             except BaseException:
                 lease.release()  # type: ignore[union-attr]
                 raise
@@ -518,6 +562,14 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
     def __repr__(self) -> str:
         return (f"OffloadedOptimizer({type(self.optimizer).__name__}, {self.swap.directory!r}, "
                 f"budget_bytes={self.budget_bytes}, master_weights={self.master_weights})")
+
+
+def _inside(t: torch.Tensor, lease: Lease | None) -> bool:
+    """Whether `t`'s memory lies in `lease`'s pool buffer."""
+    if lease is None or t.device.type != "cpu":
+        return False
+    start = lease.buffer.tensor.data_ptr()
+    return start <= t.data_ptr() < start + lease.buffer.tensor.numel()
 
 
 def _copied(values: dict[str, Any]) -> dict[str, Any]:

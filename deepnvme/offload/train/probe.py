@@ -69,14 +69,18 @@ def probe(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tens
 
 
 class Prober:
-    """probe(), once per (group, shape, dtype): a model's many parameters of a few shapes cost a few."""
+    """probe(), once per (group settings, shape, dtype): a model's many parameters of a few shapes cost a
+    few."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self._seen: dict[tuple[int, tuple[int, ...], torch.dtype], Probed | None] = {}
+        self._seen: dict[tuple[Any, tuple[int, ...], torch.dtype], Probed | None] = {}
 
     def __call__(self, gi: int, p: torch.Tensor, dtype: torch.dtype) -> Probed | None:
-        key = (gi, tuple(p.shape), dtype)
+        group = self.optimizer.param_groups[gi]
+        # The group's settings, not its index: a setting changed (amsgrad on) makes other state.
+        settings = tuple(sorted((str(k), repr(v)) for k, v in group.items() if k != "params"))
+        key = (settings, tuple(p.shape), dtype)
         if key not in self._seen:
             self._seen[key] = probe(self.optimizer, self.optimizer.param_groups[gi], p, dtype)
         return self._seen[key]

@@ -8,11 +8,19 @@ The tensors lie in the swap file in one of two ways:
 
 - whole: one unit holds every tensor, each at a page boundary; the parameter moves in one read and one
   write and is stepped in one call;
-- in chunks, for a parameter whose state is larger than a tile, when the optimizer is element-wise and
-  every tensor is shaped like the parameter: chunk k is elements [k·C, (k+1)·C) of every tensor, one unit
-  per tensor per chunk (the units of a chunk back to back, so it moves in one request). Such a parameter
-  is stepped a chunk at a time, so it may be larger than the budget. C is a multiple of CHUNK_ALIGN
-  elements: every tensor's slice is whole pages, and starts where the tensor's in-memory vector loops do.
+- in chunks, for a parameter whose state is larger than a tile, when the optimizer is element-wise,
+  every tensor is shaped like the parameter and the arithmetic is in fp32 or wider: chunk k is elements
+  [k·C, (k+1)·C) of every tensor, one unit per tensor per chunk (the units of a chunk back to back, so
+  it moves in one request). Such a parameter is stepped a chunk at a time, so it may be larger than the
+  budget. C is a multiple of CHUNK_ALIGN
+  elements: every tensor's slice is whole pages.
+
+Why not 16-bit arithmetic in chunks: torch splits an element-wise kernel over its threads at
+ceil(numel / threads), and each thread's last elements go through the scalar loop; for bf16 and fp16 that
+loop rounds differently from the vector one. Cut elsewhere (a chunk's own end), other elements take the
+scalar loop, and the result differs from the same step in memory in a few elements. fp32 loops agree.
+So a bf16 or fp16 parameter is stepped in chunks only with fp32 masters (the step's arithmetic is then
+fp32), and state in a 16-bit dtype is never cut.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from deepnvme.offload.swap import Lease, Unit, round_up
 
 #: Elements per chunk are a multiple of this: 4096 elements of any dtype are whole pages.
 CHUNK_ALIGN = 4096
+#: Dtypes whose element-wise arithmetic is not the same in chunks as in one call (see the docstring).
+REDUCED = frozenset({torch.bfloat16, torch.float16})
 
 
 @dataclass(frozen=True)
@@ -91,8 +101,10 @@ def chunk_elements(entries: list[Entry], tile_bytes: int) -> int:
 
 
 def can_chunk(entries: list[Entry], p: torch.Tensor) -> bool:
-    """Whether `p`'s state may be cut into chunks: every tensor shaped like `p`, `p` contiguous."""
-    return bool(entries) and p.is_contiguous() and all(e.shape == p.shape for e in entries)
+    """Whether `p`'s state may be cut into chunks: every tensor shaped like `p` and wider than 16 bits, `p`
+    contiguous (whether the step itself is 16-bit is the caller's to say: see layout())."""
+    return (bool(entries) and p.is_contiguous()
+            and all(e.shape == p.shape and e.dtype not in REDUCED for e in entries))
 
 
 @dataclass
