@@ -81,9 +81,10 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
-def shape_for(state_bytes: int) -> tuple[int, int]:
-    """(width, layers) of a Linear stack whose Adam state (8 bytes per parameter) is about `state_bytes`."""
-    width = 2048 if state_bytes >= 1 << 30 else 1024 if state_bytes >= 64 * MIB else 256
+def shape_for(state_bytes: int, width: int = 0) -> tuple[int, int]:
+    """(width, layers) of a Linear stack whose Adam state (8 bytes per parameter) is about `state_bytes`;
+    the width by size unless given."""
+    width = width or (2048 if state_bytes >= 1 << 30 else 1024 if state_bytes >= 64 * MIB else 256)
     layers = max(1, round(state_bytes / (8 * (width * width + width))))
     return width, layers
 
@@ -230,7 +231,7 @@ class DeepSpeedSide:
 
 
 def run_size(args: argparse.Namespace, size: int, work: Path, log: Callable[[str], None]) -> dict:
-    width, layers = shape_for(size)
+    width, layers = shape_for(size, args.width)
     budget = args.budget
     log(f"size {size / GB:.2f} GB of Adam state: {layers} x Linear({width}, {width}), "
         f"budget {budget / MIB:.0f} MiB")
@@ -380,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimizer", default="adam-fused", choices=sorted(OPTIMIZERS),
                     help="torch's Adam kernel, the same for the in-memory and the offloaded step")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--width", type=int, default=0,
+                    help="width of the square layers (default: by size); one whose state is over a tile (a "
+                         "quarter of the budget) is stepped in chunks, e.g. 8192 with the default budget")
     ap.add_argument("--deepspeed_python", default="", help="an interpreter that imports deepspeed 0.19.8")
     ap.add_argument("--deepspeed_up_to", default="1T",
                     help="largest size DeepSpeed runs at (its process needs ~5x the state in memory)")
