@@ -80,10 +80,10 @@ def same_state(a: dict, b: dict) -> None:
             assert exact, (i, k)
 
 
-# (parameter dtype, master weights): fp32; bf16 and fp16 with fp32 masters; bf16 trained as it is (fp16
-# without masters is not: Adam's eps of 1e-8 is 0 in fp16, and both sides would give NaN).
+# (parameter dtype, master weights): fp32; bf16 and fp16 with fp32 masters; bf16 and fp16 trained as they are.
 DTYPES = {"fp32": (torch.float32, False), "bf16-master": (torch.bfloat16, True),
-          "fp16-master": (torch.float16, True), "bf16": (torch.bfloat16, False)}
+          "fp16-master": (torch.float16, True), "bf16": (torch.bfloat16, False),
+          "fp16": (torch.float16, False)}
 
 
 @pytest.mark.parametrize("name", [*BASE, "adam-foreach", "adamw-fused", "adam-amsgrad"])
@@ -91,6 +91,8 @@ DTYPES = {"fp32": (torch.float32, False), "bf16-master": (torch.bfloat16, True),
 def test_a_parameter_larger_than_the_budget_is_stepped_in_chunks(name: str, kind: str,
                                                                   workdir: Path, tmp_path: Path) -> None:
     dtype, masters = DTYPES[kind]
+    if kind == "fp16" and not name.startswith("sgd"):
+        pytest.skip("an eps of 1e-8 or 1e-10 is 0 in fp16: without masters both sides give NaN")
     # 16-bit arithmetic is not cut (records.py says why): then the budget holds the parameter whole.
     cut = dtype == torch.float32 or masters
     budget = BUDGET if cut else 512 << 10
