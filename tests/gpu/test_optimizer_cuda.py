@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 
 from deepnvme.offload import OffloadedOptimizer  # noqa: E402
+from tests.offload.optim_cases import run  # noqa: E402 - seeded batches on the model's device
 
 STEPS = 20
 BUDGET = 64 << 10  # 16 KiB tiles: the first weight's state is stepped a chunk at a time
@@ -29,29 +30,6 @@ OPTIMIZERS = {
 def net(dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(300, 97), nn.Tanh(), nn.Linear(97, 3)).to("cuda", dtype)
-
-
-def run(m: nn.Module, opt: torch.optim.Optimizer, steps: range,
-        masters: list[torch.Tensor] | None = None) -> list[float]:
-    dtype = next(m.parameters()).dtype
-    losses = []
-    for s in steps:
-        gen = torch.Generator().manual_seed(s)
-        x = torch.randn(8, 300, generator=gen).to("cuda", dtype)
-        m.zero_grad(set_to_none=True)
-        opt.zero_grad(set_to_none=True)
-        loss = m(x).float().pow(2).mean()
-        loss.backward()
-        if masters is not None:
-            for p, w in zip(m.parameters(), masters):
-                w.grad = p.grad.float()
-        opt.step()
-        if masters is not None:
-            with torch.no_grad():
-                for p, w in zip(m.parameters(), masters):
-                    p.copy_(w)
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

@@ -29,6 +29,24 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 BASE = ["adam", "adamw", "sgd", "adagrad", "rmsprop"]
 
 
+class PerParameter(torch.optim.Optimizer):
+    """The shape of the tests' custom optimizers: `update(p, state, group)` for each parameter with a
+    gradient, in order; the subclass says what it keeps."""
+
+    def __init__(self, params: Any, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.update(p, self.state[p], group)
+
+    def update(self, p: torch.Tensor, st: dict, group: dict) -> None:
+        raise NotImplementedError
+
+
 def model(seed: int = 0, dtype: torch.dtype = torch.float32, width: int = 48) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
@@ -83,6 +101,32 @@ def train(m: nn.Module, opt: torch.optim.Optimizer, steps: range, frozen_until: 
         if masters is not None:
             with torch.no_grad():
                 for p, w in zip(params, masters):
+                    p.copy_(w)
+        losses.append(loss.item())
+    return losses
+
+
+def run(m: nn.Module, opt: torch.optim.Optimizer, steps: range,
+        masters: list[torch.Tensor] | None = None) -> list[float]:
+    """Training on seeded batches of `m`'s input width, on its device; with `masters`, `opt` steps them (the
+    reference for master weights) and the model gets their rounded values."""
+    first = next(m.parameters())
+    width, dtype, device = first.shape[1], first.dtype, first.device
+    losses = []
+    for s in steps:
+        gen = torch.Generator().manual_seed(s)
+        x = torch.randn(8, width, generator=gen).to(device, dtype)
+        m.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
+        loss = m(x).float().pow(2).mean()
+        loss.backward()
+        if masters is not None:
+            for p, w in zip(m.parameters(), masters):
+                w.grad = p.grad.float()
+        opt.step()
+        if masters is not None:
+            with torch.no_grad():
+                for p, w in zip(m.parameters(), masters):
                     p.copy_(w)
         losses.append(loss.item())
     return losses

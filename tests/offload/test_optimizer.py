@@ -12,7 +12,7 @@ import torch
 from deepnvme.offload import OffloadedOptimizer
 from deepnvme.offload._doors import SWAP
 from deepnvme.offload.train.optimizer import END_REQUESTS
-from tests.offload.optim_cases import BASE, OPTIMIZERS, model, train
+from tests.offload.optim_cases import BASE, OPTIMIZERS, PerParameter, model, train
 
 STEPS = 20
 # torch's fused SGD fails (TypeError) when a parameter gets its first gradient after the others: there the
@@ -192,22 +192,14 @@ def test_masters_of_a_stateless_optimizer_are_kept(workdir: Path) -> None:
             assert torch.equal(sd["state"][i]["master"], w)
 
 
-class Fp32Momentum(torch.optim.Optimizer):
+class Fp32Momentum(PerParameter):
     """Momentum SGD that keeps its momentum in fp32 whatever the parameters' dtype (as mixed-precision
     optimizers do): offload must keep that state fp32, not the parameter's bf16."""
 
-    def __init__(self, params: object, lr: float = 1e-2) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure: object = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                m = self.state[p].setdefault("m", torch.zeros(p.shape, dtype=torch.float32))
-                m.mul_(0.9).add_(p.grad.float())
-                p.add_(m.to(p.dtype), alpha=-group["lr"])
+    def update(self, p: torch.Tensor, st: dict, group: dict) -> None:
+        m = st.setdefault("m", torch.zeros(p.shape, dtype=torch.float32))
+        m.mul_(0.9).add_(p.grad.float())
+        p.add_(m.to(p.dtype), alpha=-group["lr"])
 
 
 def test_state_keeps_its_own_dtype(workdir: Path) -> None:

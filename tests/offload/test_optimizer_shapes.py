@@ -17,7 +17,7 @@ from torch import nn
 from deepnvme.checkpoint import AioStorageWriter
 from deepnvme.offload import OffloadedOptimizer
 from tests.offload.helpers import tmpfs
-from tests.offload.optim_cases import BASE, OPTIMIZERS, model
+from tests.offload.optim_cases import BASE, OPTIMIZERS, PerParameter, model, run
 
 STEPS = 20
 BUDGET = 64 << 10  # 16 KiB tiles: the wide layer's state (4 x 155 KiB with masters) is cut into chunks
@@ -38,32 +38,6 @@ def wide(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     more state than the budget holds."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(400, 97), nn.Tanh(), nn.Linear(97, 3)).to(dtype)
-
-
-def run(m: nn.Module, opt: torch.optim.Optimizer, steps: range,
-        masters: list[torch.Tensor] | None = None) -> list[float]:
-    """Training on seeded batches of `m`'s input width; with `masters`, `opt` steps them (the reference for
-    master weights) and the model gets their rounded values."""
-    width = next(m.parameters()).shape[1]
-    dtype = next(m.parameters()).dtype
-    losses = []
-    for s in steps:
-        gen = torch.Generator().manual_seed(s)
-        x = torch.randn(8, width, generator=gen).to(dtype)
-        m.zero_grad(set_to_none=True)
-        opt.zero_grad(set_to_none=True)
-        loss = m(x).float().pow(2).mean()
-        loss.backward()
-        if masters is not None:
-            for p, w in zip(m.parameters(), masters):
-                w.grad = p.grad.float()
-        opt.step()
-        if masters is not None:
-            with torch.no_grad():
-                for p, w in zip(m.parameters(), masters):
-                    p.copy_(w)
-        losses.append(loss.item())
-    return losses
 
 
 def same(a: nn.Module, b: nn.Module) -> bool:
@@ -161,41 +135,32 @@ def test_the_free_space_check_counts_every_state_tensor(tmp_path: Path) -> None:
         assert caught.value.filename == str(small / "swap")
 
 
-class Factored(torch.optim.Optimizer):
+class Factored(PerParameter):
     """An 8-bit momentum SGD with a factored second moment: codes (uint8, the parameter's shape), a scale per
     64-element block (fp32, another shape), row and column statistics (other shapes again). Stepped per
     parameter; each tensor must come back exactly as it went."""
 
-    def __init__(self, params: object, lr: float = 1e-2) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure: object = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                g = p.grad.reshape(p.shape[0], -1)
-                if not st:
-                    st["codes"] = torch.full(p.shape, 128, dtype=torch.uint8)
-                    st["scale"] = torch.ones(math.ceil(p.numel() / 64))
-                    st["row"] = torch.zeros(g.shape[0], 1)
-                    st["col"] = torch.zeros(1, g.shape[1])
-                    st["step"] = torch.tensor(0.0)
-                st["step"] += 1
-                flat = (st["codes"].float() - 128).reshape(-1)
-                pad = st["scale"].numel() * 64 - flat.numel()
-                blocks = torch.nn.functional.pad(flat, (0, pad)).reshape(-1, 64) * st["scale"][:, None] / 127
-                mom = blocks.reshape(-1)[:flat.numel()].reshape(p.shape) * 0.9 + p.grad
-                st["row"].lerp_(g.pow(2).mean(1, keepdim=True), 0.1)
-                st["col"].lerp_(g.pow(2).mean(0, keepdim=True), 0.1)
-                v = (st["row"] @ st["col"] / st["row"].mean()).reshape(p.shape)
-                p.add_(mom / (v.sqrt() + 1e-8), alpha=-group["lr"])
-                mb = torch.nn.functional.pad(mom.reshape(-1), (0, pad)).reshape(-1, 64)
-                st["scale"].copy_(mb.abs().amax(1).clamp(min=1e-12))
-                codes = (mb / st["scale"][:, None] * 127).round().clamp(-127, 127) + 128
-                st["codes"].copy_(codes.reshape(-1)[:flat.numel()].reshape(p.shape).to(torch.uint8))
+    def update(self, p: torch.Tensor, st: dict, group: dict) -> None:
+        g = p.grad.reshape(p.shape[0], -1)
+        if not st:
+            st["codes"] = torch.full(p.shape, 128, dtype=torch.uint8)
+            st["scale"] = torch.ones(math.ceil(p.numel() / 64))
+            st["row"] = torch.zeros(g.shape[0], 1)
+            st["col"] = torch.zeros(1, g.shape[1])
+            st["step"] = torch.tensor(0.0)
+        st["step"] += 1
+        flat = (st["codes"].float() - 128).reshape(-1)
+        pad = st["scale"].numel() * 64 - flat.numel()
+        blocks = torch.nn.functional.pad(flat, (0, pad)).reshape(-1, 64) * st["scale"][:, None] / 127
+        mom = blocks.reshape(-1)[:flat.numel()].reshape(p.shape) * 0.9 + p.grad
+        st["row"].lerp_(g.pow(2).mean(1, keepdim=True), 0.1)
+        st["col"].lerp_(g.pow(2).mean(0, keepdim=True), 0.1)
+        v = (st["row"] @ st["col"] / st["row"].mean()).reshape(p.shape)
+        p.add_(mom / (v.sqrt() + 1e-8), alpha=-group["lr"])
+        mb = torch.nn.functional.pad(mom.reshape(-1), (0, pad)).reshape(-1, 64)
+        st["scale"].copy_(mb.abs().amax(1).clamp(min=1e-12))
+        codes = (mb / st["scale"][:, None] * 127).round().clamp(-127, 127) + 128
+        st["codes"].copy_(codes.reshape(-1)[:flat.numel()].reshape(p.shape).to(torch.uint8))
 
 
 @pytest.mark.parametrize("kind", ["adafactor", "factored"])
@@ -226,47 +191,24 @@ def test_state_of_another_shape_is_swapped_exactly(kind: str, workdir: Path, tmp
         assert same(ref, again)
 
 
-class Growing(torch.optim.Optimizer):
+class Growing(PerParameter):
     """Momentum SGD that keeps a history of its last gradients' norms per parameter (a tensor that grows
     each step up to 4 entries): state whose shape changes between steps."""
 
-    def __init__(self, params: object) -> None:
-        super().__init__(params, {"lr": 1e-2})
-
-    @torch.no_grad()
-    def step(self, closure: object = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state[p]
-                m = st.setdefault("m", torch.zeros_like(p))
-                hist = torch.cat([st.get("hist", torch.zeros(0)), p.grad.norm().reshape(1)])[-4:]
-                st["hist"] = hist
-                m.mul_(0.9).add_(p.grad / (1 + hist.mean()))
-                p.add_(m, alpha=-group["lr"])
+    def update(self, p: torch.Tensor, st: dict, group: dict) -> None:
+        m = st.setdefault("m", torch.zeros_like(p))
+        hist = torch.cat([st.get("hist", torch.zeros(0)), p.grad.norm().reshape(1)])[-4:]
+        st["hist"] = hist
+        m.mul_(0.9).add_(p.grad / (1 + hist.mean()))
+        p.add_(m, alpha=-group["lr"])
 
 
-def test_state_that_changes_shape_between_steps_is_laid_out_anew(workdir: Path) -> None:
-    ref, off = model(), model()
-    ref_opt = Growing(ref.parameters())
-    with OffloadedOptimizer(Growing(off.parameters()), workdir, BUDGET, elementwise=True) as opt:
-        assert run(ref, ref_opt, range(8)) == run(off, opt, range(8))
-        assert same(ref, off)
-        same_state(ref_opt.state_dict(), opt.state_dict())
-
-
-class Listed(torch.optim.Optimizer):
+class Listed(PerParameter):
     """Keeps a list of tensors per parameter (as some preconditioners do): the swap cannot carry it."""
 
-    def __init__(self, params: object) -> None:
-        super().__init__(params, {"lr": 1e-2})
-
-    @torch.no_grad()
-    def step(self, closure: object = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state[p]
-                st.setdefault("blocks", [torch.zeros_like(p), torch.zeros_like(p)])
-                p.add_(p.grad, alpha=-group["lr"])
+    def update(self, p: torch.Tensor, st: dict, group: dict) -> None:
+        st.setdefault("blocks", [torch.zeros_like(p), torch.zeros_like(p)])
+        p.add_(p.grad, alpha=-group["lr"])
 
 
 def test_state_the_swap_cannot_carry_is_refused_naming_it(workdir: Path) -> None:
@@ -359,30 +301,26 @@ def test_group_settings_that_change_the_state(workdir: Path) -> None:
         run(off, opt, range(2, 3))  # still usable
 
 
-class Swapping(torch.optim.Optimizer):
+class Swapping(PerParameter):
     """Two momenta at different rates, swapped by reference every step (as double buffers are): the state
     handed back holds each tensor under the other's key."""
 
-    def __init__(self, params: object) -> None:
-        super().__init__(params, {"lr": 1e-2})
-
-    @torch.no_grad()
-    def step(self, closure: object = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state[p]
-                a = st.setdefault("a", torch.zeros_like(p))
-                b = st.setdefault("b", torch.ones_like(p))
-                a.mul_(0.9).add_(p.grad)
-                b.mul_(0.5).add_(p.grad)
-                p.add_(a - b, alpha=-group["lr"])
-                st["a"], st["b"] = b, a
+    def update(self, p: torch.Tensor, st: dict, group: dict) -> None:
+        a = st.setdefault("a", torch.zeros_like(p))
+        b = st.setdefault("b", torch.ones_like(p))
+        a.mul_(0.9).add_(p.grad)
+        b.mul_(0.5).add_(p.grad)
+        p.add_(a - b, alpha=-group["lr"])
+        st["a"], st["b"] = b, a
 
 
-def test_state_tensors_swapped_by_the_optimizer_are_stored_as_they_are(workdir: Path) -> None:
+@pytest.mark.parametrize("kind", [Growing, Swapping], ids=["growing", "swapping"])
+def test_state_the_optimizer_reshapes_or_swaps_is_stored_as_it_is(kind: type, workdir: Path) -> None:
+    """State that grows between steps is laid out anew; tensors the optimizer swaps between keys are stored
+    under their new keys (both read before either is written)."""
     ref, off = model(), model()
-    ref_opt = Swapping(ref.parameters())
-    with OffloadedOptimizer(Swapping(off.parameters()), workdir, BUDGET, elementwise=True) as opt:
+    ref_opt = kind(ref.parameters())
+    with OffloadedOptimizer(kind(off.parameters()), workdir, BUDGET, elementwise=True) as opt:
         assert run(ref, ref_opt, range(8)) == run(off, opt, range(8))
         assert same(ref, off)
         same_state(ref_opt.state_dict(), opt.state_dict())
@@ -434,27 +372,18 @@ def test_parameters_on_an_unsupported_device_are_refused(workdir: Path) -> None:
         OffloadedOptimizer(torch.optim.Adam([p]), workdir, BUDGET)
 
 
-class TrustRatio(torch.optim.Optimizer):
+class TrustRatio(PerParameter):
     """LAMB-like: Adam's moments scaled per parameter by ||w|| / ||update||. Each parameter from its own state
     and gradient (tiles are right), but not each element from its own (chunks would not be)."""
 
-    def __init__(self, params: object, lr: float = 1e-2) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure: object = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                m = st.setdefault("m", torch.zeros_like(p))
-                v = st.setdefault("v", torch.zeros_like(p))
-                m.lerp_(p.grad, 0.1)
-                v.lerp_(p.grad.square(), 0.001)
-                update = m / (v.sqrt() + 1e-6)
-                ratio = p.norm() / update.norm().clamp(min=1e-12)
-                p.add_(update, alpha=-group["lr"] * float(ratio))
+    def update(self, p: torch.Tensor, st: dict, group: dict) -> None:
+        m = st.setdefault("m", torch.zeros_like(p))
+        v = st.setdefault("v", torch.zeros_like(p))
+        m.lerp_(p.grad, 0.1)
+        v.lerp_(p.grad.square(), 0.001)
+        update = m / (v.sqrt() + 1e-6)
+        ratio = p.norm() / update.norm().clamp(min=1e-12)
+        p.add_(update, alpha=-group["lr"] * float(ratio))
 
 
 def test_a_per_parameter_optimizer_is_not_cut_into_chunks_unless_told(workdir: Path) -> None:
