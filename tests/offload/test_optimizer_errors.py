@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -39,6 +40,33 @@ def test_tile_bytes_must_be_a_positive_int(workdir: Path) -> None:
         with pytest.raises(ValueError, match=f"tile_bytes must be a positive int .*got {bad!r}"):
             _opt(model(), workdir, tile_bytes=bad)
     assert os.listdir(workdir) == []
+
+
+def test_tile_bytes_over_the_budget_is_refused(workdir: Path) -> None:
+    with pytest.raises(ValueError, match=r"tile_bytes=1048576 is more than budget_bytes=524288"):
+        _opt(model(), workdir, budget=512 << 10, tile_bytes=1 << 20)
+
+
+def test_an_optimizer_that_needs_a_closure_is_refused(workdir: Path) -> None:
+    """LBFGS evaluates the loss several times a step over all parameters: refused when made, naming it."""
+    with pytest.raises(TypeError, match=r"LBFGS.step needs a closure"):
+        OffloadedOptimizer(torch.optim.LBFGS(model().parameters()), workdir, BUDGET)
+    assert os.listdir(workdir) == []
+
+
+def test_pickling_or_copying_is_refused(workdir: Path) -> None:
+    import copy
+    import pickle
+
+    with _opt(model(), workdir) as opt:
+        for attempt in (lambda: pickle.dumps(opt), lambda: copy.copy(opt), lambda: copy.deepcopy(opt)):
+            with pytest.raises(TypeError, match="cannot be pickled or copied"):
+                attempt()
+
+
+def test_an_empty_directory_name_is_refused(workdir: Path) -> None:
+    with pytest.raises(ValueError, match="directory is empty"):
+        OffloadedOptimizer(torch.optim.Adam(model().parameters()), "", BUDGET)
 
 
 def test_budget_takes_any_integral_but_not_a_bool(workdir: Path) -> None:
@@ -119,6 +147,17 @@ def test_swap_file_removed_under_a_running_optimizer(how: str, workdir: Path) ->
         assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))  # refused before any update
 
 
+class Interruptible(torch.optim.Adam):
+    """Adam calling `on_step` first at each call: the offloaded optimizer calls it once per tile."""
+
+    on_step: Any = None
+
+    def step(self, closure: Any = None) -> Any:
+        if self.on_step is not None:
+            self.on_step()
+        return super().step(closure)
+
+
 def test_swap_file_cut_mid_step_is_an_oserror_naming_it(workdir: Path) -> None:
     """A read that finds the file short raises OSError naming the file, and the optimizer refuses to go on.
 
@@ -127,19 +166,21 @@ def test_swap_file_cut_mid_step_is_an_oserror_naming_it(workdir: Path) -> None:
     (Cut after every read was issued, the write-back would write every unit whole again: no state lost.)
     """
     m = model()
-    with _opt(m, workdir, budget=32 << 10) as opt:
+    inner = Interruptible(m.parameters(), lr=1e-2, weight_decay=0.01)
+    with OffloadedOptimizer(inner, workdir, 32 << 10, elementwise=True) as opt:
         train(m, opt, range(2))
         calls = []
 
-        def cut(_opt: object, _args: object, _kw: object) -> None:
+        def cut() -> None:
             calls.append(1)
             if len(calls) == 1:
                 os.truncate(opt.swap.file, 4096)
 
-        handle = opt.optimizer.register_step_pre_hook(cut)
+        inner.on_step = cut
         with pytest.raises(OSError) as err:
             train(m, opt, range(2, 3))
-        handle.remove()
+        inner.on_step = None
+        assert len(calls) >= 1
         assert err.value.filename == opt.swap.file
         with pytest.raises(RuntimeError, match="refuses to step until load"):
             train(m, opt, range(3, 4))
@@ -178,13 +219,14 @@ def interrupted_step_refuses_until_load(real_signal: bool, workdir: Path, tmp_pa
     ref_opt = OPTIMIZERS["adam"](ref.parameters())
     ref_losses = train(ref, ref_opt, range(8))
     m = model()
-    with _opt(m, workdir) as opt:
+    inner = Interruptible(m.parameters(), lr=1e-2, weight_decay=0.01)  # OPTIMIZERS["adam"], told of each tile
+    with OffloadedOptimizer(inner, workdir, BUDGET, elementwise=True) as opt:
         losses = train(m, opt, range(4))
         opt.save(tmp_path / "ck.pt")
         weights = {k: v.clone() for k, v in m.state_dict().items()}
         tiles = []
 
-        def interrupt(_opt: object, _args: object, _kw: object) -> None:
+        def interrupt() -> None:
             tiles.append(1)
             if len(tiles) == 2:  # after the first tile was updated
                 if real_signal:
@@ -194,10 +236,10 @@ def interrupted_step_refuses_until_load(real_signal: bool, workdir: Path, tmp_pa
                 else:
                     raise KeyboardInterrupt
 
-        hook = opt.optimizer.register_step_pre_hook(interrupt)
+        inner.on_step = interrupt
         with pytest.raises(KeyboardInterrupt):
             train(m, opt, range(4, 5))
-        hook.remove()
+        inner.on_step = None
         assert len(tiles) >= 2
         with pytest.raises(RuntimeError, match="KeyboardInterrupt.*refuses to step until load"):
             train(m, opt, range(4, 5))

@@ -400,3 +400,74 @@ def test_a_per_parameter_optimizer_is_not_cut_into_chunks_unless_told(workdir: P
         OffloadedOptimizer(TrustRatio(off.parameters()), workdir, BUDGET, chunks=True)
     with pytest.raises(TypeError, match="chunks must be True, False or None, got int"):
         OffloadedOptimizer(TrustRatio(off.parameters()), workdir, BUDGET, elementwise=True, chunks=1)  # type: ignore
+
+
+@pytest.mark.parametrize("name", ["adamw-fused", "adam", "sgd-fused"])
+def test_a_transposed_parameter_gets_state_laid_out_like_it(name: str, workdir: Path) -> None:
+    """A parameter that is a transposed view (its gradients strided alike): torch makes its state with the
+    same strides, and the fused kernels walk parameter, gradient and state memory in step; the swapped
+    state is laid out the same way, bit-identical."""
+    def make(seed: int) -> nn.Module:
+        m = wide(seed)
+        m[0].weight = nn.Parameter(m[0].weight.detach().t().contiguous().t())
+        return m
+
+    ref, off = make(0), make(0)
+    assert not off[0].weight.is_contiguous()
+    ref_opt = OPTIMIZERS[name](ref.parameters())
+    with OffloadedOptimizer(OPTIMIZERS[name](off.parameters()), workdir, 1 << 20) as opt:
+        assert run(ref, ref_opt, range(6)) == run(off, opt, range(6))
+        assert same(ref, off)
+        same_state(ref_opt.state_dict(), opt.state_dict())
+
+
+@pytest.mark.parametrize("how", ["assign", "clear"])
+def test_state_emptied_by_the_caller_starts_afresh(how: str, workdir: Path) -> None:
+    """`opt.state[p] = {}` or `opt.state[p].clear()`: the next step makes the state anew, as torch's does."""
+    ref, off = model(), model()
+    ref_opt = OPTIMIZERS["adam"](ref.parameters())
+    with OffloadedOptimizer(OPTIMIZERS["adam"](off.parameters()), workdir, BUDGET) as opt:
+        assert run(ref, ref_opt, range(3)) == run(off, opt, range(3))
+        for o, m in ((ref_opt, ref), (opt, off)):
+            if how == "assign":
+                o.state[m[0].weight] = {}
+            else:
+                o.state[m[0].weight].clear()
+        assert run(ref, ref_opt, range(3, 6)) == run(off, opt, range(3, 6))
+        assert same(ref, off)
+        same_state(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_the_least_budget_does_not_depend_on_the_budget_given(workdir: Path) -> None:
+    """min_budget_bytes is the least budget the configuration steps in (one chunk of the largest parameter,
+    for an element-wise optimizer), whatever budget it was made with; that budget works."""
+    m = nn.Linear(1000, 300)
+    figures = set()
+    for budget in (1 << 20, 64 << 20):
+        with OffloadedOptimizer(torch.optim.Adam(m.parameters()), workdir, budget) as opt:
+            figures.add(opt.min_budget_bytes)
+    least = figures.pop()
+    assert not figures and least == 2 * 4096 * 4
+    ref = nn.Linear(1000, 300)
+    ref.load_state_dict(m.state_dict())
+    ref_opt = torch.optim.Adam(ref.parameters())
+    with OffloadedOptimizer(torch.optim.Adam(m.parameters()), workdir, least) as opt:
+        for s in range(2):
+            for net, o in ((ref, ref_opt), (m, opt)):
+                o.zero_grad()
+                net(torch.randn(4, 1000, generator=torch.Generator().manual_seed(s))).sum().backward()
+                o.step()
+        assert torch.equal(ref.weight, m.weight)
+
+
+def test_hooks_of_the_wrapped_optimizer_run_once_a_step(workdir: Path) -> None:
+    m = model()
+    inner = OPTIMIZERS["adam"](m.parameters())
+    calls = []
+    inner.register_step_pre_hook(lambda *_: calls.append("pre"))
+    inner.register_step_post_hook(lambda *_: calls.append("post"))
+    with OffloadedOptimizer(inner, workdir, BUDGET) as opt:
+        run(m, opt, range(2))
+        assert len(opt.last_step.updates) > 1  # several tiles
+    assert calls == ["pre", "post"] * 2
+

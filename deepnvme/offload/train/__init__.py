@@ -6,6 +6,7 @@
 - records.py: one parameter's swapped state and its layout in units (whole, or in chunks);
 - probe.py: the state an optimizer will make, learnt ahead by a step on the meta device;
 - profile.py: `StepProfile`, what the last step moved and when;
+- wrapped.py: how the wrapped optimizer's step is called (without its hooks, per tile; closures refused);
 - grouping.py: which optimizers may be stepped tile by tile (element-wise), and the error for one stepped
   whole that does not fit the budget.
 """

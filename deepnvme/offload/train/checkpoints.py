@@ -16,7 +16,7 @@ import torch
 
 from deepnvme.offload._doors import PAGE, madvise, save_streamed
 from deepnvme.offload.swap import Lease, ReadAhead, Unit, round_up
-from deepnvme.offload.train.records import Entry, Record, entries_of, is_swapped, layout
+from deepnvme.offload.train.records import Entry, Record, entries_of, is_swapped, layout, strides_of
 
 if TYPE_CHECKING:
     from deepnvme.offload.train.optimizer import OffloadedOptimizer
@@ -46,9 +46,10 @@ class Checkpoints(_Base):
         return state, owners
 
     def _grouped(self) -> list[tuple[torch.Tensor, Record]]:
-        """The records of parameters in a group (others' state is kept, but torch cannot pack it)."""
+        """The records of made state of parameters in a group (others' state is kept, but torch cannot pack
+        it)."""
         live = self._in_groups()
-        return [(p, rec) for p, rec in self._records.items() if id(p) in live]
+        return [(p, rec) for p, rec in self._records.items() if rec.made and id(p) in live]
 
     def _packed(self, state: dict[torch.Tensor, dict[str, Any]]) -> dict[str, Any]:
         inner = self.optimizer
@@ -199,7 +200,7 @@ class Checkpoints(_Base):
         for p, st in states:  # a state the budget cannot hold is refused before the old one is dropped
             entries = entries_of(st, p.dtype if self.master_weights else None)
             if self.master_weights and _MASTER not in st:
-                entries.append(Entry(_MASTER, torch.float32, p.shape))
+                entries.append(Entry(_MASTER, torch.float32, p.shape, strides_of(p)))
             need = max(map(sum, layout(entries, p, self.tile_bytes, self._may_chunk(p))[1]))
             if need > self.swap.pool.capacity:
                 raise ValueError(f"the loaded state of {self._name(p)} ({[e.key for e in entries]}) takes "

@@ -55,9 +55,13 @@ from deepnvme.offload.train.records import (
     Record,
     check_values,
     entries_of,
+    in_lease,
     is_swapped,
     layout,
+    least_piece,
+    strides_of,
 )
+from deepnvme.offload.train.wrapped import needs_closure, step_unhooked
 
 # The state key under which checkpoints carry the fp32 master of a parameter (master_weights=True).
 MASTER = "master"
@@ -122,6 +126,12 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         budget = budget_arg(DEFAULT_BUDGET if budget_bytes is None else budget_bytes)
         self._closed = True  # until the swap space exists
+        if needs_closure(optimizer):
+            raise TypeError(f"{type(optimizer).__name__}.step needs a closure (it evaluates the loss several "
+                            "times a step, over all parameters at once): it cannot be stepped with its state "
+                            "on a drive; keep it in memory")
+        if os.fspath(directory) == "":
+            raise ValueError("directory is empty: name the folder the swap files go in")
         self.optimizer = optimizer
         self.master_weights = bool(master_weights)
         self.elementwise, self.chunks = how_stepped(optimizer, elementwise, chunks)
@@ -129,6 +139,10 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
                                        or tile_bytes <= 0):
             raise ValueError(f"tile_bytes must be a positive int (bytes of state per tile), got "
                              f"{tile_bytes!r}")
+        if tile_bytes is not None and tile_bytes > budget:
+            raise ValueError(f"tile_bytes={tile_bytes} is more than budget_bytes={budget}: a tile is read "
+                             "into the budget whole; give at most budget_bytes (a quarter of it lets reads "
+                             "run ahead)")
         self.tile_bytes = max(budget // 4, PAGE) if tile_bytes is None else tile_bytes
         self._probe = Prober(optimizer)
         self._loose: dict[Any, Any] = {}  # the wrapped optimizer's state not keyed by a parameter
@@ -170,7 +184,7 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
             return None
         entries, made = probed
         if self.master_weights:
-            return [*entries, Entry(MASTER, torch.float32, p.shape)], True
+            return [*entries, Entry(MASTER, torch.float32, p.shape, strides_of(p))], True
         return entries, made
 
     def _plan(self, params: list[tuple[int, torch.Tensor]]) -> tuple[int, int, bool]:
@@ -186,14 +200,15 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
                 exact = False
                 dtype = torch.float32 if self.master_weights else p.dtype
                 entries = [Entry(k, dtype, p.shape) for k in ("exp_avg", "exp_avg_sq")]
-                entries += [Entry(MASTER, torch.float32, p.shape)] if self.master_weights else []
+                if self.master_weights:
+                    entries.append(Entry(MASTER, torch.float32, p.shape, strides_of(p)))
             else:
                 entries = known[0]
             if not entries:
                 continue
             _, sizes = layout(entries, p, self.tile_bytes, self._may_chunk(p))
             swap += sum(map(sum, sizes))
-            piece = max(map(sum, sizes))
+            piece = least_piece(entries, p, self._may_chunk(p))
             if self.elementwise and piece > least:
                 least = piece
                 self._need = (f"{self._name(p)} {tuple(p.shape)} {p.dtype}: its state "
@@ -241,8 +256,9 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
 
     def _prune(self) -> None:
         """Drop the state of parameters whose entry the caller removed from `state` (`opt.state.pop(p)`, as
-        with torch's optimizers): their space on the drive comes back."""
-        for p in [p for p in self._records if p not in self.state]:
+        with torch's optimizers: their space on the drive comes back) or emptied (`opt.state[p] = {}` or
+        `.clear()`: the next step makes it afresh, as torch's would)."""
+        for p in [p for p, rec in self._records.items() if rec.made and not self.state.get(p)]:
             self._drop(p)
 
     def _in_groups(self) -> set[int]:
@@ -264,6 +280,8 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
             self._check_work(p)
         self.swap.check_files()
         tiles = self._make_records(work)
+        for hook in list(self.optimizer._optimizer_step_pre_hooks.values()):  # once a step, not per tile
+            hook(self.optimizer, (), {})
         reader = ReadAhead(self.swap, [[u for _, p, k in t if p in self._records
                                         for u in self._records[p].units[k]] for t in tiles],
                            end_parts=END_REQUESTS)
@@ -312,6 +330,8 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
         self._flat_grads = {}
         self._broken = None
         self._outline()
+        for hook in list(self.optimizer._optimizer_step_post_hooks.values()):
+            hook(self.optimizer, (), {})
         return loss
 
     def _check_work(self, p: torch.Tensor) -> None:
@@ -421,7 +441,7 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
         inner.state.update(self._loose)
         try:
             inner.param_groups = groups
-            inner.step()
+            step_unhooked(inner)
         finally:
             inner.param_groups = live
             after = {(p, k): inner.state.pop(targets[(p, k)], None) for _, p, k in tile}
@@ -466,8 +486,8 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
             views = rec.tensors(lease, k)  # type: ignore[arg-type]
             moved = {key: state[key] for key, view in views.items()
                      if state[key].data_ptr() != view.data_ptr()}
-            if any(_inside(v, lease) for v in moved.values()):  # e.g. two buffers swapped: read all first
-                moved = {key: v.clone() if _inside(v, lease) else v for key, v in moved.items()}
+            if any(in_lease(v, lease) for v in moved.values()):  # e.g. two buffers swapped: read all first
+                moved = {key: v.clone() if in_lease(v, lease) else v for key, v in moved.items()}
             for key, v in moved.items():
                 views[key].copy_(v, non_blocking=True)
                 devices.add(v.device)
@@ -518,7 +538,8 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
             return {**rec.scalars, **{e.key: torch.empty(e.shape, dtype=e.dtype, device="meta")
                                       for e in rec.entries}}
 
-        self.state = defaultdict(dict, {p: outline(rec) for p, rec in self._records.items()})
+        # Units reserved for state the optimizer has not made (yet) are not state.
+        self.state = defaultdict(dict, {p: outline(rec) for p, rec in self._records.items() if rec.made})
 
     # -------------------------------------------------------------------------------------------- life
     def _name(self, p: torch.Tensor) -> str:
@@ -559,17 +580,13 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
         self._closed = True
         self.swap.close()
 
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("an OffloadedOptimizer holds files and locked memory: it cannot be pickled or "
+                        "copied; save() its state and load() it into a new one")
+
     def __repr__(self) -> str:
         return (f"OffloadedOptimizer({type(self.optimizer).__name__}, {self.swap.directory!r}, "
                 f"budget_bytes={self.budget_bytes}, master_weights={self.master_weights})")
-
-
-def _inside(t: torch.Tensor, lease: Lease | None) -> bool:
-    """Whether `t`'s memory lies in `lease`'s pool buffer."""
-    if lease is None or t.device.type != "cpu":
-        return False
-    start = lease.buffer.tensor.data_ptr()
-    return start <= t.data_ptr() < start + lease.buffer.tensor.numel()
 
 
 def _copied(values: dict[str, Any]) -> dict[str, Any]:

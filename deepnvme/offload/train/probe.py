@@ -21,6 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepnvme.offload.train.records import Entry, check_values, entries_of
+from deepnvme.offload.train.wrapped import unhooked
 
 
 class _ValuesAreOne(TorchDispatchMode):
@@ -46,12 +47,11 @@ def probe(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tens
     """The entries of the state `optimizer` makes at its first step of a parameter shaped like `p`, stepped
     in `dtype` (the master's when there is one) with `group`'s settings, and whether it makes any state;
     None when that cannot be learnt."""
-    target = torch.empty(p.shape, dtype=dtype, device="meta")
+    target = torch.empty_strided(p.shape, p.stride(), dtype=dtype, device="meta")  # state made like it
     target.grad = torch.empty_like(target)
     settings = {k: v for k, v in group.items() if k != "params"}
     settings.update({k: v for k, v in _KERNEL_CHOICES.items() if k in settings})
-    step = type(optimizer).step
-    step = getattr(step, "__wrapped__", step)  # torch's wrapper runs the step hooks: not for a probe
+    step = unhooked(optimizer)  # torch's wrapper runs the step hooks: not for a probe
     live_groups, live_state = optimizer.param_groups, optimizer.state
     optimizer.param_groups = [{**settings, "params": [target]}]
     optimizer.state = defaultdict(dict)

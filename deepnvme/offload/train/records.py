@@ -41,11 +41,14 @@ REDUCED = frozenset({torch.bfloat16, torch.float16})
 
 @dataclass(frozen=True)
 class Entry:
-    """One swapped tensor of a parameter's state: its key, dtype and shape."""
+    """One swapped tensor of a parameter's state: its key, dtype, shape, and its strides where they are not
+    the contiguous ones (state made like a transposed parameter is laid out like it: torch's fused kernels
+    walk the parameter's, the gradient's and the state's memory in step, and need the same strides)."""
 
     key: str
     dtype: torch.dtype
     shape: torch.Size
+    stride: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -149,7 +152,8 @@ class Record:
             raw = lease.view(self.units[0][0])
             out, at = {}, 0
             for e in self.entries:
-                out[e.key] = raw[at:at + e.nbytes].view(e.dtype).view(e.shape)
+                flat = raw[at:at + e.nbytes].view(e.dtype)
+                out[e.key] = flat.view(e.shape) if e.stride is None else flat.as_strided(e.shape, e.stride)
                 at += round_up(e.nbytes)
             return out
         lo, hi = self.span(k)
@@ -182,6 +186,27 @@ def layout(entries: list[Entry], p: torch.Tensor, tile_bytes: int,
     return c, [[round_up(min(c, n - lo) * e.dtype.itemsize) for e in entries] for lo in range(0, n, c)]
 
 
+def strides_of(t: torch.Tensor) -> tuple[int, ...] | None:
+    """`t`'s strides when it is dense but not contiguous (a permutation of its dimensions), else None."""
+    if t.is_contiguous():
+        return None
+    expected = 1  # dense: by growing stride, each is the product of the sizes before it
+    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda x: x[1]):
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(t.stride())
+
+
+def least_piece(entries: list[Entry], p: torch.Tensor, chunked: bool) -> int:
+    """The least pool memory `p`'s state can be stepped in: one chunk of CHUNK_ALIGN elements when it may
+    be cut (whatever the tile then), else the whole unit."""
+    whole = whole_bytes(entries)
+    if not (chunked and can_chunk(entries, p)):
+        return whole
+    return min(whole, sum(round_up(min(CHUNK_ALIGN, p.numel()) * e.dtype.itemsize) for e in entries))
+
+
 def entries_of(state: Mapping[str, Any], promote_from: torch.dtype | None = None) -> list[Entry]:
     """The entries of a state's swapped tensors, in its order. With `promote_from` (a 16-bit dtype), state
     taken over for an fp32 master in that dtype becomes fp32: Adagrad makes its sums at construction in the
@@ -191,5 +216,13 @@ def entries_of(state: Mapping[str, Any], promote_from: torch.dtype | None = None
         if is_swapped(k, v):
             dtype = (torch.float32 if promote_from is not None and v.is_floating_point()
                      and v.dtype == promote_from and promote_from != torch.float32 else v.dtype)
-            out.append(Entry(k, dtype, v.shape))
+            out.append(Entry(k, dtype, v.shape, strides_of(v)))
     return out
+
+
+def in_lease(t: torch.Tensor, lease: Lease | None) -> bool:
+    """Whether `t`'s memory lies in `lease`'s pool buffer."""
+    if lease is None or t.device.type != "cpu":
+        return False
+    start = lease.buffer.tensor.data_ptr()
+    return start <= t.data_ptr() < start + lease.buffer.tensor.numel()
