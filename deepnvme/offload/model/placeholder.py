@@ -23,8 +23,9 @@ class Placeholder(torch.Tensor):
 
     @staticmethod
     def __new__(cls, name: str, unit: str, shape: Sequence[int], dtype: torch.dtype,
-                device: torch.device) -> Placeholder:
-        t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
+                device: torch.device, requires_grad: bool = False) -> Placeholder:
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device,
+                                                requires_grad=requires_grad)
         t._name, t._unit = name, unit
         return t
 
@@ -36,10 +37,14 @@ class Placeholder(torch.Tensor):
         what = found[0] if found else None
         name = what._name if what is not None else "a streamed tensor"
         unit = what._unit if what is not None else "?"
-        raise StreamedWeightError(
-            f"{name} is streamed from the drive by deepnvme.offload.stream_weights: its values exist only "
-            f"during the forward of unit {unit!r} ({func} was called outside it); run the model, or call "
-            "deepnvme.offload.unstream(model) to have the weights in memory again")
+        raise StreamedWeightError(cls._explain(name, unit, func))
+
+    @classmethod
+    def _explain(cls, name: str, unit: str, func: Any) -> str:
+        """Why `func` cannot run on the tensor `name` of `unit` (a subclass says it for its own users)."""
+        return (f"{name} is streamed from the drive by deepnvme.offload.stream_weights: its values exist "
+                f"only during the forward of unit {unit!r} ({func} was called outside it); run the model, or "
+                "call deepnvme.offload.unstream(model) to have the weights in memory again")
 
     def __repr__(self, **_: Any) -> str:  # type: ignore[override]
         return (f"Placeholder({self._name}, shape={tuple(self.shape)}, dtype={self.dtype}, "

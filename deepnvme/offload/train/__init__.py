@@ -1,4 +1,5 @@
-"""The train floor: training with state on the drive, on the swap floor's public names only.
+"""The train floor: training with parameters, gradients and optimizer state on the drive, on the swap
+floor's public names only.
 
 - optimizer.py: `OffloadedOptimizer`, any torch.optim optimizer with its state (and fp32 master weights)
   in a swap space, stepped tile by tile;
@@ -8,12 +9,16 @@
 - profile.py: `StepProfile`, what the last step moved and when;
 - wrapped.py: how the wrapped optimizer's step is called (without its hooks, per tile; closures refused);
 - grouping.py: which optimizers may be stepped tile by tile (element-wise), and the error for one stepped
-  whole that does not fit the budget.
+  whole that does not fit the budget;
+- params.py: `offload_parameters` / `OffloadedParameters`, a model's parameters and gradients on the drive
+  between uses; held.py: one offloaded parameter and unit; unit_hooks.py: the forward and backward hooks
+  of a unit; lending.py: the optimizer's step reading offloaded parameters and gradients.
 """
 
 from __future__ import annotations
 
 from deepnvme.offload.train.optimizer import OffloadedOptimizer
+from deepnvme.offload.train.params import OffloadedParameters, offload_parameters
 from deepnvme.offload.train.profile import StepProfile
 
-__all__ = ["OffloadedOptimizer", "StepProfile"]
+__all__ = ["OffloadedOptimizer", "OffloadedParameters", "StepProfile", "offload_parameters"]

@@ -46,7 +46,10 @@ import torch
 from deepnvme.offload._doors import PAGE, SWAP
 from deepnvme.offload.swap import Closing, Lease, ReadAhead, SwapSpace, Ticket, budget_arg
 from deepnvme.offload.train.checkpoints import Checkpoints
+from deepnvme.offload.train.checks import Checks
 from deepnvme.offload.train.grouping import how_stepped, whole_step_too_large
+from deepnvme.offload.train.held import HIDDEN_ATTR
+from deepnvme.offload.train.lending import Lending, zero_offloaded_grads
 from deepnvme.offload.train.probe import Prober
 from deepnvme.offload.train.profile import StepProfile
 from deepnvme.offload.train.records import (
@@ -79,7 +82,7 @@ DEVICES = ("cpu", "cuda")
 Piece = tuple[int, torch.Tensor, int]  # (group index, parameter, chunk index: 0 when whole)
 
 
-class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
+class OffloadedOptimizer(Checks, Checkpoints, Closing, torch.optim.Optimizer):
     """Wrap `optimizer` so that its state lives in files under `directory` (created with its parents when
     missing) between steps.
 
@@ -163,6 +166,7 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
         self._records: dict[torch.Tensor, Record] = {}
         self._made: set[torch.Tensor] = set()  # parameters whose state existed when the step began
         self._flat_grads: dict[torch.Tensor, torch.Tensor] = {}  # a step's flattened gradients (chunks)
+        self._lent: dict[torch.Tensor, torch.Tensor] = {}  # offloaded parameters in memory (lending.py)
         self._units = 0
         self._broken: str | None = None
         self.last_step: StepProfile | None = None
@@ -280,6 +284,7 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
             self._check_work(p)
         self.swap.check_files()
         tiles = self._make_records(work)
+        lending = Lending([[p for _, p, _ in t] for t in tiles])
         for hook in list(self.optimizer._optimizer_step_pre_hooks.values()):  # once a step, not per tile
             hook(self.optimizer, (), {})
         reader = ReadAhead(self.swap, [[u for _, p, k in t if p in self._records
@@ -302,6 +307,7 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
                 if lease is not None:
                     profile.add_requests(lease.tickets)
                 try:
+                    self._lent = lending.take(i)
                     fresh = self._step_tile(tile, lease, starts)
                 except BaseException:
                     if lease is not None:
@@ -311,6 +317,7 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
                                         sum(p.numel() * p.element_size() for _, p, _ in tile)))
                 if lease is not None:
                     writes += lease.write_back(END_REQUESTS if i == len(tiles) - 1 else 1)
+                lending.give_back(i)
                 if fresh:  # state made in memory: stored once the memory read ahead is given back
                     reader.restart(i + 1)
                     self._store_fresh(fresh)
@@ -320,6 +327,7 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
             self.last_step = profile
         except BaseException as exc:
             reader.close()
+            lending.close()
             try:
                 self.swap.wait_writes()
             except OSError:
@@ -327,29 +335,19 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
             self._broken = (f"a step() ended by {type(exc).__name__}: {exc}" if str(exc)
                             else f"a step() ended by {type(exc).__name__}")
             raise
-        self._flat_grads = {}
+        self._flat_grads, self._lent = {}, {}
         self._broken = None
         self._outline()
         for hook in list(self.optimizer._optimizer_step_post_hooks.values()):
             hook(self.optimizer, (), {})
         return loss
 
-    def _check_work(self, p: torch.Tensor) -> None:
-        """Refuse, before anything moves, a parameter this step cannot update."""
-        self._check_param(p, self._name(p))
-        if p.grad.is_sparse:
-            raise RuntimeError(f"{self._name(p)} has a sparse gradient: OffloadedOptimizer does not take "
-                               "sparse gradients (use a dense gradient, or an in-memory optimizer)")
-        if p.grad.device != p.device:
-            raise ValueError(f"{self._name(p)} is on {p.device} and its gradient on {p.grad.device}")
-        rec = self._records.get(p)
-        if rec is not None and (p.shape != rec.shape or p.dtype != rec.dtype):
-            raise ValueError(f"{self._name(p)} changed from {tuple(rec.shape)} {rec.dtype} to "
-                             f"{tuple(p.shape)} {p.dtype} since its state was made: the offloaded state "
-                             "cannot follow; make a new optimizer (or load a checkpoint made for it)")
-        if rec is not None and rec.chunk and not p.is_contiguous():
-            raise ValueError(f"{self._name(p)} is stepped in chunks of its elements and is no longer "
-                             "contiguous: make it contiguous again (or a new optimizer)")
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; gradients of offloaded parameters are dropped or marked zero without any I/O."""
+        back = zero_offloaded_grads([p for g in self.param_groups for p in g["params"]], set_to_none)
+        super().zero_grad(set_to_none)
+        for p, marker in back:
+            p.grad = marker
 
     def _make_records(self, work: list[tuple[int, torch.Tensor]]) -> list[list[Piece]]:
         """The tiles of `work`'s pieces, after reserving swap space for parameters stepped for the first time
@@ -370,19 +368,6 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
             for p in made:
                 self._drop(p)
             raise
-
-    def _check_chunked(self, gi: int, p: torch.Tensor) -> None:
-        """A parameter stepped in chunks cannot have its state laid out anew mid-step: when its group's
-        settings now make another state (amsgrad turned on, say), refuse before anything moves."""
-        rec = self._records[p]
-        known = self._entries(gi, p) if rec.chunk else None
-        if known is None:
-            return
-        now, was = [(e.key, e.dtype) for e in known[0]], [(e.key, e.dtype) for e in rec.entries]
-        if now != was:
-            raise ValueError(f"the state of {self._name(p)} is stepped in chunks as {was}, and its group's "
-                             f"settings now make {now}: it cannot be laid out anew in chunks; save(), make a "
-                             "new optimizer with these settings and load() (or restore the settings)")
 
     def _tiles(self, pieces: list[Piece]) -> list[list[Piece]]:
         """The pieces in tiles of about tile_bytes (see grouping.py); all of them in one for an optimizer that
@@ -412,21 +397,22 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
         targets: dict[tuple[torch.Tensor, int], torch.Tensor] = {}
         for _, p, k in tile:
             rec = self._records.get(p)
+            here = self._lent.get(p, p)  # an offloaded parameter: its values in memory for this step
             lo, hi = rec.span(k) if rec is not None else (0, p.numel())
             whole = rec is None or not rec.chunk
             made = p in self._made  # as the step began: chunks after the first are made by then too
             views = self._stage(rec.tensors(lease, k), p) if rec is not None and made else {}
             if not whole and p not in self._flat_grads:
-                self._flat_grads[p] = p.grad.reshape(-1)  # a copy once per step if not contiguous
-            grad = p.grad if whole else self._flat_grads[p][lo:hi]
+                self._flat_grads[p] = here.grad.reshape(-1)  # a copy once per step if not contiguous
+            grad = here.grad if whole else self._flat_grads[p][lo:hi]
             if self.master_weights:
                 target = views.pop(MASTER, None)
                 if target is None:
-                    own = p.detach() if whole else p.detach().view(-1)[lo:hi]
+                    own = here.detach() if whole else here.detach().view(-1)[lo:hi]
                     target = own.to(torch.float32, copy=True)
                 target.grad = grad.to(torch.float32)
             else:
-                target = p if whole else p.detach().view(-1)[lo:hi]
+                target = here if whole else here.detach().view(-1)[lo:hi]
                 if not whole:
                     target.grad = grad
             targets[(p, k)] = target
@@ -465,7 +451,8 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
             if self.master_weights:
                 target.grad = None
                 lo, hi = rec.span(k) if rec is not None else (0, p.numel())
-                (p.detach() if rec is None or not rec.chunk else p.detach().view(-1)[lo:hi]).copy_(target)
+                here = self._lent.get(p, p).detach()
+                (here if rec is None or not rec.chunk else here.view(-1)[lo:hi]).copy_(target)
                 # Stored even when the optimizer keeps no state (SGD without momentum): the master is what
                 # makes the next step fp32 arithmetic rather than the 16-bit parameter's.
                 state = {**(state or {}), MASTER: target}
@@ -550,6 +537,9 @@ class OffloadedOptimizer(Checkpoints, Closing, torch.optim.Optimizer):
         return "a parameter"
 
     def _check_param(self, p: torch.Tensor, name: str) -> None:
+        if getattr(p, HIDDEN_ATTR, None) is not None:
+            raise ValueError(f"{name} was offloaded by offload_parameters after the optimizer was given it: "
+                             "make the optimizer on model.parameters() after offload_parameters(model)")
         if p.device.type not in DEVICES:
             raise ValueError(f"{name} is on {p.device}: OffloadedOptimizer steps parameters on the host or a "
                              "CUDA GPU")

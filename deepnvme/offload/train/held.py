@@ -1,0 +1,129 @@
+"""One offloaded parameter and one unit of them: what the model shows, what autograd uses, where it lies.
+
+A parameter given to `offload_parameters` is split in two:
+- its *stand-in* (`OnDrive`, a Placeholder with the parameter's shape, dtype, device and requires_grad)
+  takes its place in the model between uses; it is what `model.parameters()` yields and what an optimizer
+  holds, so its identity never changes, and any computation with it raises StreamedWeightError naming it;
+- the original Parameter object (`real`) is what autograd sees: it is put back into its module for the
+  unit's forward (and a recompute), its storage filled from the drive; between uses the storage is resized
+  to nothing, so the tensors autograd saved of it (views of that storage) come back with it when the unit
+  is read again for its backward, as FSDP's first version frees its parameters.
+A gradient lies on the drive between backward and step; the stand-in's `.grad` is then an `OnDrive` too
+(None when there is none), so `p.grad is not None` means what it means in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepnvme.offload.model import Placeholder
+from deepnvme.offload.swap import Unit
+
+# The attribute of a hidden Parameter (the one autograd uses) naming the OffloadedParameters it belongs to:
+# an optimizer made on the model before offload_parameters holds these, and is refused.
+HIDDEN_ATTR = "_deepnvme_hidden_by"
+# Where a parameter's gradient is between uses.
+NO_GRAD, GRAD_ON_DRIVE, GRAD_ZERO = "none", "drive", "zero"
+
+
+class OnDrive(Placeholder):
+    """Stands for a parameter (or its gradient) kept on the drive by offload_parameters."""
+
+    @classmethod
+    def _explain(cls, name: str, unit: str, func: Any) -> str:
+        return (f"{name} lies on the drive (deepnvme.offload.offload_parameters, unit {unit!r}): its values "
+                f"exist only while its unit runs forward or backward, and {func} was called outside that. "
+                "Step it with deepnvme.offload.OffloadedOptimizer (made after offload_parameters), zero its "
+                "gradient with that optimizer's zero_grad(), and read values with state_dict() or close() "
+                "of the object offload_parameters returned")
+
+
+@dataclass(eq=False)
+class Held:
+    """One offloaded parameter: its stand-in, the tensor autograd uses, its places in modules and units."""
+
+    name: str
+    real: nn.Parameter
+    stand: OnDrive
+    places: list[tuple[nn.Module, str]]
+    data: Unit
+    grad_unit: Unit | None = None
+    grad: str = NO_GRAD  # where its gradient is when the stand-in's .grad is its marker
+    marker: OnDrive | None = None  # the stand-in's .grad while the gradient is on the drive (or zero)
+    loaded_grad: bool = False  # `real.grad` holds the gradient from the drive (this backward's adds to it)
+
+    shape: torch.Size = torch.Size()
+    dtype: torch.dtype = torch.float32
+    window: torch.Tensor | None = None  # the tensor `real` showed in its last forward (saved views are of it)
+    idle: torch.Tensor | None = None  # what `real` is between uses: no elements, so nothing can touch memory
+
+    def __post_init__(self) -> None:
+        self.shape, self.dtype = self.real.shape, self.real.dtype
+        self.idle = torch.empty(0, dtype=self.dtype, device=self.real.device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+    def grad_state(self) -> str | torch.Tensor:
+        """NO_GRAD, GRAD_ON_DRIVE or GRAD_ZERO; or the tensor the caller set as the stand-in's gradient."""
+        g = self.stand.grad
+        if g is None:
+            return NO_GRAD
+        if g is self.marker:
+            return self.grad
+        return g
+
+    def park_grad(self) -> None:
+        """Between uses `real.grad` is the marker when the gradient is on the drive (an optimizer holding
+        `real` raises naming it, rather than seeing no gradient and silently skipping it), else None."""
+        self.real.grad = self.marker if self.grad_state() in (GRAD_ON_DRIVE, GRAD_ZERO) else None
+
+    def fill(self, source: torch.Tensor, fresh: bool) -> None:
+        """Give `real` its values (`source`: the unit's bytes). `fresh` (a forward, a step) makes a new
+        tensor; otherwise (a backward) the last forward's tensor gets its storage back, so that the views of
+        it autograd saved see the values again."""
+        if fresh or self.window is None:
+            self.window = torch.empty(self.shape, dtype=self.dtype, device=self.real.device)
+        else:
+            st = self.window.untyped_storage()
+            if st.nbytes() != self.nbytes:
+                st.resize_(self.nbytes)
+        self.window.view(-1).view(torch.uint8).copy_(source)
+        self.real.data = self.window
+
+    def empty(self) -> None:
+        """Free the values: the window's storage is resized to nothing (saved views keep only metadata) and
+        `real` shows a tensor with no elements (code holding it from before the offload computes nothing
+        out of bounds: a shape error at worst)."""
+        if self.window is not None:
+            self.window.untyped_storage().resize_(0)
+        self.real.data = self.idle
+
+    def show(self, real: bool) -> None:
+        """Put `real` (for a use) or the stand-in (between uses) in each of its modules."""
+        for mod, attr in self.places:
+            mod._parameters[attr] = self.real if real else self.stand
+
+
+@dataclass(eq=False)
+class HeldUnit:
+    """One unit: its module, its offloaded parameters, and where it is in a pass."""
+
+    index: int
+    name: str
+    module: nn.Module
+    params: list[Held]
+    present: bool = False  # the parameters' storages are filled
+    depth: int = 0  # forwards (or recomputes) of it in progress
+    held: bool = False  # read for its backward and not finished yet
+    orig_forward: Any = None
+    had_forward: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def data_units(self) -> list[Unit]:
+        return [h.data for h in self.params]

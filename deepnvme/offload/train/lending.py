@@ -1,0 +1,134 @@
+"""The offloaded optimizer's step over parameters kept on the drive by offload_parameters: each tile's
+parameters and gradients are read (ahead, in the order of the tiles) beside the tile's state, stepped in
+memory, and the parameters written back once their last piece is stepped; gradients stay on the drive
+(they are the step's input, unchanged) until zero_grad()."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from deepnvme.offload.swap import Lease, ReadAhead
+from deepnvme.offload.train.held import GRAD_ON_DRIVE, GRAD_ZERO, NO_GRAD, Held
+from deepnvme.offload.train.params import OWNER_ATTR, OffloadedParameters
+
+
+def owner_of(p: torch.Tensor) -> OffloadedParameters | None:
+    """The OffloadedParameters a stand-in belongs to (None for a parameter in memory)."""
+    return getattr(p, OWNER_ATTR, None)
+
+
+def held_of(p: torch.Tensor) -> Held:
+    return owner_of(p).held_by_stand[id(p)]  # type: ignore[union-attr]
+
+
+class Lending:
+    """The offloaded parameters of a step's tiles (lists of stand-ins, a stand-in in each tile it has a
+    piece in): take(i) gives each its data and gradient in memory, give_back(i) writes those whose last
+    piece was in tile i."""
+
+    def __init__(self, tiles: Sequence[Sequence[torch.Tensor]]) -> None:
+        self.first: list[list[Held]] = []
+        self.last: dict[int, list[Held]] = {}
+        seen: dict[int, Held] = {}
+        last: dict[int, int] = {}
+        owners: set[int] = set()
+        self.owner: OffloadedParameters | None = None
+        for i, tile in enumerate(tiles):
+            self.first.append([])
+            for p in tile:
+                owner = owner_of(p)
+                if owner is None:
+                    continue
+                if id(p) not in seen:
+                    seen[id(p)] = held_of(p)
+                    self.first[-1].append(seen[id(p)])
+                owners.add(id(owner))
+                self.owner = owner
+                last[id(p)] = i
+        for key, i in last.items():
+            self.last.setdefault(i, []).append(seen[key])
+        if len(owners) > 1:
+            raise ValueError("an OffloadedOptimizer steps the parameters of one offload_parameters at most: "
+                             "these come from several models (make an optimizer per model)")
+        self.reader: ReadAhead | None = None
+        if self.owner is not None:
+            owner = self.owner
+            if any(u.present or u.held for u in owner.units):
+                raise RuntimeError("step() while a forward or backward of the offloaded model is in "
+                                   "progress: step after backward() returns")
+            owner._drop_pending()
+            groups = [[x for h in hs for x in ([h.data] + ([h.grad_unit] if _on_drive(h) else []))]
+                      for hs in self.first]
+            owner._settle_writes(x for g in groups for x in g)
+            self.reader = ReadAhead(owner.space, groups)
+
+    @property
+    def active(self) -> bool:
+        return self.owner is not None
+
+    def take(self, i: int) -> dict[torch.Tensor, torch.Tensor]:
+        """The tensors to step in place of tile i's offloaded stand-ins (filled, with their gradients)."""
+        if self.reader is None:
+            return {}
+        lease: Lease | None = self.reader.take(i)
+        try:
+            for h in self.first[i]:
+                h.fill(lease.view(h.data), fresh=True)  # type: ignore[union-attr]
+                state = h.grad_state()
+                if isinstance(state, torch.Tensor):
+                    h.real.grad = state
+                elif state == GRAD_ON_DRIVE:
+                    g = torch.empty(h.shape, dtype=h.dtype)
+                    g.view(-1).view(torch.uint8).copy_(lease.view(h.grad_unit))  # type: ignore[union-attr]
+                    h.real.grad = g
+                elif state == GRAD_ZERO:
+                    h.real.grad = torch.zeros(h.shape, dtype=h.dtype)
+        finally:
+            if lease is not None:
+                lease.release()
+        return {h.stand: h.real for hs in self.first[:i + 1] for h in hs}
+
+    def give_back(self, i: int) -> None:
+        """Write the parameters whose last piece was in tile i, and free them."""
+        done = self.last.get(i, [])
+        if not done or self.owner is None:
+            return
+        self.owner._write(done, [h.real.detach() for h in done], [h.data for h in done])
+        for h in done:
+            h.park_grad()
+            h.empty()
+
+    def close(self) -> None:
+        """After an error: free what was filled (parameters on the drive are as they were written)."""
+        if self.reader is not None:
+            self.reader.close()
+        for hs in self.first:
+            for h in hs:
+                h.park_grad()
+                h.empty()
+
+
+def _on_drive(h: Held) -> bool:
+    return h.grad_unit is not None and h.grad_state() == GRAD_ON_DRIVE
+
+
+def zero_offloaded_grads(params: Sequence[torch.Tensor], set_to_none: bool) -> list[tuple[torch.Tensor, Any]]:
+    """zero_grad() of the offloaded stand-ins among `params` (nothing read or written: a gradient set to
+    zero is made as zeros when next wanted); returns the stand-ins whose .grad was taken off for the
+    wrapped optimizer's own zero_grad, with what to put back."""
+    out = []
+    for p in params:
+        if owner_of(p) is None or p.grad is None:
+            continue
+        h = held_of(p)
+        if set_to_none:
+            h.grad, h.stand.grad = NO_GRAD, None
+        else:
+            if h.grad_state() is not h.marker and isinstance(h.grad_state(), torch.Tensor):
+                continue  # a tensor the caller set: torch zeroes it
+            h.grad, h.stand.grad = GRAD_ZERO, None
+            out.append((p, h.marker))
+    return out

@@ -1,0 +1,422 @@
+"""offload_parameters: a model's parameters and gradients on the drive between uses (ZeRO-Infinity's
+parameter offload, for plain PyTorch modules).
+
+Each unit (by default one block of the model's repeated blocks; any modules named) keeps its parameters
+in a swap space. A unit's parameters are read just before its forward and freed after it; read again,
+with the gradients accumulated so far, just before its backward (the reverse order), and once its
+backward is done its gradients are written to the drive and everything is freed; units are read ahead in
+the direction of the pass, as far as the budget of locked memory allows. `OffloadedOptimizer`, made on
+`model.parameters()` after this, reads each unit's parameters and gradients once a step, beside its
+state, and writes the parameters back. Parameters outside every unit, or shared between a unit and
+anything else (tied embeddings), stay in memory as they are.
+
+Why the order of events is right (the CPU autograd engine): a unit's forward passes its outputs through an
+identity function whose backward (run before any node of the unit, which all need its outputs' gradients)
+reads the unit; its inputs pass through another, whose backward runs after every node of the unit: the
+engine runs the ready node with the highest sequence number first, and that identity was made before any
+of them. Its backward finishes the unit. A unit whose inputs need no gradient (the first) is finished
+when the whole backward ends (a callback queued on the engine). See held.py for what the model shows.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepnvme.offload._doors import SWAP
+from deepnvme.offload.model import unit_modules
+from deepnvme.offload.swap import Closing, Lease, SwapSpace, Ticket, Unit, budget_arg, round_up
+from deepnvme.offload.train.held import GRAD_ON_DRIVE, GRAD_ZERO, HIDDEN_ATTR, Held, HeldUnit, OnDrive
+from deepnvme.offload.train.unit_hooks import unwrap_unit, wrap_unit
+
+# The attribute of a stand-in (and of the model) naming the OffloadedParameters it belongs to.
+OWNER_ATTR = "_deepnvme_offloaded"
+# Units read ahead of the one in use, in the direction of the pass (as far as the budget allows).
+DEFAULT_AHEAD = 2
+REQUESTS_IN_FLIGHT = 2
+
+
+class OffloadedParameters(Closing):
+    """What offload_parameters returns: the model's offloaded parameters, their swap space, counts."""
+
+    def __init__(self, model: nn.Module, directory: str | os.PathLike, budget_bytes: int, *,
+                 units: Any = None, ahead: int = DEFAULT_AHEAD) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if getattr(model, OWNER_ATTR, None) is not None:
+            raise ValueError("this model's parameters are offloaded already (close() that first)")
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise ValueError(f"ahead must be an int >= 0 (units read ahead), got {ahead!r}")
+        if os.fspath(directory) == "":
+            raise ValueError("directory is empty: name the folder the swap files go in")
+        budget = budget_arg(budget_bytes)
+        self._closed = True
+        self.model, self.ahead = model, ahead
+        chosen = unit_modules(model, units)
+        plan = _plan(model, chosen)
+        need = max((sum(round_up(h.numel() * h.element_size()) * (2 if h.requires_grad else 1)
+                        for _, h in ps) for ps in plan), default=0)
+        if need > budget:
+            raise ValueError(f"budget_bytes={budget} cannot hold the largest unit's parameters and gradients "
+                             f"({need} bytes): raise budget_bytes to at least {need}, or make smaller units")
+        drive = sum(round_up(h.numel() * h.element_size()) * (2 if h.requires_grad else 1)
+                    for ps in plan for _, h in ps)
+        self.space = SwapSpace(directory, budget, expected_bytes=drive, requests_in_flight=REQUESTS_IN_FLIGHT,
+                               handle_settings=SWAP)
+        self._closed = False
+        self.lock = threading.RLock()
+        self.units: list[HeldUnit] = []
+        self.held_by_stand: dict[int, Held] = {}
+        self._pending: dict[tuple[int, bool], Lease] = {}
+        self._writing: dict[str, list[Ticket]] = {}
+        self.callback_queued = False
+        self.counts = {"unit_reads": 0, "bytes_read": 0, "bytes_written": 0, "prefetched": 0, "demanded": 0}
+        try:
+            for i, ((name, mod), params) in enumerate(zip(chosen, plan)):
+                self.units.append(self._take(i, name, mod, params))
+            for u in self.units:
+                wrap_unit(self, u)
+        except BaseException:
+            self.close()
+            raise
+        setattr(model, OWNER_ATTR, self)
+
+    # ------------------------------------------------------------------------------------------ setup
+    def _take(self, i: int, name: str, mod: nn.Module, params: list[tuple[str, nn.Parameter]]) -> HeldUnit:
+        """Move `params` of unit `name` to the drive; their stand-ins take their places."""
+        held = []
+        for pname, p in params:
+            places = [(m, a) for m in mod.modules() for a, q in m._parameters.items() if q is p]
+            stand = OnDrive(pname, name, p.shape, p.dtype, p.device, p.requires_grad)
+            setattr(stand, OWNER_ATTR, self)
+            h = Held(pname, p, stand, places, self.space.add(pname, p.numel() * p.element_size()))
+            h.marker = OnDrive(pname + ".grad", name, p.shape, p.dtype, p.device)
+            held.append(h)
+            self.held_by_stand[id(stand)] = h
+        u = HeldUnit(i, name, mod, held)
+        if held:
+            self._write(held, [h.real.detach() for h in held], [h.data for h in held])
+        for h in held:
+            if h.real.grad is not None:  # a gradient it had goes to the drive with it
+                self._write([h], [h.real.grad], [self._grad_unit(h)])
+                h.grad, h.stand.grad = GRAD_ON_DRIVE, h.marker
+            h.park_grad()
+            setattr(h.real, HIDDEN_ATTR, self)
+            h.empty()
+            h.show(False)
+        return u
+
+    def _grad_unit(self, h: Held) -> Unit:
+        if h.grad_unit is None:
+            h.grad_unit = self.space.add(h.name + ".grad", h.nbytes)
+        return h.grad_unit
+
+    # ------------------------------------------------------------------------------------------ I/O
+    def _lease(self, units: Sequence[Unit], read: bool, block: bool = True) -> Lease | None:
+        """Pool memory for `units` (read from the drive when `read`): reads ahead are dropped when they
+        are what keeps the pool full, so that a demand never waits on them."""
+        if read:
+            self._settle_writes(units)
+        get = (lambda b: self.space.read(units, block=b, demand=True)) if read else (
+            lambda b: self.space.allocate(units, b))
+        lease = get(False)
+        if lease is None and block:
+            self._drop_pending()
+            lease = get(True)
+        return lease
+
+    def _settle_writes(self, units: Iterable[Unit]) -> None:
+        """Wait for the writes of any of `units` still in flight (a read must see them); raise their error."""
+        for u in units:
+            for t in self._writing.pop(u.name, []):
+                t.settle()
+                if t.error is not None:
+                    raise t.error
+
+    def _write(self, held: Sequence[Held], sources: Sequence[torch.Tensor], units: Sequence[Unit]) -> None:
+        """Copy `sources` into pool memory and queue their writes to `units` (returns once queued)."""
+        lease = self._lease(units, read=False)
+        assert_lease(lease)
+        try:
+            for src, u in zip(sources, units):
+                lease.view(u).copy_(src.detach().reshape(-1).view(torch.uint8))  # type: ignore[union-attr]
+        except BaseException:
+            lease.release()  # type: ignore[union-attr]
+            raise
+        tickets = lease.write_back()  # type: ignore[union-attr]
+        for u in units:
+            self._writing[u.name] = tickets
+        self.counts["bytes_written"] += sum(u.nbytes for u in units)
+
+    def _units_of(self, u: HeldUnit, grads: bool) -> list[Unit]:
+        """The units a read of `u` takes: its parameters, and its gradients on the drive when `grads`."""
+        out = u.data_units()
+        if grads:
+            out += [h.grad_unit for h in u.params if h.grad_unit is not None
+                    and h.grad_state() == GRAD_ON_DRIVE]
+        return out
+
+    def _read(self, u: HeldUnit, grads: bool) -> Lease:
+        """The lease of `u`'s parameters (and gradients), read ahead or read now, waited for."""
+        lease = self._pending.pop((u.index, grads), None)
+        if lease is not None and not set(self._units_of(u, grads)) <= set(lease.units):
+            lease.release()  # a gradient reached the drive since it was read ahead
+            lease = None
+        if lease is None:
+            lease = self._lease(self._units_of(u, grads), read=True)
+            self.counts["demanded"] += 1
+        else:
+            lease.demand()  # type: ignore[union-attr]
+            self.counts["prefetched"] += 1
+        try:
+            lease.wait()  # type: ignore[union-attr]
+        except BaseException:
+            lease.release()  # type: ignore[union-attr]
+            raise
+        self.counts["unit_reads"] += 1
+        self.counts["bytes_read"] += sum(x.nbytes for x in lease.units)  # type: ignore[union-attr]
+        return lease  # type: ignore[return-value]
+
+    def prefetch(self, order: Iterable[int], grads: bool) -> None:
+        """Read ahead the units at `order` (the next ones of this pass) while the pool has room."""
+        for n, i in enumerate(order):
+            if n >= self.ahead:
+                return
+            u = self.units[i]
+            if u.present or (i, grads) in self._pending or not u.params:
+                continue
+            units = self._units_of(u, grads)
+            if any(not all(t.done() for t in self._writing.get(x.name, [])) for x in units):
+                return  # still being written: read it when it is wanted
+            self._settle_writes(units)
+            lease = self.space.read(units, block=False)
+            if lease is None:
+                return
+            self._pending[(i, grads)] = lease
+
+    def _drop_pending(self) -> None:
+        for lease in self._pending.values():
+            lease.release()
+        self._pending.clear()
+
+    # ------------------------------------------------------------------------------------------ uses
+    def bring(self, u: HeldUnit, grads: bool) -> None:
+        """Fill `u`'s parameters from the drive and, for its backward (`grads`), give them the gradients
+        accumulated so far."""
+        drive = grads and any(h.grad_state() == GRAD_ON_DRIVE and not h.loaded_grad for h in u.params)
+        lease = self._read(u, drive) if u.params and (not u.present or drive) else None
+        try:
+            if not u.present:
+                for h in u.params:
+                    h.fill(lease.view(h.data), fresh=not grads)  # type: ignore[union-attr]
+                u.present = True
+            if grads:
+                for h in u.params:
+                    self._load_grad(h, lease)
+        finally:
+            if lease is not None:
+                lease.release()
+
+    def _load_grad(self, h: Held, lease: Lease | None) -> None:
+        """Give `real` the gradient accumulated so far, as autograd would find it in memory."""
+        if h.real.grad is h.marker:
+            h.real.grad = None
+        state = h.grad_state()
+        if isinstance(state, torch.Tensor):  # set by the caller: used as it is
+            h.real.grad = state
+        elif state == GRAD_ON_DRIVE and h.real.grad is None and not h.loaded_grad:
+            g = torch.empty(h.shape, dtype=h.dtype, device=h.real.device)
+            g.view(-1).view(torch.uint8).copy_(lease.view(h.grad_unit))  # type: ignore[union-attr,arg-type]
+            h.real.grad, h.loaded_grad = g, True
+        elif state == GRAD_ZERO and h.real.grad is None:
+            h.real.grad = torch.zeros(h.shape, dtype=h.dtype, device=h.real.device)
+
+    def enter(self, u: HeldUnit) -> None:
+        """A forward (or a recompute) of `u` begins: its parameters in memory and in its modules."""
+        self._check_open()
+        u.depth += 1
+        try:
+            self.bring(u, grads=False)
+        except BaseException:
+            u.depth -= 1
+            raise
+        if u.depth == 1:
+            for h in u.params:
+                h.show(True)
+        if not u.held:
+            self.prefetch(range(u.index + 1, len(self.units)), grads=False)
+
+    def leave(self, u: HeldUnit, grad: bool) -> None:
+        """A forward of `u` ended: its stand-ins back in its modules, its memory freed unless its backward
+        holds it; after the last unit's forward with autograd on, its backward's read is issued."""
+        u.depth -= 1
+        if u.depth or u.held:
+            return
+        for h in u.params:
+            h.show(False)
+        self.free(u)
+        if grad and u.index == len(self.units) - 1:
+            self.prefetch([u.index], grads=True)
+
+    def backward_begins(self, u: HeldUnit) -> None:
+        """Before any node of `u`'s backward: its parameters and gradients so far in memory; the units
+        before it read ahead."""
+        with self.lock:
+            self._check_open()
+            if not self.callback_queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+                self.callback_queued = True
+            if not u.held:  # shown in its modules too: a recompute may bypass its forward (HF checkpointing)
+                self.bring(u, grads=True)
+                u.held = True
+                for h in u.params:
+                    h.show(True)
+            self.prefetch(range(u.index - 1, -1, -1), grads=True)
+
+    def backward_ends(self, u: HeldUnit) -> None:
+        """After every node of `u`'s backward."""
+        with self.lock:
+            if u.held:
+                self.finish(u)
+
+    def _backward_ended(self) -> None:
+        """The whole backward is done: units it did not finish (no input needed a gradient) are."""
+        with self.lock:
+            self.callback_queued = False
+            for u in self.units:
+                if u.held:
+                    self.finish(u)
+
+    def finish(self, u: HeldUnit) -> None:
+        """`u`'s backward is done: its gradients to the drive, its memory freed (unless a forward of it is
+        running)."""
+        done = [h for h in u.params if h.real.grad is not None and h.real.grad is not h.marker]
+        late = [h for h in done if h.grad_state() == GRAD_ON_DRIVE and not h.loaded_grad]
+        for h in late:  # a gradient reached after the unit was finished: add it to the one on the drive
+            lease = self._read_units([h.grad_unit])  # type: ignore[list-item]
+            try:
+                old = lease.view(h.grad_unit).view(h.dtype).view(h.shape)  # type: ignore[arg-type]
+                h.real.grad = old + h.real.grad
+            finally:
+                lease.release()
+        if done:
+            self._write(done, [h.real.grad for h in done], [self._grad_unit(h) for h in done])
+        for h in done:
+            h.grad, h.stand.grad = GRAD_ON_DRIVE, h.marker
+            h.park_grad()
+        u.held = False
+        for h in u.params:
+            h.loaded_grad = False
+        if u.depth == 0:
+            for h in u.params:
+                h.show(False)
+            self.free(u)
+
+    def free(self, u: HeldUnit) -> None:
+        for h in u.params:
+            h.empty()
+        u.present = False
+
+    def _read_units(self, units: list[Unit]) -> Lease:
+        lease = self._lease(units, read=True)
+        lease.wait()  # type: ignore[union-attr]
+        return lease  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------------------------------ life
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("these offloaded parameters are closed (offload_parameters(...).close() put "
+                               "them back in the model)")
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.space.pool.capacity
+
+    def stats(self) -> dict[str, Any]:
+        """Counts since offload: unit reads (read ahead or on demand), bytes read and written."""
+        return dict(self.counts)
+
+    def close(self) -> None:
+        """Put every parameter back in its module with its values (and gradients) from the drive, and remove
+        the swap files (idempotent)."""
+        if getattr(self, "_closed", True):
+            return
+        try:
+            self._drop_pending()
+            for u in self.units:
+                unwrap_unit(u)
+                if u.params:
+                    lease = self._read_units(self._units_of(u, True))
+                    try:
+                        for h in u.params:
+                            h.fill(lease.view(h.data), fresh=True)
+                            g = h.grad_state()
+                            h.show(True)
+                            h.real.grad = None
+                            if getattr(h.real, HIDDEN_ATTR, None) is self:
+                                delattr(h.real, HIDDEN_ATTR)
+                            if isinstance(g, torch.Tensor):
+                                h.real.grad = g
+                            elif g == GRAD_ON_DRIVE:
+                                h.real.grad = lease.view(h.grad_unit).view(h.dtype).view(
+                                    h.shape).clone()  # type: ignore[arg-type]
+                            elif g == GRAD_ZERO:
+                                h.real.grad = torch.zeros(h.shape, dtype=h.dtype, device=h.real.device)
+                    finally:
+                        lease.release()
+        finally:
+            self._closed = True
+            self.space.close()
+            if getattr(self.model, OWNER_ATTR, None) is self:
+                delattr(self.model, OWNER_ATTR)
+
+
+def assert_lease(lease: Lease | None) -> Lease:
+    if lease is None:
+        raise RuntimeError("no pool memory for a write (internal)")
+    return lease
+
+
+def _plan(model: nn.Module, chosen: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Parameter]]]:
+    """For each unit, the (qualified name, parameter) it offloads: those found only inside it."""
+    where: dict[int, set[int]] = {}
+    inside = {id(m): i for i, (_, mod) in enumerate(chosen) for m in mod.modules()}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                where.setdefault(id(p), set()).add(inside.get(id(m), -1))
+    out: list[list[tuple[str, nn.Parameter]]] = [[] for _ in chosen]
+    for name, p in model.named_parameters(remove_duplicate=True):
+        places = where[id(p)]
+        if len(places) == 1 and -1 not in places:
+            _check(name, p)
+            out[next(iter(places))].append((name, p))
+    return out
+
+
+def _check(name: str, p: nn.Parameter) -> None:
+    if p.device.type != "cpu":
+        raise ValueError(f"{name} is on {p.device}: offload_parameters keeps host parameters only for now "
+                         "(a CUDA model's parameters offloaded through host memory are not built yet)")
+    if p.is_meta:
+        raise ValueError(f"{name} is on the meta device: fill the model before offloading it")
+    if not p.is_contiguous() or p.storage_offset() != 0 or p.untyped_storage().nbytes() != (
+            p.numel() * p.element_size()):
+        raise ValueError(f"{name} does not own its storage whole (a view of a larger tensor, or not "
+                         "contiguous): offload_parameters frees each parameter's storage between uses; "
+                         "give it a storage of its own (param.data = param.data.clone())")
+
+
+def offload_parameters(model: nn.Module, directory: str | os.PathLike, budget_bytes: int = 256 << 20, *,
+                       units: Any = None, ahead: int = DEFAULT_AHEAD) -> OffloadedParameters:
+    """Keep `model`'s parameters and gradients in files under `directory` (created when missing) between
+    uses, moved through `budget_bytes` of locked memory; train it as usual with an OffloadedOptimizer made on
+    `model.parameters()` afterwards (see the module docstring). `units` as for stream_weights (default: the
+    repeated blocks). `close()` (or the end of a with-block) puts every parameter back in memory with its
+    values and gradient."""
+    return OffloadedParameters(model, directory, budget_bytes, units=units, ahead=ahead)
