@@ -38,8 +38,8 @@ class OnDrive(Placeholder):
         return (f"{name} lies on the drive (deepnvme.offload.offload_parameters, unit {unit!r}): its values "
                 f"exist only while its unit runs forward or backward, and {func} was called outside that. "
                 "Step it with deepnvme.offload.OffloadedOptimizer (made after offload_parameters), zero its "
-                "gradient with that optimizer's zero_grad(), and read values with state_dict() or close() "
-                "of the object offload_parameters returned")
+                "gradient with that optimizer's zero_grad(), and read values with save() or close() of "
+                "the object offload_parameters returned")
 
 
 @dataclass(eq=False)
@@ -56,13 +56,14 @@ class Held:
     marker: OnDrive | None = None  # the stand-in's .grad while the gradient is on the drive (or zero)
     loaded_grad: bool = False  # `real.grad` holds the gradient from the drive (this backward's adds to it)
 
-    shape: torch.Size = torch.Size()
+    shape: torch.Size | None = None  # the parameter's (`real` has no elements between uses)
     dtype: torch.dtype = torch.float32
     window: torch.Tensor | None = None  # the tensor `real` showed in its last forward (saved views are of it)
     idle: torch.Tensor | None = None  # what `real` is between uses: no elements, so nothing can touch memory
 
     def __post_init__(self) -> None:
-        self.shape, self.dtype = self.real.shape, self.real.dtype
+        self.shape = self.real.shape if self.shape is None else torch.Size(self.shape)
+        self.dtype = self.real.dtype
         self.idle = torch.empty(0, dtype=self.dtype, device=self.real.device)
 
     @property

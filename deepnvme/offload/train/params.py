@@ -30,8 +30,11 @@ from torch import nn
 
 from deepnvme.offload._doors import SWAP
 from deepnvme.offload.model import unit_modules
+from deepnvme.offload.stores import StoreError
 from deepnvme.offload.swap import Closing, Lease, SwapSpace, Ticket, Unit, budget_arg, round_up
 from deepnvme.offload.train.held import GRAD_ON_DRIVE, GRAD_ZERO, HIDDEN_ATTR, Held, HeldUnit, OnDrive
+from deepnvme.offload.train.model_io import Checkpoint, converted, fill_residents
+from deepnvme.offload.train.model_io import save as save_model
 from deepnvme.offload.train.unit_hooks import unwrap_unit, wrap_unit
 
 # The attribute of a stand-in (and of the model) naming the OffloadedParameters it belongs to.
@@ -45,7 +48,8 @@ class OffloadedParameters(Closing):
     """What offload_parameters returns: the model's offloaded parameters, their swap space, counts."""
 
     def __init__(self, model: nn.Module, directory: str | os.PathLike, budget_bytes: int, *,
-                 units: Any = None, ahead: int = DEFAULT_AHEAD) -> None:
+                 units: Any = None, ahead: int = DEFAULT_AHEAD,
+                 checkpoint: str | os.PathLike | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if getattr(model, OWNER_ATTR, None) is not None:
@@ -58,7 +62,10 @@ class OffloadedParameters(Closing):
         self._closed = True
         self.model, self.ahead = model, ahead
         chosen = unit_modules(model, units)
-        plan = _plan(model, chosen)
+        plan = _plan(model, chosen, meta_ok=checkpoint is not None)
+        if checkpoint is None:
+            for name, t in [*model.named_parameters(), *model.named_buffers()]:
+                _check(name, t, meta_ok=False) if t.is_meta else None
         need = max((sum(round_up(h.numel() * h.element_size()) * (2 if h.requires_grad else 1)
                         for _, h in ps) for ps in plan), default=0)
         if need > budget:
@@ -76,30 +83,52 @@ class OffloadedParameters(Closing):
         self._writing: dict[str, list[Ticket]] = {}
         self.callback_queued = False
         self.counts = {"unit_reads": 0, "bytes_read": 0, "bytes_written": 0, "prefetched": 0, "demanded": 0}
+        ckpt = None
         try:
+            if checkpoint is not None:
+                ckpt = Checkpoint(checkpoint, self.space)
+                fill_residents(self, ckpt, {id(p) for ps in plan for _, p in ps})
             for i, ((name, mod), params) in enumerate(zip(chosen, plan)):
-                self.units.append(self._take(i, name, mod, params))
+                self.units.append(self._take(i, name, mod, params, ckpt))
             for u in self.units:
                 wrap_unit(self, u)
         except BaseException:
             self.close()
             raise
+        finally:
+            if ckpt is not None:
+                ckpt.close()
         setattr(model, OWNER_ATTR, self)
 
     # ------------------------------------------------------------------------------------------ setup
-    def _take(self, i: int, name: str, mod: nn.Module, params: list[tuple[str, nn.Parameter]]) -> HeldUnit:
-        """Move `params` of unit `name` to the drive; their stand-ins take their places."""
+    def _take(self, i: int, name: str, mod: nn.Module, params: list[tuple[str, nn.Parameter]],
+              ckpt: Checkpoint | None) -> HeldUnit:
+        """Move `params` of unit `name` to the drive (their values from `ckpt` when given); their stand-ins
+        take their places."""
         held = []
+        device = torch.device("cpu")
         for pname, p in params:
             places = [(m, a) for m in mod.modules() for a, q in m._parameters.items() if q is p]
-            stand = OnDrive(pname, name, p.shape, p.dtype, p.device, p.requires_grad)
+            stand = OnDrive(pname, name, p.shape, p.dtype, device, p.requires_grad)
             setattr(stand, OWNER_ATTR, self)
-            h = Held(pname, p, stand, places, self.space.add(pname, p.numel() * p.element_size()))
-            h.marker = OnDrive(pname + ".grad", name, p.shape, p.dtype, p.device)
+            real = p if not p.is_meta else nn.Parameter(torch.empty(0, dtype=p.dtype), p.requires_grad)
+            h = Held(pname, real, stand, places, self.space.add(pname, p.numel() * p.element_size()),
+                     shape=p.shape)
+            h.marker = OnDrive(pname + ".grad", name, p.shape, p.dtype, device)
             held.append(h)
             self.held_by_stand[id(stand)] = h
+            if ckpt is None:
+                continue
+            key = ckpt.find(self.model, [pname])
+            if key is None:
+                if p.is_meta:
+                    raise StoreError(f"{pname} is on the meta device and {ckpt.path} does not hold it")
+                self._write([h], [p.detach()], [h.data])
+                continue
+            with ckpt.tensor(key) as v:
+                self._write([h], [converted(v, p, pname, ckpt.path)], [h.data])
         u = HeldUnit(i, name, mod, held)
-        if held:
+        if held and ckpt is None:
             self._write(held, [h.real.detach() for h in held], [h.data for h in held])
         for h in held:
             if h.real.grad is not None:  # a gradient it had goes to the drive with it
@@ -337,6 +366,11 @@ class OffloadedParameters(Closing):
     def budget_bytes(self) -> int:
         return self.space.pool.capacity
 
+    def save(self, path: str | os.PathLike) -> None:
+        """The model's state_dict at `path` in torch's format (deepnvme.save), offloaded tensors streamed
+        from the drive a unit at a time; `offload_parameters(model, ..., checkpoint=path)` reads it back."""
+        save_model(self, path)
+
     def stats(self) -> dict[str, Any]:
         """Counts since offload: unit reads (read ahead or on demand), bytes read and written."""
         return dict(self.counts)
@@ -382,7 +416,8 @@ def assert_lease(lease: Lease | None) -> Lease:
     return lease
 
 
-def _plan(model: nn.Module, chosen: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Parameter]]]:
+def _plan(model: nn.Module, chosen: list[tuple[str, nn.Module]],
+          meta_ok: bool) -> list[list[tuple[str, nn.Parameter]]]:
     """For each unit, the (qualified name, parameter) it offloads: those found only inside it."""
     where: dict[int, set[int]] = {}
     inside = {id(m): i for i, (_, mod) in enumerate(chosen) for m in mod.modules()}
@@ -394,17 +429,20 @@ def _plan(model: nn.Module, chosen: list[tuple[str, nn.Module]]) -> list[list[tu
     for name, p in model.named_parameters(remove_duplicate=True):
         places = where[id(p)]
         if len(places) == 1 and -1 not in places:
-            _check(name, p)
+            _check(name, p, meta_ok)
             out[next(iter(places))].append((name, p))
     return out
 
 
-def _check(name: str, p: nn.Parameter) -> None:
+def _check(name: str, p: nn.Parameter, meta_ok: bool) -> None:
+    if p.is_meta and meta_ok:
+        return
+    if p.is_meta:
+        raise ValueError(f"{name} is on the meta device: give checkpoint= (the values to fill it with), or "
+                         "fill the model before offloading it")
     if p.device.type != "cpu":
         raise ValueError(f"{name} is on {p.device}: offload_parameters keeps host parameters only for now "
                          "(a CUDA model's parameters offloaded through host memory are not built yet)")
-    if p.is_meta:
-        raise ValueError(f"{name} is on the meta device: fill the model before offloading it")
     if not p.is_contiguous() or p.storage_offset() != 0 or p.untyped_storage().nbytes() != (
             p.numel() * p.element_size()):
         raise ValueError(f"{name} does not own its storage whole (a view of a larger tensor, or not "
@@ -413,10 +451,16 @@ def _check(name: str, p: nn.Parameter) -> None:
 
 
 def offload_parameters(model: nn.Module, directory: str | os.PathLike, budget_bytes: int = 256 << 20, *,
-                       units: Any = None, ahead: int = DEFAULT_AHEAD) -> OffloadedParameters:
+                       units: Any = None, ahead: int = DEFAULT_AHEAD,
+                       checkpoint: str | os.PathLike | None = None) -> OffloadedParameters:
     """Keep `model`'s parameters and gradients in files under `directory` (created when missing) between
     uses, moved through `budget_bytes` of locked memory; train it as usual with an OffloadedOptimizer made on
     `model.parameters()` afterwards (see the module docstring). `units` as for stream_weights (default: the
     repeated blocks). `close()` (or the end of a with-block) puts every parameter back in memory with its
-    values and gradient."""
-    return OffloadedParameters(model, directory, budget_bytes, units=units, ahead=ahead)
+    values and gradient.
+
+    `checkpoint` (a safetensors file or folder, deepnvme's store, or a file in torch's format such as
+    `save()` writes) gives the values: the model may then be built on the meta device (or with accelerate's
+    init_empty_weights) and is filled a tensor at a time, never whole in memory."""
+    return OffloadedParameters(model, directory, budget_bytes, units=units, ahead=ahead,
+                               checkpoint=checkpoint)
