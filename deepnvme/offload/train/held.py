@@ -14,14 +14,16 @@ A gradient lies on the drive between backward and step; the stand-in's `.grad` i
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from deepnvme.offload._doors import PAGE, madvise
 from deepnvme.offload.model import Placeholder
-from deepnvme.offload.swap import Unit
+from deepnvme.offload.swap import Unit, round_up
 
 # The attribute of a hidden Parameter (the one autograd uses) naming the OffloadedParameters it belongs to:
 # an optimizer made on the model before offload_parameters holds these, and is refused.
@@ -58,7 +60,7 @@ class Held:
 
     shape: torch.Size | None = None  # the parameter's (`real` has no elements between uses)
     dtype: torch.dtype = torch.float32
-    window: torch.Tensor | None = None  # the tensor `real` showed in its last forward (saved views are of it)
+    window: torch.Tensor | None = None  # the memory `real` shows while in use (saved views are of it)
     idle: torch.Tensor | None = None  # what `real` is between uses: no elements, so nothing can touch memory
 
     def __post_init__(self) -> None:
@@ -84,25 +86,25 @@ class Held:
         `real` raises naming it, rather than seeing no gradient and silently skipping it), else None."""
         self.real.grad = self.marker if self.grad_state() in (GRAD_ON_DRIVE, GRAD_ZERO) else None
 
-    def fill(self, source: torch.Tensor, fresh: bool) -> None:
-        """Give `real` its values (`source`: the unit's bytes). `fresh` (a forward, a step) makes a new
-        tensor; otherwise (a backward) the last forward's tensor gets its storage back, so that the views of
-        it autograd saved see the values again."""
-        if fresh or self.window is None:
-            self.window = torch.empty(self.shape, dtype=self.dtype, device=self.real.device)
-        else:
-            st = self.window.untyped_storage()
-            if st.nbytes() != self.nbytes:
-                st.resize_(self.nbytes)
+    def fill(self, source: torch.Tensor) -> None:
+        """Give `real` its values (`source`: the unit's bytes) in its window: memory mapped for it alone, so
+        that freeing it gives the pages back to the system at once (a heap would keep them), and the views
+        of it autograd saved in a forward see the values again when the unit is read for its backward."""
+        if self.window is None:
+            # Private: MADV_DONTNEED frees private pages; shared anonymous ones would stay as shmem.
+            buf = mmap.mmap(-1, round_up(max(self.nbytes, 1)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.window = torch.frombuffer(buf, dtype=torch.uint8)[:self.nbytes].view(self.dtype).view(
+                self.shape)
         self.window.view(-1).view(torch.uint8).copy_(source)
         self.real.data = self.window
 
     def empty(self) -> None:
-        """Free the values: the window's storage is resized to nothing (saved views keep only metadata) and
-        `real` shows a tensor with no elements (code holding it from before the offload computes nothing
-        out of bounds: a shape error at worst)."""
-        if self.window is not None:
-            self.window.untyped_storage().resize_(0)
+        """Free the values: the window's pages go back to the system (saved views of it stay valid
+        addresses, read as zeros if anything touched them) and `real` shows a tensor with no elements (code
+        holding it from before the offload computes nothing out of bounds: a shape error at worst)."""
+        w = self.window
+        if w is not None and self.nbytes:
+            madvise(w.data_ptr() // PAGE * PAGE, round_up(self.nbytes), mmap.MADV_DONTNEED)
         self.real.data = self.idle
 
     def show(self, real: bool) -> None:

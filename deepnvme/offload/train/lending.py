@@ -76,7 +76,7 @@ class Lending:
         lease: Lease | None = self.reader.take(i)
         try:
             for h in self.first[i]:
-                h.fill(lease.view(h.data), fresh=True)  # type: ignore[union-attr]
+                h.fill(lease.view(h.data))  # type: ignore[union-attr]
                 state = h.grad_state()
                 if isinstance(state, torch.Tensor):
                     h.real.grad = state
@@ -96,7 +96,9 @@ class Lending:
         done = self.last.get(i, [])
         if not done or self.owner is None:
             return
-        self.owner._write(done, [h.real.detach() for h in done], [h.data for h in done])
+        # Reads issued ahead may fill the pool: dropped (and issued again) when the write needs the room.
+        self.owner._write(done, [h.real.detach() for h in done], [h.data for h in done],
+                          make_room=lambda: self.reader.restart(i + 1))  # type: ignore[union-attr]
         for h in done:
             h.park_grad()
             h.empty()

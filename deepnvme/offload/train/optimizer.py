@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from deepnvme.offload._doors import PAGE, SWAP
-from deepnvme.offload.swap import Closing, Lease, ReadAhead, SwapSpace, Ticket, budget_arg
+from deepnvme.offload.swap import Closing, Lease, ReadAhead, SwapSpace, Ticket, budget_arg, check_memory_room
 from deepnvme.offload.train.checkpoints import Checkpoints
 from deepnvme.offload.train.checks import Checks
 from deepnvme.offload.train.grouping import how_stepped, whole_step_too_large
@@ -160,6 +160,7 @@ class OffloadedOptimizer(Checks, Checkpoints, Closing, torch.optim.Optimizer):
                              f"{self.min_budget_bytes} bytes{'' if exact else ' (estimated)'} "
                              f"({self._need}); "
                              f"raise budget_bytes to at least {self.min_budget_bytes}")
+        check_memory_room(budget, f"OffloadedOptimizer(budget_bytes={budget})")  # the pool it locks
         self.swap = SwapSpace(directory, budget, handle=handle, expected_bytes=self.swap_bytes,
                               requests_in_flight=REQUESTS_IN_FLIGHT, handle_settings=SWAP)
         self._closed = False
@@ -436,6 +437,9 @@ class OffloadedOptimizer(Checks, Checkpoints, Closing, torch.optim.Optimizer):
         if not self.elementwise:  # stepped whole: what it wrote to its groups is theirs
             for group, copy in zip(live, groups):
                 group.update({key: v for key, v in copy.items() if key != "params"})
+        for _, p, k in tile:  # a chunked gradient is let go after its last chunk (it may be a copy)
+            if p in self._records and k == self._records[p].pieces - 1:
+                self._flat_grads.pop(p, None)
         return self._keep(tile, lease, targets, after)
 
     def _keep(self, tile: list[Piece], lease: Lease | None,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +31,17 @@ from torch import nn
 from deepnvme.offload._doors import SWAP
 from deepnvme.offload.model import unit_modules
 from deepnvme.offload.stores import StoreError
-from deepnvme.offload.swap import Closing, Lease, SwapSpace, Ticket, Unit, budget_arg, round_up
+from deepnvme.offload.swap import (
+    Closing,
+    Lease,
+    SwapSpace,
+    Ticket,
+    Unit,
+    budget_arg,
+    check_memory_room,
+    return_freed_memory,
+    round_up,
+)
 from deepnvme.offload.train.held import GRAD_ON_DRIVE, GRAD_ZERO, HIDDEN_ATTR, Held, HeldUnit, OnDrive
 from deepnvme.offload.train.model_io import Checkpoint, converted, fill_residents
 from deepnvme.offload.train.model_io import save as save_model
@@ -73,6 +83,9 @@ class OffloadedParameters(Closing):
                              f"({need} bytes): raise budget_bytes to at least {need}, or make smaller units")
         drive = sum(round_up(h.numel() * h.element_size()) * (2 if h.requires_grad else 1)
                     for ps in plan for _, h in ps)
+        self.memory_bytes = budget + _memory_need(model, plan)
+        check_memory_room(self.memory_bytes, f"offload_parameters(budget_bytes={budget})")
+        return_freed_memory()
         self.space = SwapSpace(directory, budget, expected_bytes=drive, requests_in_flight=REQUESTS_IN_FLIGHT,
                                handle_settings=SWAP)
         self._closed = False
@@ -146,9 +159,11 @@ class OffloadedParameters(Closing):
         return h.grad_unit
 
     # ------------------------------------------------------------------------------------------ I/O
-    def _lease(self, units: Sequence[Unit], read: bool, block: bool = True) -> Lease | None:
-        """Pool memory for `units` (read from the drive when `read`): reads ahead are dropped when they
-        are what keeps the pool full, so that a demand never waits on them."""
+    def _lease(self, units: Sequence[Unit], read: bool, block: bool = True,
+               make_room: Callable[[], None] | None = None) -> Lease | None:
+        """Pool memory for `units` (read from the drive when `read`): reads ahead are dropped (and
+        `make_room()` called: the caller's own) when they are what keeps the pool full, so that a demand
+        never waits on them."""
         if read:
             self._settle_writes(units)
         get = (lambda b: self.space.read(units, block=b, demand=True)) if read else (
@@ -156,6 +171,8 @@ class OffloadedParameters(Closing):
         lease = get(False)
         if lease is None and block:
             self._drop_pending()
+            if make_room is not None:
+                make_room()
             lease = get(True)
         return lease
 
@@ -167,9 +184,10 @@ class OffloadedParameters(Closing):
                 if t.error is not None:
                     raise t.error
 
-    def _write(self, held: Sequence[Held], sources: Sequence[torch.Tensor], units: Sequence[Unit]) -> None:
+    def _write(self, held: Sequence[Held], sources: Sequence[torch.Tensor], units: Sequence[Unit],
+               make_room: Callable[[], None] | None = None) -> None:
         """Copy `sources` into pool memory and queue their writes to `units` (returns once queued)."""
-        lease = self._lease(units, read=False)
+        lease = self._lease(units, read=False, make_room=make_room)
         assert_lease(lease)
         try:
             for src, u in zip(sources, units):
@@ -242,7 +260,7 @@ class OffloadedParameters(Closing):
         try:
             if not u.present:
                 for h in u.params:
-                    h.fill(lease.view(h.data), fresh=not grads)  # type: ignore[union-attr]
+                    h.fill(lease.view(h.data))  # type: ignore[union-attr]
                 u.present = True
             if grads:
                 for h in u.params:
@@ -388,7 +406,8 @@ class OffloadedParameters(Closing):
                     lease = self._read_units(self._units_of(u, True))
                     try:
                         for h in u.params:
-                            h.fill(lease.view(h.data), fresh=True)
+                            h.fill(lease.view(h.data))
+                            h.real.data, h.window = h.window.clone(), None  # type: ignore[union-attr]
                             g = h.grad_state()
                             h.show(True)
                             h.real.grad = None
@@ -432,6 +451,22 @@ def _plan(model: nn.Module, chosen: list[tuple[str, nn.Module]],
             _check(name, p, meta_ok)
             out[next(iter(places))].append((name, p))
     return out
+
+
+def _memory_need(model: nn.Module, plan: list[list[tuple[str, nn.Parameter]]]) -> int:
+    """Memory a training step takes beyond the pool and what the process holds now: the largest unit's
+    parameters and gradients twice (a unit's new tensors are made while the last ones are let go, and a
+    gradient read from the drive meets the one autograd makes), the gradients of parameters that stay in
+    memory, and those parameters themselves when they are yet to be made (meta)."""
+    def size(p: nn.Parameter) -> int:
+        return p.numel() * p.element_size()
+
+    offloaded = {id(p) for ps in plan for _, p in ps}
+    data = max((sum(size(p) for _, p in ps) for ps in plan), default=0)
+    grads = max((sum(size(p) for _, p in ps if p.requires_grad) for ps in plan), default=0)
+    resident = [p for p in model.parameters() if id(p) not in offloaded]
+    return (2 * (data + grads) + sum(size(p) for p in resident if p.requires_grad)
+            + sum(size(p) for p in resident if p.is_meta))
 
 
 def _check(name: str, p: nn.Parameter, meta_ok: bool) -> None:
