@@ -56,6 +56,8 @@ class Lending:
         self.reader: ReadAhead | None = None
         if self.owner is not None:
             owner = self.owner
+            owner.settle_interrupted()
+            owner.space.check_files()  # a swap file deleted or cut short: an error naming it, before updates
             if any(u.present or u.held for u in owner.units):
                 raise RuntimeError("step() while a forward or backward of the offloaded model is in "
                                    "progress: step after backward() returns")
@@ -122,6 +124,8 @@ def zero_offloaded_grads(params: Sequence[torch.Tensor], set_to_none: bool) -> l
     zero is made as zeros when next wanted); returns the stand-ins whose .grad was taken off for the
     wrapped optimizer's own zero_grad, with what to put back."""
     out = []
+    for owner in {id(o): o for o in map(owner_of, params) if o is not None}.values():
+        owner.settle_interrupted()
     for p in params:
         if owner_of(p) is None or p.grad is None:
             continue

@@ -128,6 +128,8 @@ class OffloadedParameters(Closing):
             h = Held(pname, real, stand, places, self.space.add(pname, p.numel() * p.element_size()),
                      shape=p.shape)
             h.marker = OnDrive(pname + ".grad", name, p.shape, p.dtype, device)
+            if p.requires_grad:  # its room on the drive taken now: a full disk shows here, not mid-backward
+                self._grad_unit(h)
             held.append(h)
             self.held_by_stand[id(stand)] = h
             if ckpt is None:
@@ -283,9 +285,17 @@ class OffloadedParameters(Closing):
         elif state == GRAD_ZERO and h.real.grad is None:
             h.real.grad = torch.zeros(h.shape, dtype=h.dtype, device=h.real.device)
 
+    def settle_interrupted(self) -> None:
+        """Outside any backward, units still held are those of a backward that ended by an exception
+        (Ctrl-C, an error in a hook): they are finished as its end would have, their gradients so far
+        written, as autograd leaves them in memory for a model there."""
+        if self.callback_queued and torch._C._current_graph_task_id() == -1:
+            self._backward_ended()
+
     def enter(self, u: HeldUnit) -> None:
         """A forward (or a recompute) of `u` begins: its parameters in memory and in its modules."""
         self._check_open()
+        self.settle_interrupted()
         u.depth += 1
         try:
             self.bring(u, grads=False)
