@@ -16,8 +16,9 @@ package reaches the rest of deepnvme through one door, _doors.py, into deepnvme.
   (:class:`StreamedWeightError`).
 - experts/: Mixture-of-Experts experts as units of their own, read only when routed to, through
   :class:`ExpertCache` (least-recently-used, in a locked pool of its own, demand before prefetch).
-- train/: :class:`OffloadedOptimizer`, any torch.optim optimizer with its state on the drive (on the swap
-  floor's public names only).
+- train/: :class:`OffloadedOptimizer`, any torch.optim optimizer with its state on the drive, and
+  :func:`offload_parameters` (:class:`OffloadedParameters`), a model's parameters and gradients on the drive
+  between uses: training a model larger than memory (on the lower floors' public names only).
 - infer/: :func:`stream_weights` / :func:`unstream` / :func:`stats` (inference with the weights on the
   drive, each block read in just before it runs), :func:`load_safetensors` (whole tensors through the
   pool), :func:`write_store` (deepnvme's own store from a model or a state dict).
@@ -44,7 +45,7 @@ from deepnvme.offload.stores import (
     open_store,
 )
 from deepnvme.offload.swap import Lease, ReadAhead, SwapSpace, Unit
-from deepnvme.offload.train import OffloadedOptimizer
+from deepnvme.offload.train import OffloadedOptimizer, OffloadedParameters, offload_parameters
 
 _moved.install()
 
@@ -56,6 +57,7 @@ def __getattr__(name: str) -> ModuleType:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Blob", "ExpertCache", "Lease", "OffloadedOptimizer", "OwnStore", "ReadAhead", "SafetensorsStore",
-           "Store", "StoreError", "StreamedWeightError", "SwapSpace", "TensorInfo", "Unit",
-           "load_safetensors", "open_store", "stats", "stream_weights", "unstream", "write_store"]
+__all__ = ["Blob", "ExpertCache", "Lease", "OffloadedOptimizer", "OffloadedParameters", "OwnStore",
+           "ReadAhead", "SafetensorsStore", "Store", "StoreError", "StreamedWeightError", "SwapSpace",
+           "TensorInfo", "Unit", "load_safetensors", "offload_parameters", "open_store", "stats",
+           "stream_weights", "unstream", "write_store"]

@@ -76,6 +76,9 @@ class Lending:
         if self.reader is None:
             return {}
         lease: Lease | None = self.reader.take(i)
+        if lease is not None:
+            self.owner.counts["unit_reads"] += 1  # type: ignore[union-attr]
+            self.owner.counts["bytes_read"] += sum(x.nbytes for x in lease.units)  # type: ignore[union-attr]
         try:
             for h in self.first[i]:
                 h.fill(lease.view(h.data))  # type: ignore[union-attr]
