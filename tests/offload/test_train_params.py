@@ -175,3 +175,30 @@ def test_a_flipped_byte_on_the_drive_is_an_error_naming_the_file(workdir: Path) 
         assert err.value.filename == off.space.file
         flip()
         assert torch.equal(loss("sequential", m, 0, 0), loss("sequential", ref, 0, 0))
+
+
+def test_the_next_units_are_read_while_this_one_computes(workdir: Path) -> None:
+    """The overlap, held by the reads in flight and not only by a bench: while a unit runs its forward, the
+    next one's read is issued; when its backward begins, the one before it (with its gradients) is, and is
+    still in flight or waiting as that backward ends."""
+    m = build("sequential")
+    units = units_of("sequential", m)
+    seen: dict[str, list[int]] = {"forward": [], "backward": []}
+    with offload_parameters(m, workdir, BUDGET, units=units, ahead=1) as off:
+        def forward_hook(mod: nn.Module, args: object, out: object, i: int = 0) -> None:
+            if off._pending.get((i + 1, False)) is not None:
+                seen["forward"].append(i)
+
+        def backward_hook(mod: nn.Module, grads: object, i: int = 0) -> None:  # as unit i's backward ends
+            # pass 0: no gradient on the drive yet; pass 1: the unit's gradients read with it
+            if off._pending.get((i - 1, bool(seen["backward"]) and len(seen["backward"]) >= 3)) is not None:
+                seen["backward"].append(i)
+
+        for i, u in enumerate(units):
+            u.register_forward_hook(lambda mod, a, o, i=i: forward_hook(mod, a, o, i))
+            u.register_full_backward_hook(lambda mod, gi, go, i=i: backward_hook(mod, gi, i))
+        for s in range(2):
+            loss("sequential", m, s, 0).backward()
+        assert seen["forward"] == [0, 1, 2] * 2  # the last unit has no next one
+        assert seen["backward"] == [3, 2, 1] * 2
+        assert off.stats()["prefetched"] >= 10

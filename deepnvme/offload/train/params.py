@@ -232,21 +232,24 @@ class OffloadedParameters(Closing):
         return lease  # type: ignore[return-value]
 
     def prefetch(self, order: Iterable[int], grads: bool) -> None:
-        """Read ahead the units at `order` (the next ones of this pass) while the pool has room."""
+        """Read ahead the units at `order` (the next ones of this pass; for a backward, `grads`: with their
+        gradients on the drive) while the pool has room. A lease is kept under (unit, whether it holds
+        gradients), as _read asks for it."""
         for n, i in enumerate(order):
             if n >= self.ahead:
                 return
             u = self.units[i]
-            if u.present or (i, grads) in self._pending or not u.params:
-                continue
             units = self._units_of(u, grads)
+            key = (i, len(units) > len(u.params))
+            if u.present or key in self._pending or not u.params:
+                continue
             if any(not all(t.done() for t in self._writing.get(x.name, [])) for x in units):
                 return  # still being written: read it when it is wanted
             self._settle_writes(units)
             lease = self.space.read(units, block=False)
             if lease is None:
                 return
-            self._pending[(i, grads)] = lease
+            self._pending[key] = lease
 
     def _drop_pending(self) -> None:
         for lease in self._pending.values():
