@@ -48,3 +48,14 @@ def in_forked_child(body: Callable[[], None]) -> str:
     with os.fdopen(r, "rb") as f:
         code = reap_child(pid, HANG, 0.05)
         return f.read().decode() or f"the child exited with status {code} and said nothing"
+
+
+def flip_byte(path: str | os.PathLike, offset: int) -> None:
+    """Invert the low bit of the byte at `offset` of `path` (to the disk): damage a test expects found."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        old = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([old[0] ^ 1]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -12,6 +12,7 @@ import torch
 from deepnvme.offload import OffloadedOptimizer
 from deepnvme.offload._doors import SWAP
 from deepnvme.offload.train.optimizer import END_REQUESTS
+from tests.offload.helpers import flip_byte
 from tests.offload.optim_cases import BASE, OPTIMIZERS, PerParameter, model, train
 
 STEPS = 20
@@ -314,13 +315,7 @@ def test_a_flipped_byte_of_swapped_state_is_an_error(workdir: Path) -> None:
     m = model()
     with OffloadedOptimizer(OPTIMIZERS["adam"](m.parameters()), workdir, BUDGET) as opt:
         train(m, opt, range(2))
-        fd = os.open(opt.swap.file, os.O_RDWR)
-        try:
-            old = os.pread(fd, 1, 100)
-            os.pwrite(fd, bytes([old[0] ^ 1]), 100)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        flip_byte(opt.swap.file, 100)
         with pytest.raises(OSError, match=r"swapped unit 'param-1'.*CRC-32") as err:
             train(m, opt, range(2, 3))
         assert err.value.filename == opt.swap.file

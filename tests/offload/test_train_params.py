@@ -12,6 +12,7 @@ from torch import nn
 
 from deepnvme.offload import OffloadedOptimizer, StreamedWeightError
 from deepnvme.offload.train import offload_parameters
+from tests.offload.helpers import flip_byte
 from tests.offload.train_models import KINDS, build, loss, train, units_of
 
 STEPS = 20
@@ -160,20 +161,11 @@ def test_a_flipped_byte_on_the_drive_is_an_error_naming_the_file(workdir: Path) 
     with offload_parameters(m, workdir, BUDGET, units=units_of("sequential", m)) as off:
         loss("sequential", m, 0, 0)
 
-        def flip() -> None:
-            fd = os.open(off.space.file, os.O_RDWR)
-            try:
-                old = os.pread(fd, 1, 10)
-                os.pwrite(fd, bytes([old[0] ^ 1]), 10)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-        flip()
+        flip_byte(off.space.file, 10)
         with pytest.raises(OSError, match=r"swapped unit '1\.weight'.*CRC-32") as err:
             loss("sequential", m, 0, 0)
         assert err.value.filename == off.space.file
-        flip()
+        flip_byte(off.space.file, 10)
         assert torch.equal(loss("sequential", m, 0, 0), loss("sequential", ref, 0, 0))
 
 
