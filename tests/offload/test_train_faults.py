@@ -13,7 +13,7 @@ from torch import nn
 
 from deepnvme.offload import OffloadedOptimizer
 from deepnvme.offload.train import offload_parameters
-from tests.offload.helpers import tmpfs
+from tests.offload.helpers import in_forked_child, tmpfs
 from tests.offload.train_models import build, loss, train, units_of
 
 BUDGET = 4 << 20
@@ -107,3 +107,20 @@ def test_ctrl_c_in_a_backward_goes_on_as_in_memory(workdir: Path) -> None:
         got = train("llama", m, opt, 3, start=3)
         assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), m.parameters()))
+
+
+def test_a_forked_child_is_refused_not_hung(workdir: Path) -> None:
+    """A child forked from a process that offloaded a model cannot use its swap space (its I/O threads
+    stayed in the parent): a forward or a step there raises RuntimeError saying so, never waits."""
+    _, m, off, opt = _pair(workdir)
+    with off, opt:  # type: ignore[attr-defined]
+        train("sequential", m, opt, 1)
+
+        def child() -> None:
+            with pytest.raises(RuntimeError, match="before fork"):
+                loss("sequential", m, 0, 0)
+            with pytest.raises(RuntimeError, match="before fork"):
+                opt.step()
+
+        assert in_forked_child(child) == "ok"
+        train("sequential", m, opt, 1, start=1)  # the parent goes on

@@ -56,6 +56,7 @@ class Lending:
         self.reader: ReadAhead | None = None
         if self.owner is not None:
             owner = self.owner
+            owner._check_open()
             owner.settle_interrupted()
             owner.space.check_files()  # a swap file deleted or cut short: an error naming it, before updates
             if any(u.present or u.held for u in owner.units):

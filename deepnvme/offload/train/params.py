@@ -70,7 +70,7 @@ class OffloadedParameters(Closing):
             raise ValueError("directory is empty: name the folder the swap files go in")
         budget = budget_arg(budget_bytes)
         self._closed = True
-        self.model, self.ahead = model, ahead
+        self.model, self.ahead, self.pid = model, ahead, os.getpid()
         chosen = unit_modules(model, units)
         plan = _plan(model, chosen, meta_ok=checkpoint is not None)
         if checkpoint is None:
@@ -392,6 +392,10 @@ class OffloadedParameters(Closing):
         if self._closed:
             raise RuntimeError("these offloaded parameters are closed (offload_parameters(...).close() put "
                                "them back in the model)")
+        if os.getpid() != self.pid:  # the swap space's I/O threads stayed in the parent: reads would wait
+            raise RuntimeError(f"this model's parameters were offloaded by process {self.pid}, before "
+                               "fork(): they can be used only there (start workers with the 'spawn' method, "
+                               "or offload in the child)")
 
     @property
     def budget_bytes(self) -> int:
