@@ -415,6 +415,10 @@ class OffloadedParameters(Closing):
         the swap files (idempotent)."""
         if getattr(self, "_closed", True):
             return
+        if os.getpid() != self.pid:  # a forked child: the parent's I/O threads are not here to wait for
+            self._closed = True
+            self.space.close()  # in a child it only marks the space closed (SwapSpace.close)
+            return
         try:
             self._drop_pending()
             for u in self.units:
