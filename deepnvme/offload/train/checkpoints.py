@@ -217,7 +217,7 @@ class Checkpoints(_Base):
                 st.pop(_MASTER, None)
             rec = self._reserve(p, entries_of(st, p.dtype if self.master_weights else None))
             rec.scalars = {k: _own(v) for k, v in st.items() if not is_swapped(k, v)}
-            self._write_record(rec, st, _drop_pages if drop_pages else None)
+            self._write_record(rec, st, release_pages if drop_pages else None)
         self._loose = loose
         for live, saved in zip(self.param_groups, saved_groups):
             live.update({k: v for k, v in saved.items() if k != "params"})
@@ -231,7 +231,7 @@ def _own(v: Any) -> Any:
     return v.clone() if isinstance(v, torch.Tensor) else v
 
 
-def _drop_pages(t: torch.Tensor) -> None:
+def release_pages(t: torch.Tensor) -> None:
     """Release the memory-mapped pages behind `t` (from torch.load(mmap=True); re-read if touched)."""
     start = t.data_ptr() // PAGE * PAGE
     end = round_up(t.data_ptr() + t.numel() * t.element_size())

@@ -15,7 +15,7 @@ A gradient lies on the drive between backward and step; the stand-in's `.grad` i
 from __future__ import annotations
 
 import mmap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -81,6 +81,20 @@ class Held:
             return self.grad
         return g
 
+    def gradient(self, lease: Any) -> torch.Tensor | None:
+        """The gradient accumulated so far as a tensor of its own: the caller's, read from `lease` (which
+        holds the gradient's unit when it is on the drive), zeros, or None."""
+        state = self.grad_state()
+        if isinstance(state, torch.Tensor):
+            return state
+        if state == GRAD_ZERO:
+            return torch.zeros(self.shape, dtype=self.dtype, device=self.real.device)
+        if state == GRAD_ON_DRIVE:
+            g = torch.empty(self.shape, dtype=self.dtype, device=self.real.device)
+            g.view(-1).view(torch.uint8).copy_(lease.view(self.grad_unit))
+            return g
+        return None
+
     def park_grad(self) -> None:
         """Between uses `real.grad` is the marker when the gradient is on the drive (an optimizer holding
         `real` raises naming it, rather than seeing no gradient and silently skipping it), else None."""
@@ -126,7 +140,6 @@ class HeldUnit:
     held: bool = False  # read for its backward and not finished yet
     orig_forward: Any = None
     had_forward: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def data_units(self) -> list[Unit]:
         return [h.data for h in self.params]

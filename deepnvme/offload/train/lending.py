@@ -68,10 +68,6 @@ class Lending:
             owner._settle_writes(x for g in groups for x in g)
             self.reader = ReadAhead(owner.space, groups)
 
-    @property
-    def active(self) -> bool:
-        return self.owner is not None
-
     def take(self, i: int) -> dict[torch.Tensor, torch.Tensor]:
         """The tensors to step in place of tile i's offloaded stand-ins (filled, with their gradients)."""
         if self.reader is None:
@@ -83,15 +79,7 @@ class Lending:
         try:
             for h in self.first[i]:
                 h.fill(lease.view(h.data))  # type: ignore[union-attr]
-                state = h.grad_state()
-                if isinstance(state, torch.Tensor):
-                    h.real.grad = state
-                elif state == GRAD_ON_DRIVE:
-                    g = torch.empty(h.shape, dtype=h.dtype)
-                    g.view(-1).view(torch.uint8).copy_(lease.view(h.grad_unit))  # type: ignore[union-attr]
-                    h.real.grad = g
-                elif state == GRAD_ZERO:
-                    h.real.grad = torch.zeros(h.shape, dtype=h.dtype)
+                h.real.grad = h.gradient(lease)
         finally:
             if lease is not None:
                 lease.release()

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from deepnvme.offload._doors import PAGE, madvise, save_streamed
+from deepnvme.offload._doors import save_streamed
 from deepnvme.offload.model import find_tensor, tensor_aliases
 from deepnvme.offload.stores import StoreError, TensorInfo, open_store
-from deepnvme.offload.swap import ReadAhead, SwapSpace, round_up
+from deepnvme.offload.swap import ReadAhead, SwapSpace
+from deepnvme.offload.train.checkpoints import release_pages
 
 if TYPE_CHECKING:
     from deepnvme.offload.train.params import OffloadedParameters
@@ -60,12 +61,14 @@ class Checkpoint:
             try:
                 yield t
             finally:
-                _drop_pages(t)
+                release_pages(t)
             return
         info = self.infos[key]
         name = f"checkpoint:{info.path}:{info.offset}"
-        unit = self.space.unit(name) if name in self.space._units else self.space.add_external(
-            name, info.path, info.offset, info.nbytes)
+        try:
+            unit = self.space.unit(name)
+        except KeyError:
+            unit = self.space.add_external(name, info.path, info.offset, info.nbytes)
         lease = self.space.read([unit], demand=True)
         try:
             lease.wait()  # type: ignore[union-attr]
@@ -77,14 +80,6 @@ class Checkpoint:
         if self.store is not None:
             self.store.close()
         self.loaded = {}
-
-
-def _drop_pages(t: torch.Tensor) -> None:
-    """Release the memory-mapped pages behind `t` (re-read if touched again)."""
-    start = t.data_ptr() // PAGE * PAGE
-    end = round_up(t.data_ptr() + t.numel() * t.element_size())
-    if end > start:
-        madvise(start, end - start, mmap.MADV_DONTNEED)  # advice: a refusal only keeps the pages
 
 
 def converted(t: torch.Tensor, like: torch.Tensor | Any, name: str, path: str) -> torch.Tensor:

@@ -42,7 +42,7 @@ from deepnvme.offload.swap import (
     return_freed_memory,
     round_up,
 )
-from deepnvme.offload.train.held import GRAD_ON_DRIVE, GRAD_ZERO, HIDDEN_ATTR, Held, HeldUnit, OnDrive
+from deepnvme.offload.train.held import GRAD_ON_DRIVE, HIDDEN_ATTR, Held, HeldUnit, OnDrive
 from deepnvme.offload.train.model_io import Checkpoint, converted, fill_residents
 from deepnvme.offload.train.model_io import save as save_model
 from deepnvme.offload.train.unit_hooks import unwrap_unit, wrap_unit
@@ -189,8 +189,7 @@ class OffloadedParameters(Closing):
     def _write(self, held: Sequence[Held], sources: Sequence[torch.Tensor], units: Sequence[Unit],
                make_room: Callable[[], None] | None = None) -> None:
         """Copy `sources` into pool memory and queue their writes to `units` (returns once queued)."""
-        lease = self._lease(units, read=False, make_room=make_room)
-        assert_lease(lease)
+        lease = self._lease(units, read=False, make_room=make_room)  # blocking: never None
         try:
             for src, u in zip(sources, units):
                 lease.view(u).copy_(src.detach().reshape(-1).view(torch.uint8))  # type: ignore[union-attr]
@@ -278,15 +277,9 @@ class OffloadedParameters(Closing):
         """Give `real` the gradient accumulated so far, as autograd would find it in memory."""
         if h.real.grad is h.marker:
             h.real.grad = None
-        state = h.grad_state()
-        if isinstance(state, torch.Tensor):  # set by the caller: used as it is
-            h.real.grad = state
-        elif state == GRAD_ON_DRIVE and h.real.grad is None and not h.loaded_grad:
-            g = torch.empty(h.shape, dtype=h.dtype, device=h.real.device)
-            g.view(-1).view(torch.uint8).copy_(lease.view(h.grad_unit))  # type: ignore[union-attr,arg-type]
-            h.real.grad, h.loaded_grad = g, True
-        elif state == GRAD_ZERO and h.real.grad is None:
-            h.real.grad = torch.zeros(h.shape, dtype=h.dtype, device=h.real.device)
+        if h.real.grad is None and not h.loaded_grad:
+            h.real.grad = h.gradient(lease)
+            h.loaded_grad = h.grad == GRAD_ON_DRIVE and h.real.grad is not None
 
     def settle_interrupted(self) -> None:
         """Outside any backward, units still held are those of a backward that ended by an exception
@@ -429,18 +422,11 @@ class OffloadedParameters(Closing):
                         for h in u.params:
                             h.fill(lease.view(h.data))
                             h.real.data, h.window = h.window.clone(), None  # type: ignore[union-attr]
-                            g = h.grad_state()
                             h.show(True)
                             h.real.grad = None
+                            h.real.grad = h.gradient(lease)
                             if getattr(h.real, HIDDEN_ATTR, None) is self:
                                 delattr(h.real, HIDDEN_ATTR)
-                            if isinstance(g, torch.Tensor):
-                                h.real.grad = g
-                            elif g == GRAD_ON_DRIVE:
-                                h.real.grad = lease.view(h.grad_unit).view(h.dtype).view(
-                                    h.shape).clone()  # type: ignore[arg-type]
-                            elif g == GRAD_ZERO:
-                                h.real.grad = torch.zeros(h.shape, dtype=h.dtype, device=h.real.device)
                     finally:
                         lease.release()
         finally:
@@ -448,12 +434,6 @@ class OffloadedParameters(Closing):
             self.space.close()
             if getattr(self.model, OWNER_ATTR, None) is self:
                 delattr(self.model, OWNER_ATTR)
-
-
-def assert_lease(lease: Lease | None) -> Lease:
-    if lease is None:
-        raise RuntimeError("no pool memory for a write (internal)")
-    return lease
 
 
 def _plan(model: nn.Module, chosen: list[tuple[str, nn.Module]],
