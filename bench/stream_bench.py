@@ -251,6 +251,15 @@ class MemoryCgroup:
                 return int(line.split()[1])
         return 0
 
+    def close_into(self, out: dict) -> None:
+        """Record the cgroup's peak and OOM kills in a contender's result (an OOM kill named in its
+        error), then remove the cgroup."""
+        out["cgroup_peak"] = self.peak()
+        out["oom_kills"] = self.oom_kills()
+        if out["oom_kills"] and "error" in out:
+            out["error"] = f"OOM-killed at the cgroup's limit ({out['oom_kills']}x); {out['error']}"
+        self.remove()
+
     def remove(self) -> None:
         """Remove the cgroup once its processes are gone (its page cache moves to the parent)."""
         for _ in range(50):
@@ -327,11 +336,7 @@ def run_child(args: argparse.Namespace, model: Model, contender: str, log: Calla
         out["error"] = f"did not finish within --child_timeout {args.child_timeout:g} s"
     finally:
         if group is not None:
-            out["cgroup_peak"] = group.peak()
-            out["oom_kills"] = group.oom_kills()
-            if out["oom_kills"] and "error" in out:
-                out["error"] = f"OOM-killed at the cgroup's limit ({out['oom_kills']}x); {out['error']}"
-            group.remove()
+            group.close_into(out)
     return out
 
 

@@ -78,7 +78,7 @@ import torch  # noqa: E402
 # _harness first: it puts this checkout on sys.path before deepnvme is imported
 from _harness import ROOT, interleave  # noqa: E402
 from offload_bench import RAW_BUFFER, RAW_GRID  # noqa: E402
-from stream_bench import CGROUP_V1, MemoryCgroup  # noqa: E402
+from stream_bench import CGROUP_V1, MemoryCgroup, load_average  # noqa: E402
 from train_offload_child import SIZES  # noqa: E402
 
 from deepnvme.offload._doors import new_handle  # noqa: E402
@@ -95,10 +95,6 @@ BUDGETS = {"small": "64M", "medium": "128M", "1.5g": "256M"}
 
 def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
-
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 # ------------------------------------------------------------------------------------------ drive bound
@@ -198,11 +194,7 @@ def run_child(args: argparse.Namespace, spec: dict[str, Any], python: str, limit
         out["error"] = f"cannot start {python}: {exc}"
     finally:
         if group is not None:
-            out["cgroup_peak"] = group.peak()
-            out["oom_kills"] = group.oom_kills()
-            if out["oom_kills"] and "error" in out:
-                out["error"] = f"OOM-killed at the cgroup's limit ({out['oom_kills']}x); {out['error']}"
-            group.remove()
+            group.close_into(out)
     return out
 
 
