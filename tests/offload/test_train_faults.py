@@ -124,3 +124,40 @@ def test_a_forked_child_is_refused_not_hung(workdir: Path) -> None:
 
         assert in_forked_child(child) == "ok"
         train("sequential", m, opt, 1, start=1)  # the parent goes on
+
+
+def test_an_evaluation_thread_beside_training_changes_nothing(workdir: Path) -> None:
+    """One thread trains while another runs forwards without autograd on the same model the whole time
+    (in its forwards, backwards and steps): the training equals the same training in memory, and every
+    evaluation ends without an error (a step waits for the evaluation's forward to leave the model)."""
+    import threading
+
+    ref, m, off, opt = _pair(workdir)
+    errors: list[BaseException] = []
+    runs = [0]
+    stop = threading.Event()
+
+    def evaluate() -> None:
+        x = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(7))
+        while not stop.is_set():
+            try:
+                with torch.no_grad():
+                    m(x)
+                runs[0] += 1
+            except BaseException as exc:  # noqa: BLE001 - reported to the test
+                errors.append(exc)
+                return
+
+    with off, opt:  # type: ignore[attr-defined]
+        worker = threading.Thread(target=evaluate)
+        worker.start()
+        try:
+            got = train("sequential", m, opt, 5)
+        finally:
+            stop.set()
+            worker.join(60)
+    want = train("sequential", ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), 5)
+    assert not errors, errors
+    assert runs[0] > 0 and not worker.is_alive()
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), m.parameters()))

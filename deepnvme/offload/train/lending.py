@@ -14,6 +14,9 @@ from deepnvme.offload.swap import Lease, ReadAhead
 from deepnvme.offload.train.held import GRAD_ON_DRIVE, GRAD_ZERO, NO_GRAD, Held
 from deepnvme.offload.train.params import OWNER_ATTR, OffloadedParameters
 
+# How long a step waits for forwards in other threads to leave the model.
+BUSY_WAIT_S = 60.0
+
 
 def owner_of(p: torch.Tensor) -> OffloadedParameters | None:
     """The OffloadedParameters a stand-in belongs to (None for a parameter in memory)."""
@@ -54,19 +57,32 @@ class Lending:
             raise ValueError("an OffloadedOptimizer steps the parameters of one offload_parameters at most: "
                              "these come from several models (make an optimizer per model)")
         self.reader: ReadAhead | None = None
+        self._locked = False
         if self.owner is not None:
             owner = self.owner
-            owner._check_open()
-            owner.settle_interrupted()
-            owner.space.check_files()  # a swap file deleted or cut short: an error naming it, before updates
-            if any(u.present or u.held for u in owner.units):
-                raise RuntimeError("step() while a forward or backward of the offloaded model is in "
-                                   "progress: step after backward() returns")
-            owner._drop_pending()
-            groups = [[x for h in hs for x in ([h.data] + ([h.grad_unit] if _on_drive(h) else []))]
-                      for hs in self.first]
-            owner._settle_writes(x for g in groups for x in g)
-            self.reader = ReadAhead(owner.space, groups)
+            owner.lock.acquire()  # held to done()/close(): a forward in another thread waits for the step
+            self._locked = True
+            try:
+                self._start(owner)
+            except BaseException:
+                self.done()
+                raise
+
+    def _start(self, owner: OffloadedParameters) -> None:
+        """Checks before anything moves, then the reads of the tiles' parameters and gradients."""
+        owner._check_open()
+        owner.settle_interrupted()
+        owner.space.check_files()  # a swap file deleted or cut short: an error naming it, before updates
+        # Forwards running in other threads (an evaluation beside training) end first; a unit that stays
+        # in use is this thread's own forward or backward, in which a step cannot run.
+        if not owner.idle.wait_for(lambda: not any(u.present or u.held for u in owner.units), BUSY_WAIT_S):
+            raise RuntimeError("step() while a forward or backward of the offloaded model is in "
+                               f"progress (still after {BUSY_WAIT_S:g} s): step after backward() returns")
+        owner._drop_pending()
+        groups = [[x for h in hs for x in ([h.data] + ([h.grad_unit] if _on_drive(h) else []))]
+                  for hs in self.first]
+        owner._settle_writes(x for g in groups for x in g)
+        self.reader = ReadAhead(owner.space, groups)
 
     def take(self, i: int) -> dict[torch.Tensor, torch.Tensor]:
         """The tensors to step in place of tile i's offloaded stand-ins (filled, with their gradients)."""
@@ -97,6 +113,12 @@ class Lending:
             h.park_grad()
             h.empty()
 
+    def done(self) -> None:
+        """The step is over: forwards in other threads may go on."""
+        if self._locked:
+            self._locked = False
+            self.owner.lock.release()  # type: ignore[union-attr]
+
     def close(self) -> None:
         """After an error: free what was filled (parameters on the drive are as they were written)."""
         if self.reader is not None:
@@ -105,6 +127,7 @@ class Lending:
             for h in hs:
                 h.park_grad()
                 h.empty()
+        self.done()
 
 
 def _on_drive(h: Held) -> bool:

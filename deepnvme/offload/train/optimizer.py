@@ -322,6 +322,7 @@ class OffloadedOptimizer(Checks, Checkpoints, Closing, torch.optim.Optimizer):
                 if fresh:  # state made in memory: stored once the memory read ahead is given back
                     reader.restart(i + 1)
                     self._store_fresh(fresh)
+            lending.done()
             self.swap.wait_writes()
             profile.add_requests(writes)
             profile.ended = time.perf_counter()

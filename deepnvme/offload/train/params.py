@@ -16,6 +16,12 @@ reads the unit; its inputs pass through another, whose backward runs after every
 engine runs the ready node with the highest sequence number first, and that identity was made before any
 of them. Its backward finishes the unit. A unit whose inputs need no gradient (the first) is finished
 when the whole backward ends (a callback queued on the engine). See held.py for what the model shows.
+
+Threads: one thread trains (forward, backward, step); others may run forwards without autograd on the
+same model at the same time (an evaluation); a unit's state changes under one lock, a unit in use by any
+thread is not freed under it, and a step waits for other threads' forwards to leave the model (`idle`).
+Two threads training at once are not supported. fork(): a child cannot use the parent's swap space and
+says so (RuntimeError); its close() only marks the object closed.
 """
 
 from __future__ import annotations
@@ -90,11 +96,13 @@ class OffloadedParameters(Closing):
                                handle_settings=SWAP)
         self._closed = False
         self.lock = threading.RLock()
+        self.idle = threading.Condition(self.lock)  # notified as units are freed (a step waits for it)
         self.units: list[HeldUnit] = []
         self.held_by_stand: dict[int, Held] = {}
         self._pending: dict[tuple[int, bool], Lease] = {}
         self._writing: dict[str, list[Ticket]] = {}
         self.callback_queued = False
+        self.backward_thread: int | None = None
         self.counts = {"unit_reads": 0, "bytes_read": 0, "bytes_written": 0, "prefetched": 0, "demanded": 0}
         ckpt = None
         try:
@@ -284,8 +292,10 @@ class OffloadedParameters(Closing):
     def settle_interrupted(self) -> None:
         """Outside any backward, units still held are those of a backward that ended by an exception
         (Ctrl-C, an error in a hook): they are finished as its end would have, their gradients so far
-        written, as autograd leaves them in memory for a model there."""
-        if self.callback_queued and torch._C._current_graph_task_id() == -1:
+        written, as autograd leaves them in memory for a model there. Only the thread that ran that backward
+        can see it is over (another thread is outside a backward while it runs)."""
+        if (self.callback_queued and self.backward_thread == threading.get_ident()
+                and torch._C._current_graph_task_id() == -1):
             self._backward_ended()
 
     def enter(self, u: HeldUnit) -> None:
@@ -324,6 +334,7 @@ class OffloadedParameters(Closing):
             if not self.callback_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
                 self.callback_queued = True
+                self.backward_thread = threading.get_ident()  # only its thread can tell it has ended
             if not u.held:  # shown in its modules too: a recompute may bypass its forward (HF checkpointing)
                 self.bring(u, grads=True)
                 u.held = True
@@ -374,6 +385,7 @@ class OffloadedParameters(Closing):
         for h in u.params:
             h.empty()
         u.present = False
+        self.idle.notify_all()
 
     def _read_units(self, units: list[Unit]) -> Lease:
         lease = self._lease(units, read=True)
