@@ -63,6 +63,7 @@ def test_a_swap_file_deleted_or_cut_is_an_error_naming_it(how: str, workdir: Pat
     with opt:
         train("sequential", m, opt, 2)
         path = off.space.file  # type: ignore[attr-defined]
+        off.space.wait_writes()  # type: ignore[attr-defined]  # (a write landing after the cut would undo it)
         if how == "deleted":
             os.unlink(path)
         else:

@@ -25,6 +25,8 @@ from deepnvme.offload._doors import PAGE, madvise
 from deepnvme.offload.model import Placeholder
 from deepnvme.offload.swap import Unit, round_up
 
+# The attribute of a stand-in (and of the model) naming the OffloadedParameters it belongs to.
+OWNER_ATTR = "_deepnvme_offloaded"
 # The attribute of a hidden Parameter (the one autograd uses) naming the OffloadedParameters it belongs to:
 # an optimizer made on the model before offload_parameters holds these, and is refused.
 HIDDEN_ATTR = "_deepnvme_hidden_by"
@@ -42,6 +44,23 @@ class OnDrive(Placeholder):
                 "Step it with deepnvme.offload.OffloadedOptimizer (made after offload_parameters), zero its "
                 "gradient with that optimizer's zero_grad(), and read values with save() or close() of "
                 "the object offload_parameters returned")
+
+    def register_hook(self, hook: Any) -> Any:  # type: ignore[override]
+        """A gradient hook goes on the tensor autograd uses: it sees each gradient as it would in memory."""
+        owner = getattr(self, OWNER_ATTR, None)
+        if owner is None:
+            raise RuntimeError(self._explain(self._name, self._unit, "register_hook"))
+        if not self.requires_grad:
+            raise RuntimeError(f"cannot register a hook on {self._name}: it does not require a gradient")
+        return owner.register_hook(self, hook)
+
+    def register_post_accumulate_grad_hook(self, hook: Any) -> Any:  # type: ignore[override]
+        """Refused: the hook would be handed the parameter to read its .grad, and an offloaded parameter's
+        gradient is in memory only inside its unit's backward."""
+        raise RuntimeError(
+            f"register_post_accumulate_grad_hook on {self._name}: not available for a parameter offloaded "
+            "by deepnvme.offload.offload_parameters (its gradient is in memory only inside its unit's "
+            "backward); register_hook (called with each gradient) is, and OffloadedOptimizer steps it")
 
 
 @dataclass(eq=False)
@@ -122,9 +141,12 @@ class Held:
         self.real.data = self.idle
 
     def show(self, real: bool) -> None:
-        """Put `real` (for a use) or the stand-in (between uses) in each of its modules."""
+        """Put `real` (for a use) or the stand-in (between uses) in each of its modules, where the other is:
+        a tensor put there by the caller (torch.func.functional_call, a new Parameter) is left to be used."""
+        want, other = (self.real, self.stand) if real else (self.stand, self.real)
         for mod, attr in self.places:
-            mod._parameters[attr] = self.real if real else self.stand
+            if mod._parameters.get(attr) is other:
+                mod._parameters[attr] = want
 
 
 @dataclass(eq=False)

@@ -12,10 +12,11 @@ anything else (tied embeddings), stay in memory as they are.
 
 Why the order of events is right (the CPU autograd engine): a unit's forward passes its outputs through an
 identity function whose backward (run before any node of the unit, which all need its outputs' gradients)
-reads the unit; its inputs pass through another, whose backward runs after every node of the unit: the
-engine runs the ready node with the highest sequence number first, and that identity was made before any
-of them. Its backward finishes the unit. A unit whose inputs need no gradient (the first) is finished
-when the whole backward ends (a callback queued on the engine). See held.py for what the model shows.
+reads the unit; its inputs get a gradient hook, which runs when the node that made them runs, after every
+node of the unit: the engine runs the ready node with the highest sequence number first, and that node
+was made before any of them (leaf inputs, whose hooks run at accumulation, pass through a second identity
+instead). The hook finishes the unit. A unit whose inputs need no gradient (the first) is finished when
+the whole backward ends (a callback queued on the engine). See held.py for what the model shows.
 
 Threads: one thread trains (forward, backward, step); others may run forwards without autograd on the
 same model at the same time (an evaluation); a unit's state changes under one lock, a unit in use by any
@@ -48,13 +49,11 @@ from deepnvme.offload.swap import (
     return_freed_memory,
     round_up,
 )
-from deepnvme.offload.train.held import GRAD_ON_DRIVE, HIDDEN_ATTR, Held, HeldUnit, OnDrive
+from deepnvme.offload.train.held import GRAD_ON_DRIVE, HIDDEN_ATTR, OWNER_ATTR, Held, HeldUnit, OnDrive
 from deepnvme.offload.train.model_io import Checkpoint, converted, fill_residents
 from deepnvme.offload.train.model_io import save as save_model
 from deepnvme.offload.train.unit_hooks import unwrap_unit, wrap_unit
 
-# The attribute of a stand-in (and of the model) naming the OffloadedParameters it belongs to.
-OWNER_ATTR = "_deepnvme_offloaded"
 # Units read ahead of the one in use, in the direction of the pass (as far as the budget allows).
 DEFAULT_AHEAD = 2
 REQUESTS_IN_FLIGHT = 2
@@ -160,7 +159,8 @@ class OffloadedParameters(Closing):
             h.park_grad()
             setattr(h.real, HIDDEN_ATTR, self)
             h.empty()
-            h.show(False)
+            for m, attr in h.places:
+                m._parameters[attr] = h.stand
         return u
 
     def _grad_unit(self, h: Held) -> Unit:
@@ -298,10 +298,38 @@ class OffloadedParameters(Closing):
                 and torch._C._current_graph_task_id() == -1):
             self._backward_ended()
 
+    def _follow_requires_grad(self, u: HeldUnit) -> None:
+        """Give the tensors autograd uses the requires_grad the caller set on the stand-ins since (unfreezing
+        or freezing after the offload); a gradient newly wanted gets its room on the drive now."""
+        changed = [h for h in u.params if h.real.requires_grad != h.stand.requires_grad]
+        if not changed:
+            return
+        need = sum(round_up(h.nbytes) * (2 if h.stand.requires_grad else 1) for h in u.params)
+        if need > self.budget_bytes:
+            raise ValueError(f"unit {u.name!r} now needs {need} bytes of locked memory for its parameters "
+                             f"and gradients ({changed[0].name} requires a gradient since the offload), more "
+                             f"than budget_bytes={self.budget_bytes}: offload again with a larger budget")
+        for h in changed:
+            if h.stand.requires_grad:
+                self._grad_unit(h)
+            h.real.requires_grad_(h.stand.requires_grad)
+
+    def register_hook(self, stand: OnDrive, hook: Callable[[torch.Tensor], Any]) -> Any:
+        """`stand.register_hook(hook)`: on the tensor autograd uses for it."""
+        with self.lock:
+            self._check_open()
+            h = self.held_by_stand[id(stand)]
+            u = next(x for x in self.units if h in x.params)
+            if not (u.depth or u.held):
+                self._follow_requires_grad(u)
+            return h.real.register_hook(hook)
+
     def enter(self, u: HeldUnit) -> None:
         """A forward (or a recompute) of `u` begins: its parameters in memory and in its modules."""
         self._check_open()
         self.settle_interrupted()
+        if not (u.depth or u.held):
+            self._follow_requires_grad(u)
         u.depth += 1
         try:
             self.bring(u, grads=False)
@@ -434,6 +462,7 @@ class OffloadedParameters(Closing):
                         for h in u.params:
                             h.fill(lease.view(h.data))
                             h.real.data, h.window = h.window.clone(), None  # type: ignore[union-attr]
+                            h.real.requires_grad_(h.stand.requires_grad)
                             h.show(True)
                             h.real.grad = None
                             h.real.grad = h.gradient(lease)

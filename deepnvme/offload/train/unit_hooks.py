@@ -1,5 +1,6 @@
-"""The hooks of an offloaded unit: its forward wrapped (read before, freed after), and two identity autograd
-functions that tell the owner when the unit's backward begins and when it is done (params.py says why
+"""The hooks of an offloaded unit: its forward wrapped (read before, freed after), an identity autograd
+function on its outputs that tells the owner its backward begins, and a gradient hook on its inputs (or,
+for inputs that are leaves, another identity) that tells it the backward is done (params.py says why
 their order is right)."""
 
 from __future__ import annotations
@@ -69,6 +70,24 @@ def unwrap_unit(u: HeldUnit) -> None:
     u.orig_forward = None
 
 
+def _when_done(owner: OffloadedParameters, u: HeldUnit, args: Any) -> Any:
+    """Have `owner.backward_ends(u)` called once the gradients of the unit's inputs are complete; the
+    inputs as the unit is to see them.
+
+    Inputs made by autograd nodes get a gradient hook: it runs when the node that made them runs, after
+    every node of the unit (they were all made later), and adds nothing to the graph, so an input also used
+    outside the unit has its gradient summed in the order it has in memory. A leaf input cannot have one
+    (its hook runs at accumulation, which may come before the unit's weight gradients are accumulated):
+    inputs that include a leaf pass through _BackwardEnds instead."""
+    leaves = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not leaves:
+        return args
+    if any(t.grad_fn is None for t in leaves):
+        return _through(_BackwardEnds, lambda: owner.backward_ends(u), args)
+    torch.autograd.graph.register_multi_grad_hook(leaves, lambda _grads: owner.backward_ends(u))
+    return args
+
+
 def run(owner: OffloadedParameters, u: HeldUnit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """One forward (or recompute) of unit `u`."""
     grad = torch.is_grad_enabled()
@@ -76,7 +95,7 @@ def run(owner: OffloadedParameters, u: HeldUnit, args: tuple[Any, ...], kwargs: 
         owner.enter(u)
     try:
         if grad:
-            args, kwargs = _through(_BackwardEnds, lambda: owner.backward_ends(u), (args, kwargs))
+            args, kwargs = _when_done(owner, u, (args, kwargs))
         out = u.orig_forward(*args, **kwargs)
     finally:
         with owner.lock:

@@ -1,0 +1,154 @@
+"""offload_parameters under the ways people use a model beyond a plain forward and backward: a unit's input
+or output also used outside it, requires_grad changed after the offload, gradient hooks on parameters,
+torch.func.functional_call. Each gives what the same code gives in memory, bit for bit, or a clear error."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from deepnvme.offload import OffloadedOptimizer
+from deepnvme.offload.train import offload_parameters
+from tests.offload.train_models import build, loss, units_of
+
+BUDGET = 4 << 20
+OPT_BUDGET = 8 << 20
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(16, 16), nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + torch.tanh(self.lin(x)))
+
+
+class Residual(nn.Module):
+    """Blocks that use their input twice, joined by a residual outside them, with an auxiliary loss on the
+    first block's output: gradients of a unit's input and output arrive from inside and outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.emb(x)
+        first = None
+        for b in self.blocks:
+            out = b(h) * h
+            first = out if first is None else first
+            h = h + out
+        return self.head(h), first
+
+
+def _residual_loss(m: nn.Module, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+    out, first = m(x)
+    return ((out - y) ** 2).mean() + 0.1 * first.pow(2).mean()
+
+
+def _same_training(make: Callable[[], nn.Module], step_loss: Callable[[nn.Module, int], torch.Tensor],
+                   workdir: Path, steps: int = 5, units: Callable[[nn.Module], object] = lambda m: None,
+                   between: Callable[[nn.Module, int], None] = lambda m, s: None) -> None:
+    """`steps` AdamW steps in memory and offloaded (`between(model, step)` run before each) are equal."""
+    ref, m = make(), make()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want, got = [], []
+    with offload_parameters(m, workdir, BUDGET, units=units(m)), \
+            OffloadedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), workdir, OPT_BUDGET) as opt:
+        for net, o, out in ((ref, ref_opt, want), (m, opt, got)):
+            for s in range(steps):
+                between(net, s)
+                la = step_loss(net, s)
+                la.backward()
+                o.step()
+                o.zero_grad()
+                out.append(la.detach())
+    assert all(torch.equal(a, b) for a, b in zip(want, got)), [(a.item(), b.item())
+                                                                for a, b in zip(want, got)]
+    for (name, a), b in zip(ref.named_parameters(), m.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_inputs_and_outputs_also_used_outside_their_unit_are_bit_identical(workdir: Path) -> None:
+    """Gradients reaching a unit's input from inside and outside it are summed in the order they have in
+    memory (the end of a unit's backward is seen by a hook, not a node added to the graph)."""
+    _same_training(Residual, _residual_loss, workdir, units=lambda m: list(m.blocks))
+
+
+def test_an_auxiliary_loss_on_hidden_states_is_bit_identical(workdir: Path) -> None:
+    pytest.importorskip("transformers", reason="the offload extra (transformers) is needed")
+
+    def step_loss(m: nn.Module, s: int) -> torch.Tensor:
+        ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(s))
+        torch.manual_seed(s)
+        out = m(input_ids=ids, labels=ids, output_hidden_states=True)
+        return out.loss + 0.01 * sum(h.pow(2).mean() for h in out.hidden_states[1:-1])
+
+    _same_training(lambda: build("gpt2"), step_loss, workdir)
+
+
+def test_requires_grad_changed_after_the_offload_is_followed(workdir: Path) -> None:
+    """Staged fine-tuning: a block frozen at the offload and unfrozen later gets gradients and steps, one
+    frozen later gets none, as in memory; close() gives the parameters the flag last set."""
+    def make() -> nn.Module:
+        m = build("sequential")
+        m[1].requires_grad_(False)
+        return m
+
+    def between(m: nn.Module, s: int) -> None:
+        if s == 2:
+            m[1].requires_grad_(True)
+            m[4].weight.requires_grad = False
+
+    _same_training(make, lambda m, s: loss("sequential", m, s, 0), workdir, units=lambda m: units_of(
+        "sequential", m), between=between)
+
+
+def test_unfreezing_beyond_the_budget_is_refused_with_the_number(workdir: Path) -> None:
+    m = build("sequential")
+    m[1].requires_grad_(False)
+    need = m[1].weight.numel() * 4 + 4096  # the weight rounded to pages, and its bias's page
+    with offload_parameters(m, workdir, need, units=[m[1]]):
+        loss("sequential", m, 0, 0).backward()
+        m[1].requires_grad_(True)
+        with pytest.raises(ValueError, match=rf"unit '1' now needs {2 * need} bytes.*budget_bytes={need}"):
+            loss("sequential", m, 0, 0)
+
+
+def test_gradient_hooks_on_offloaded_parameters_run(workdir: Path) -> None:
+    """register_hook on a parameter (a stand-in between uses) sees and may replace each gradient, as in
+    memory; a hook handed the parameter itself is refused with the reason."""
+    seen: list[str] = []
+
+    def hook_all(m: nn.Module, s: int) -> None:
+        if s == 0:
+            for name, p in m.named_parameters():
+                p.register_hook(lambda g, name=name: (seen.append(name), g * 0.5)[1])
+
+    _same_training(lambda: build("sequential"), lambda m, s: loss("sequential", m, s, 0), workdir,
+                   units=lambda m: units_of("sequential", m), between=hook_all)
+    assert seen.count("1.weight") == 10  # five steps, in memory and offloaded
+    m = build("sequential")
+    with offload_parameters(m, workdir, BUDGET, units=units_of("sequential", m)):
+        with pytest.raises(RuntimeError, match=r"post_accumulate_grad_hook on 1\.weight.*register_hook"):
+            m[1].weight.register_post_accumulate_grad_hook(lambda p: None)
+
+
+def test_functional_call_uses_the_tensors_given(workdir: Path) -> None:
+    ref, m = build("sequential"), build("sequential")
+    given = {n: torch.randn_like(p) for n, p in ref.named_parameters()}
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    with offload_parameters(m, workdir, BUDGET, units=units_of("sequential", m)):
+        want = torch.func.functional_call(ref, given, (ids,))
+        assert torch.equal(torch.func.functional_call(m, given, (ids,)), want)
+        assert torch.equal(m(ids), ref(ids))  # its own parameters again afterwards
