@@ -5,7 +5,7 @@ drive's bound, and DeepSpeed ZeRO-3 with parameters and optimizer offloaded to N
 
     python3 bench/train_offload_bench.py [--size 1.5g|medium|small] [--small] [--hidden H --layers L ...]
                                          [--batch 1] [--seq 256] [--warmup 2] [--steps 3] [--repeats 3]
-                                         [--budget B] [--opt_budget B] [--cgroup-mb N]
+                                         [--budget B] [--opt_budget B] [--cgroup-mb N] [--step_in_backward]
                                          [--deepspeed_python /work/dsvenv/bin/python] [--dir DIR]
                                          [--out PREFIX]
 
@@ -25,7 +25,8 @@ step is forward + backward (labels = inputs) + AdamW(lr 1e-4) + zero_grad, on `-
              64M each for small, 128M medium, 256M 1.5g); the model is built
              without weights (accelerate's init_empty_weights) and filled from deepnvme's store written once
              beforehand (--offload_build memory: built in memory, then offloaded); run inside a memory
-             cgroup limited to --cgroup-mb when given;
+             cgroup limited to --cgroup-mb when given; --step_in_backward: each block stepped in its
+             backward (its gradients never written, and the I/O bound is of the bytes that moves);
 - deepspeed: DeepSpeed 0.19.8 ZeRO-3, offload_param and offload_optimizer to NVMe (pipeline_read/write),
              torch.optim.AdamW as client optimizer (zero_force_ds_cpu_optimizer false), default aio
              settings, one process, gloo, DS_ACCELERATOR=cpu, run by --deepspeed_python (its own venv).
@@ -261,7 +262,8 @@ def render(res: dict[str, Any]) -> str:
              f"{meta['repeats']} interleaved repeats x {meta['steps']} timed steps after {meta['warmup']} "
              f"warm-up steps, medians; torch {meta['torch']}, {meta['torch_threads']} threads, "
              f"OMP_WAIT_POLICY={meta['omp_wait_policy']}. Offload: budget {meta['budget'] // MIB} MiB "
-             f"(parameters) + {meta['opt_budget'] // MIB} MiB (optimizer), build from "
+             f"(parameters) + {meta['opt_budget'] // MIB} MiB (optimizer)"
+             f"{', step in backward' if meta.get('step_in_backward') else ''}, build from "
              f"{meta['offload_build']}, cgroup limit "
              f"{str(meta['cgroup_mb']) + ' MiB' if meta['cgroup_mb'] else 'none'}. {meta['note']}", "",
              f"Load average (1/5/15 min): {meta['load_before']} before, {meta['load_after']} after.", "",
@@ -353,6 +355,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--offload_build", choices=("checkpoint", "memory"), default="checkpoint",
                     help="offload's model: filled from deepnvme's store (never whole in memory), or built "
                          "in memory and then offloaded")
+    ap.add_argument("--step_in_backward", action="store_true",
+                    help="offload's optimizer steps each block in its backward (OffloadedOptimizer("
+                         "step_in_backward=True)): its gradients never reach the drive")
     ap.add_argument("--cgroup-mb", "--cgroup_mb", dest="cgroup_mb", type=int, default=0,
                     help="memory cgroup v1 limit of the offload contender's process, MiB (0: no limit)")
     ap.add_argument("--no_cgroup", dest="cgroup", action="store_false",
@@ -406,12 +411,14 @@ def main(argv: list[str] | None = None) -> int:
         "size": args.size, "batch": args.batch, "seq": args.seq, "tokens": args.batch * args.seq,
         "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats, "budget": budget,
         "opt_budget": opt_budget, "offload_build": args.offload_build, "cgroup_mb": args.cgroup_mb,
+        "step_in_backward": args.step_in_backward,
         "note": args.note, "torch": torch.__version__,
         "torch_threads": args.threads or torch.get_num_threads(),
         "omp_wait_policy": os.environ["OMP_WAIT_POLICY"], "load_before": load_average(), "dir": str(work)}
     base = {"shape": shape, "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "steps": args.steps,
             "lr": args.lr, "threads": args.threads, "root": str(ROOT), "store": str(work / "store"),
             "budget": budget, "opt_budget": opt_budget, "build": args.offload_build,
+            "step_in_backward": args.step_in_backward,
             "ds_buffer_count": args.ds_buffer_count, "ds_max_in_cpu": args.ds_max_in_cpu,
             "ds_zero": json.loads(args.ds_zero or "{}"), "ds_aio": json.loads(args.ds_aio or "null")}
     samples: dict[str, list[dict]] = {c: [] for c in wanted}

@@ -157,7 +157,8 @@ class Offload(Contender):
             self.off = offload_parameters(self.model, work, budget)
         mark("offload_parameters done")
         self.opt = OffloadedOptimizer(torch.optim.AdamW(self.model.parameters(), lr=spec["lr"]), work,
-                                      spec["opt_budget"])
+                                      spec["opt_budget"],
+                                      step_in_backward=spec.get("step_in_backward", False))
         mark("OffloadedOptimizer made")
         self.locked_budget = self.off.budget_bytes + spec["opt_budget"]
         self.last: tuple[int, int] = (0, 0)

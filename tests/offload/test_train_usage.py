@@ -58,13 +58,15 @@ def _residual_loss(m: nn.Module, step: int) -> torch.Tensor:
 
 def _same_training(make: Callable[[], nn.Module], step_loss: Callable[[nn.Module, int], torch.Tensor],
                    workdir: Path, steps: int = 5, units: Callable[[nn.Module], object] = lambda m: None,
-                   between: Callable[[nn.Module, int], None] = lambda m, s: None) -> None:
-    """`steps` AdamW steps in memory and offloaded (`between(model, step)` run before each) are equal."""
+                   between: Callable[[nn.Module, int], None] = lambda m, s: None,
+                   optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW) -> None:
+    """`steps` steps (AdamW by default) in memory and offloaded (`between(model, step)` run before each)
+    are equal."""
     ref, m = make(), make()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = optimizer(ref.parameters(), lr=1e-2)
     want, got = [], []
     with offload_parameters(m, workdir, BUDGET, units=units(m)), \
-            OffloadedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), workdir, OPT_BUDGET) as opt:
+            OffloadedOptimizer(optimizer(m.parameters(), lr=1e-2), workdir, OPT_BUDGET) as opt:
         for net, o, out in ((ref, ref_opt, want), (m, opt, got)):
             for s in range(steps):
                 between(net, s)
@@ -152,3 +154,10 @@ def test_functional_call_uses_the_tensors_given(workdir: Path) -> None:
         want = torch.func.functional_call(ref, given, (ids,))
         assert torch.equal(torch.func.functional_call(m, given, (ids,)), want)
         assert torch.equal(m(ids), ref(ids))  # its own parameters again afterwards
+
+
+def test_an_optimizer_that_makes_its_state_when_made_works(workdir: Path) -> None:
+    """Adagrad makes its state from the parameters' shapes when it is made (zeros_like of a stand-in reads
+    no value, so it works), and the OffloadedOptimizer takes that state to the drive."""
+    _same_training(lambda: build("sequential"), lambda m, s: loss("sequential", m, s, 0), workdir,
+                   units=lambda m: units_of("sequential", m), optimizer=torch.optim.Adagrad)

@@ -1,6 +1,8 @@
 """What a streamed tensor is between forwards: a Placeholder with the true shape, dtype and device and no
 storage, so that code asking a model's device or dtype works while any computation with it raises
-StreamedWeightError naming the tensor and its unit (shared by weight streaming and expert streaming)."""
+StreamedWeightError naming the tensor and its unit (shared by weight streaming and expert streaming).
+Making a new tensor shaped like it (zeros_like and the like: what optimizers such as Adagrad do to a
+parameter when they are made) reads no value and works."""
 
 from __future__ import annotations
 
@@ -12,6 +14,12 @@ import torch
 
 class StreamedWeightError(RuntimeError):
     """A streamed tensor was used outside the forward of its unit."""
+
+
+_aten = torch.ops.aten
+# Operations that make a new tensor from another's shape, dtype and device alone.
+SHAPED_LIKE = {_aten.empty_like.default, _aten.zeros_like.default, _aten.ones_like.default,
+               _aten.full_like.default}
 
 
 class Placeholder(torch.Tensor):
@@ -33,6 +41,10 @@ class Placeholder(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in SHAPED_LIKE and isinstance(args[0], Placeholder):
+            a = args[0]
+            like = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+            return func(like, *args[1:], **(kwargs or {}))
         found = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, Placeholder)]
         what = found[0] if found else None
         name = what._name if what is not None else "a streamed tensor"

@@ -30,6 +30,9 @@ OWNER_ATTR = "_deepnvme_offloaded"
 # The attribute of a hidden Parameter (the one autograd uses) naming the OffloadedParameters it belongs to:
 # an optimizer made on the model before offload_parameters holds these, and is refused.
 HIDDEN_ATTR = "_deepnvme_hidden_by"
+# Transparent huge pages: a window this large or larger asks for them (where the kernel's setting is
+# "madvise" or "always"; elsewhere the advice is ignored).
+HUGE_PAGE = 2 << 20
 # Where a parameter's gradient is between uses.
 NO_GRAD, GRAD_ON_DRIVE, GRAD_ZERO = "none", "drive", "zero"
 
@@ -125,9 +128,12 @@ class Held:
         of it autograd saved in a forward see the values again when the unit is read for its backward."""
         if self.window is None:
             # Private: MADV_DONTNEED frees private pages; shared anonymous ones would stay as shmem.
-            buf = mmap.mmap(-1, round_up(max(self.nbytes, 1)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            size = round_up(max(self.nbytes, 1))
+            buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self.window = torch.frombuffer(buf, dtype=torch.uint8)[:self.nbytes].view(self.dtype).view(
                 self.shape)
+            if size >= HUGE_PAGE:  # each use faults its pages in again: 2 MiB at a time is 2-3x as fast
+                madvise(self.window.data_ptr(), size, mmap.MADV_HUGEPAGE)
         self.window.view(-1).view(torch.uint8).copy_(source)
         self.real.data = self.window
 
@@ -160,6 +166,7 @@ class HeldUnit:
     present: bool = False  # the parameters' storages are filled
     depth: int = 0  # forwards (or recomputes) of it in progress
     held: bool = False  # read for its backward and not finished yet
+    graphs: int = 0  # forwards with autograd since the last step whose backward has not finished it
     orig_forward: Any = None
     had_forward: bool = False
 

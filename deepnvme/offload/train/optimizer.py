@@ -45,6 +45,7 @@ import torch
 
 from deepnvme.offload._doors import PAGE, SWAP
 from deepnvme.offload.swap import Closing, Lease, ReadAhead, SwapSpace, Ticket, budget_arg, check_memory_room
+from deepnvme.offload.train.backward_step import StepsInBackward
 from deepnvme.offload.train.checkpoints import Checkpoints
 from deepnvme.offload.train.checks import Checks
 from deepnvme.offload.train.grouping import how_stepped, whole_step_too_large
@@ -82,7 +83,7 @@ DEVICES = ("cpu", "cuda")
 Piece = tuple[int, torch.Tensor, int]  # (group index, parameter, chunk index: 0 when whole)
 
 
-class OffloadedOptimizer(Checks, Checkpoints, Closing, torch.optim.Optimizer):
+class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, Closing, torch.optim.Optimizer):
     """Wrap `optimizer` so that its state lives in files under `directory` (created with its parents when
     missing) between steps.
 
@@ -124,7 +125,7 @@ class OffloadedOptimizer(Checks, Checkpoints, Closing, torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, directory: str | os.PathLike,
                  budget_bytes: int | None = None, *, master_weights: bool = False, handle: Any = None,
                  tile_bytes: int | None = None, elementwise: bool | None = None,
-                 chunks: bool | None = None) -> None:
+                 chunks: bool | None = None, step_in_backward: bool = False) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OffloadedOptimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         budget = budget_arg(DEFAULT_BUDGET if budget_bytes is None else budget_bytes)
@@ -179,6 +180,7 @@ class OffloadedOptimizer(Checks, Checkpoints, Closing, torch.optim.Optimizer):
         if adopted is not None:  # state the wrapped optimizer already had moves to the drive
             optimizer.state.clear()
             self.load_state_dict(adopted)
+        self.step_in_backward = step_in_backward
 
     # --------------------------------------------------------------------------------------- planning
     def _entries(self, gi: int, p: torch.Tensor) -> tuple[list[Entry], bool] | None:
@@ -280,6 +282,7 @@ class OffloadedOptimizer(Checks, Checkpoints, Closing, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._prune()
+        self._backward_steps_begin()
         work = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"] if p.grad is not None]
         for _, p in work:
             self._check_work(p)
@@ -288,12 +291,23 @@ class OffloadedOptimizer(Checks, Checkpoints, Closing, torch.optim.Optimizer):
         lending = Lending([[p for _, p, _ in t] for t in tiles])
         for hook in list(self.optimizer._optimizer_step_pre_hooks.values()):  # once a step, not per tile
             hook(self.optimizer, (), {})
+        self.last_step = self._run_tiles(work, tiles, lending)
+        self._backward_steps_into(self.last_step)
+        self._outline()
+        for hook in list(self.optimizer._optimizer_step_post_hooks.values()):
+            hook(self.optimizer, (), {})
+        return loss
+
+    def _run_tiles(self, work: list[tuple[int, torch.Tensor]], tiles: list[list[Piece]],
+                   lending: Any) -> StepProfile:
+        """Step `tiles` of `work`, each tile's state read ahead; `lending` gives offloaded parameters' values
+        (lending.py). An error leaves the optimizer refusing further steps (`_broken`)."""
         reader = ReadAhead(self.swap, [[u for _, p, k in t if p in self._records
                                         for u in self._records[p].units[k]] for t in tiles],
                            end_parts=END_REQUESTS)
         starts = {p: self._records[p].scalars for _, p in work if p in self._records}
         self._made = {p for _, p in work if p in self._records and self._records[p].made}
-        self._flat_grads: dict[torch.Tensor, torch.Tensor] = {}
+        self._flat_grads = {}
         self._broken = "a step() was interrupted"
         profile = StepProfile(time.perf_counter())
         writes: list[Ticket] = []
@@ -326,7 +340,6 @@ class OffloadedOptimizer(Checks, Checkpoints, Closing, torch.optim.Optimizer):
             self.swap.wait_writes()
             profile.add_requests(writes)
             profile.ended = time.perf_counter()
-            self.last_step = profile
         except BaseException as exc:
             reader.close()
             lending.close()
@@ -337,12 +350,10 @@ class OffloadedOptimizer(Checks, Checkpoints, Closing, torch.optim.Optimizer):
             self._broken = (f"a step() ended by {type(exc).__name__}: {exc}" if str(exc)
                             else f"a step() ended by {type(exc).__name__}")
             raise
-        self._flat_grads, self._lent = {}, {}
+        finally:
+            self._flat_grads, self._lent = {}, {}
         self._broken = None
-        self._outline()
-        for hook in list(self.optimizer._optimizer_step_post_hooks.values()):
-            hook(self.optimizer, (), {})
-        return loss
+        return profile
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; gradients of offloaded parameters are dropped or marked zero without any I/O."""
@@ -524,13 +535,17 @@ class OffloadedOptimizer(Checks, Checkpoints, Closing, torch.optim.Optimizer):
                 raise
             lease.write_back()  # type: ignore[union-attr]
 
-    def _outline(self) -> None:
-        """Make `state` show, per parameter, its small state and a meta tensor for each swapped one."""
+    def _outline(self, only: list[torch.Tensor] | None = None) -> None:
+        """Make `state` show, per parameter (of `only`, when given), its small state and a meta tensor for
+        each swapped one."""
         def outline(rec: Record) -> dict[str, Any]:
             return {**rec.scalars, **{e.key: torch.empty(e.shape, dtype=e.dtype, device="meta")
                                       for e in rec.entries}}
 
         # Units reserved for state the optimizer has not made (yet) are not state.
+        if only is not None:
+            self.state.update({p: outline(self._records[p]) for p in only if self._records[p].made})
+            return
         self.state = defaultdict(dict, {p: outline(rec) for p, rec in self._records.items() if rec.made})
 
     # -------------------------------------------------------------------------------------------- life
@@ -573,6 +588,7 @@ class OffloadedOptimizer(Checks, Checkpoints, Closing, torch.optim.Optimizer):
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        self._backward_steps_end()
         self.swap.close()
 
     def __getstate__(self) -> dict[str, Any]:

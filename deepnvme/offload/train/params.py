@@ -49,7 +49,15 @@ from deepnvme.offload.swap import (
     return_freed_memory,
     round_up,
 )
-from deepnvme.offload.train.held import GRAD_ON_DRIVE, HIDDEN_ATTR, OWNER_ATTR, Held, HeldUnit, OnDrive
+from deepnvme.offload.train.held import (
+    GRAD_ON_DRIVE,
+    HIDDEN_ATTR,
+    NO_GRAD,
+    OWNER_ATTR,
+    Held,
+    HeldUnit,
+    OnDrive,
+)
 from deepnvme.offload.train.model_io import Checkpoint, converted, fill_residents
 from deepnvme.offload.train.model_io import save as save_model
 from deepnvme.offload.train.unit_hooks import unwrap_unit, wrap_unit
@@ -102,6 +110,7 @@ class OffloadedParameters(Closing):
         self._writing: dict[str, list[Ticket]] = {}
         self.callback_queued = False
         self.backward_thread: int | None = None
+        self.stepper: Any = None  # an OffloadedOptimizer's BackwardStepper (step_in_backward=True)
         self.counts = {"unit_reads": 0, "bytes_read": 0, "bytes_written": 0, "prefetched": 0, "demanded": 0}
         ckpt = None
         try:
@@ -296,7 +305,7 @@ class OffloadedParameters(Closing):
         can see it is over (another thread is outside a backward while it runs)."""
         if (self.callback_queued and self.backward_thread == threading.get_ident()
                 and torch._C._current_graph_task_id() == -1):
-            self._backward_ended()
+            self._backward_ended(interrupted=True)
 
     def _follow_requires_grad(self, u: HeldUnit) -> None:
         """Give the tensors autograd uses the requires_grad the caller set on the stand-ins since (unfreezing
@@ -346,6 +355,8 @@ class OffloadedParameters(Closing):
         """A forward of `u` ended: its stand-ins back in its modules, its memory freed unless its backward
         holds it; after the last unit's forward with autograd on, its backward's read is issued."""
         u.depth -= 1
+        if grad and torch._C._current_graph_task_id() == -1:  # not a recompute inside a backward
+            u.graphs += 1
         if u.depth or u.held:
             return
         for h in u.params:
@@ -376,19 +387,22 @@ class OffloadedParameters(Closing):
             if u.held:
                 self.finish(u)
 
-    def _backward_ended(self) -> None:
+    def _backward_ended(self, interrupted: bool = False) -> None:
         """The whole backward is done: units it did not finish (no input needed a gradient) are."""
         with self.lock:
             self.callback_queued = False
             for u in self.units:
                 if u.held:
-                    self.finish(u)
+                    self.finish(u, interrupted)
 
-    def finish(self, u: HeldUnit) -> None:
-        """`u`'s backward is done: its gradients to the drive, its memory freed (unless a forward of it is
-        running)."""
+    def finish(self, u: HeldUnit, interrupted: bool = False) -> None:
+        """`u`'s backward is done: its gradients to the drive (or, stepped in the backward, its parameters),
+        its memory freed (unless a forward of it is running)."""
+        u.graphs = max(u.graphs - 1, 0)
         done = [h for h in u.params if h.real.grad is not None and h.real.grad is not h.marker]
         late = [h for h in done if h.grad_state() == GRAD_ON_DRIVE and not h.loaded_grad]
+        if done and not (late or interrupted or u.graphs or u.depth) and self.stepper is not None:
+            done = self._step_now(u, done)
         for h in late:  # a gradient reached after the unit was finished: add it to the one on the drive
             lease = self._read_units([h.grad_unit])  # type: ignore[list-item]
             try:
@@ -408,6 +422,20 @@ class OffloadedParameters(Closing):
             for h in u.params:
                 h.show(False)
             self.free(u)
+
+    def _step_now(self, u: HeldUnit, done: list[Held]) -> list[Held]:
+        """Step `done` (their gradients complete and in memory) with the optimizer stepping in backward and
+        write their new values; those it does not step (in none of its groups)."""
+        stepped = self.stepper.step(done)
+        if stepped:
+            for key in ((u.index, False), (u.index, True)):  # read ahead before the update: stale
+                lease = self._pending.pop(key, None)
+                if lease is not None:
+                    lease.release()
+            self._write(stepped, [h.real.detach() for h in stepped], [h.data for h in stepped])
+            for h in stepped:
+                h.grad, h.stand.grad, h.real.grad = NO_GRAD, None, None
+        return [h for h in done if h not in stepped]
 
     def free(self, u: HeldUnit) -> None:
         for h in u.params:

@@ -1,0 +1,153 @@
+"""The optimizer step in the backward (offload_parameters with `OffloadedOptimizer(step_in_backward=True)`):
+a unit is stepped as soon as its backward is complete, while its parameters and gradients are in memory, so
+its gradients never reach the drive and the step reads only the optimizer's state. Per step this saves,
+for each trainable unit, the gradients' write and the step's read of parameters and gradients: of the six
+transfers of the unit's bytes a step makes otherwise, three remain (the forward's read, the backward's read,
+the parameters' write), beside the state's read and write.
+
+It is the same arithmetic as a step after the backward for an element-wise optimizer (each element updated
+from its own gradient and state: torch's Adam, AdamW, SGD, ...), which is the only kind it takes. A unit is
+stepped only when the backward that completes it is the last one its gradients wait for: a unit run
+several times before a backward (two forwards, one loss), a backward interrupted (Ctrl-C), a forward of it
+running in another thread, or micro-batches before the last of an accumulation (the caller turns the flag
+off for those) leave its gradients on the drive, and step() steps it as usual.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from deepnvme.offload.train.held import OWNER_ATTR, Held
+
+if TYPE_CHECKING:
+    from deepnvme.offload.train.optimizer import OffloadedOptimizer
+
+
+class Present:
+    """The lending of a step in the backward: the unit's parameters are in memory already, with their
+    gradients; the owner writes them back after the step."""
+
+    def __init__(self, lent: dict[torch.Tensor, torch.Tensor]) -> None:
+        self.lent = lent
+
+    def take(self, i: int) -> dict[torch.Tensor, torch.Tensor]:
+        return self.lent
+
+    def give_back(self, i: int) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class BackwardStepper:
+    """What an OffloadedParameters calls as a unit's backward completes (`step(helds)`), for one optimizer."""
+
+    def __init__(self, opt: OffloadedOptimizer) -> None:
+        if not opt.elementwise:
+            raise TypeError("step_in_backward=True needs an element-wise optimizer (each element updated "
+                            f"from its own gradient and state); {type(opt.optimizer).__name__} is not one "
+                            "(or "
+                            "declare it with elementwise=True): step it after the backward")
+        owners = {id(o): o for g in opt.param_groups for p in g["params"]
+                  if (o := getattr(p, OWNER_ATTR, None)) is not None}
+        if len(owners) != 1:
+            raise ValueError("step_in_backward=True needs the parameters of one model offloaded by "
+                             f"offload_parameters (made on model.parameters() after it); these have "
+                             f"{len(owners)} such models")
+        self.opt, self.owner = opt, next(iter(owners.values()))
+        if self.owner.stepper is not None:
+            raise ValueError("another OffloadedOptimizer steps this model in its backward already (close it "
+                             "first)")
+        self.owner.stepper = self
+        self.on = True
+        self.profiles: list[Any] = []  # the steps made in backwards since the last step()
+
+    def step(self, helds: list[Held]) -> list[Held]:
+        """Step those of `helds` (a unit's parameters, their values and gradients in memory) that are in
+        the optimizer's groups; the ones stepped, their new values in place."""
+        if not self.on:
+            return []
+        opt = self.opt
+        by_stand = {id(h.stand): h for h in helds}
+        work = [(gi, p) for gi, g in enumerate(opt.param_groups) for p in g["params"] if id(p) in by_stand]
+        if not work:
+            return []
+        opt._check_usable()
+        for _, p in work:
+            g = by_stand[id(p)].real.grad
+            if g.is_sparse:  # type: ignore[union-attr]
+                raise RuntimeError(f"{by_stand[id(p)].name} has a sparse gradient: OffloadedOptimizer does "
+                                   "not take sparse gradients")
+        tiles = opt._make_records(work)
+        self.profiles.append(opt._run_tiles(work, tiles, Present({p: by_stand[id(p)].real for _, p in work})))
+        opt._outline([p for _, p in work if p in opt._records])
+        return [by_stand[id(p)] for _, p in work]
+
+    def step_began(self) -> None:
+        """The optimizer's step() begins: forwards from now are those of the next step."""
+        for u in self.owner.units:
+            u.graphs = 0
+
+    def close(self) -> None:
+        if self.owner.stepper is self:
+            self.owner.stepper = None
+
+
+def merge(into: Any, profiles: list[Any]) -> None:
+    """Add the transfers and updates of steps made in backwards to step()'s profile."""
+    for prof in profiles:
+        into.reads += prof.reads
+        into.writes += prof.writes
+        into.updates += prof.updates
+        into.read_wait_s += prof.read_wait_s
+
+
+
+if TYPE_CHECKING:
+    _Base = OffloadedOptimizer
+else:
+    _Base = object
+
+
+class StepsInBackward(_Base):
+    """`step_in_backward` of OffloadedOptimizer (a mixin of it)."""
+
+    _stepper: BackwardStepper | None = None
+
+    @property
+    def step_in_backward(self) -> bool:
+        """Whether offloaded units are stepped as their backward completes (see backward_step.py). Turn it
+        off for the micro-batches of a gradient accumulation before the last, and on for the last."""
+        return self._stepper is not None and self._stepper.on
+
+    @step_in_backward.setter
+    def step_in_backward(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"step_in_backward must be a bool, got {on!r}")
+        if self._stepper is None and on:
+            self._check_open()
+            self._stepper = BackwardStepper(self)
+        if self._stepper is not None:
+            self._stepper.on = on
+
+    def _backward_steps_begin(self) -> None:
+        """step() begins: what was stepped in backwards joins its profile; forwards from now on count for
+        the next step."""
+        if self._stepper is not None:
+            self._stepper.step_began()
+
+    def _backward_steps_into(self, profile: Any) -> None:
+        if self._stepper is not None:
+            merge(profile, self._stepper.profiles)
+            self._stepper.profiles = []
+
+    def _backward_steps_end(self) -> None:
+        if self._stepper is not None:
+            self._stepper.close()
+            self._stepper = None
