@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from deepnvme.offload import OffloadedOptimizer
+from deepnvme.offload import OffloadedOptimizer, StreamedWeightError
 from deepnvme.offload.train import offload_parameters
 from tests.offload.train_models import build, loss, units_of
 
@@ -161,3 +161,66 @@ def test_an_optimizer_that_makes_its_state_when_made_works(workdir: Path) -> Non
     no value, so it works), and the OffloadedOptimizer takes that state to the drive."""
     _same_training(lambda: build("sequential"), lambda m, s: loss("sequential", m, s, 0), workdir,
                    units=lambda m: units_of("sequential", m), optimizer=torch.optim.Adagrad)
+
+
+class Shared(nn.Module):
+    """ALBERT's shape (one block object repeated in the list) and a layer shared by blocks of their own."""
+
+    def __init__(self, albert: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Linear(8, 16)
+        if albert:
+            block = Block()
+            self.blocks = nn.ModuleList([block, block, block])
+        else:
+            shared = nn.Linear(16, 16)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), shared) for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h), h
+
+
+@pytest.mark.parametrize("albert", [True, False], ids=["one-block-repeated", "layer-shared-by-blocks"])
+def test_modules_shared_across_blocks_are_bit_identical(albert: bool, workdir: Path) -> None:
+    """A block repeated as one object is one unit run several times (its gradient summed over its runs
+    through the drive in the order memory sums it); a layer shared by several units stays in memory."""
+    _same_training(lambda: Shared(albert), _residual_loss, workdir)
+
+
+def test_load_state_dict_writes_the_offloaded_values(workdir: Path) -> None:
+    """load_state_dict on an offloaded model: offloaded values go to the drive, the rest as torch loads
+    them; a shape that does not match is refused before anything is loaded."""
+    ref, m = build("sequential"), build("sequential")
+    nn.init.normal_(ref[1].weight)
+    nn.init.normal_(ref[0].weight)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    with offload_parameters(m, workdir, BUDGET, units=units_of("sequential", m)):
+        bad = {**ref.state_dict(), "1.weight": torch.zeros(3, 3)}
+        with pytest.raises(RuntimeError, match=r"1\.weight is \(3, 3\) in the state dict and \(64, 32\)"):
+            m.load_state_dict(bad)
+        assert not torch.equal(m[0].weight, ref[0].weight)  # nothing loaded
+        assert not torch.equal(m(ids), ref(ids))
+        assert str(m.load_state_dict(ref.state_dict())) == "<All keys matched successfully>"
+        assert torch.equal(m(ids), ref(ids))
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), m.parameters()))
+
+
+def test_conversions_are_refused_before_anything_changes(workdir: Path) -> None:
+    import copy
+
+    m = build("sequential")
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    with offload_parameters(m, workdir, BUDGET, units=units_of("sequential", m)):
+        want = m(ids)
+        with pytest.raises(StreamedWeightError, match=r"would change 1\.weight.*nothing was changed"):
+            m.half()
+        assert {p.dtype for p in m.parameters()} == {torch.float32}
+        assert m.to("cpu") is m and m.float() is m  # conversions that change nothing work
+        assert torch.equal(m(ids), want)
+        with pytest.raises(TypeError, match="cannot be pickled or copied"):
+            copy.deepcopy(m)

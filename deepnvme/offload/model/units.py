@@ -26,12 +26,14 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 
 def unit_modules(model: nn.Module, units: Any) -> list[tuple[str, nn.Module]]:
-    """The (qualified name, module) of each unit of `model`: its repeated blocks when `units` is None, the
-    children of the module named `units`, or the modules (or module names) listed; ValueError or TypeError
-    naming what is wrong (not a submodule, the model itself, nested units, a module named twice)."""
+    """The (qualified name, module) of each unit of `model`: its repeated blocks when `units` is None (each
+    block object once), the children of the module named `units`, or the modules (or module names)
+    listed; ValueError or TypeError naming what is wrong (not a submodule, the model itself, nested units,
+    a module named twice)."""
     names = {id(m): n for n, m in model.named_modules()}
     if units is None:
-        chosen: list[Any] = list(_blocks(model)[1])
+        # A block repeated as the same object (ALBERT's shared layers) is one unit, run several times.
+        chosen: list[Any] = list({id(b): b for b in _blocks(model)[1]}.values())
     elif isinstance(units, str):
         try:
             container = model.get_submodule(units)

@@ -67,15 +67,42 @@ class BackwardStepper:
         self.owner.stepper = self
         self.on = True
         self.profiles: list[Any] = []  # the steps made in backwards since the last step()
+        self.ahead: tuple[list[int], list[Any], Any] | None = None  # a unit's state read ahead
+
+    def _work(self, helds: list[Held], wanted: Any) -> list[tuple[int, torch.Tensor]]:
+        by_stand = {id(h.stand): h for h in helds if wanted(h)}
+        return [(gi, p) for gi, g in enumerate(self.opt.param_groups) for p in g["params"]
+                if id(p) in by_stand]
+
+    def prefetch(self, helds: list[Held]) -> None:
+        """A unit's backward begins: the state of its parameters that will have gradients is read now,
+        while the backward computes, for step() to find it in memory."""
+        self.drop_prefetch()
+        if not self.on or self.opt._closed or self.opt._broken is not None:
+            return
+        work = self._work(helds, lambda h: h.stand.requires_grad)
+        if work:
+            tiles = self.opt._make_records(work)
+            reader = self.opt._reader(tiles)
+            reader.pump()
+            self.ahead = ([id(p) for _, p in work], tiles, reader)
+
+    def drop_prefetch(self) -> None:
+        if self.ahead is not None:
+            self.ahead[2].close()
+            self.ahead = None
 
     def step(self, helds: list[Held]) -> list[Held]:
         """Step those of `helds` (a unit's parameters, their values and gradients in memory) that are in
         the optimizer's groups; the ones stepped, their new values in place."""
+        ahead, self.ahead = self.ahead, None
         if not self.on:
+            if ahead is not None:
+                ahead[2].close()
             return []
         opt = self.opt
         by_stand = {id(h.stand): h for h in helds}
-        work = [(gi, p) for gi, g in enumerate(opt.param_groups) for p in g["params"] if id(p) in by_stand]
+        work = self._work(helds, lambda h: True)
         if not work:
             return []
         opt._check_usable()
@@ -84,17 +111,25 @@ class BackwardStepper:
             if g.is_sparse:  # type: ignore[union-attr]
                 raise RuntimeError(f"{by_stand[id(p)].name} has a sparse gradient: OffloadedOptimizer does "
                                    "not take sparse gradients")
-        tiles = opt._make_records(work)
-        self.profiles.append(opt._run_tiles(work, tiles, Present({p: by_stand[id(p)].real for _, p in work})))
+        if ahead is not None and ahead[0] == [id(p) for _, p in work]:
+            tiles, reader = ahead[1], ahead[2]
+        else:
+            if ahead is not None:
+                ahead[2].close()
+            tiles, reader = opt._make_records(work), None
+        lent = Present({p: by_stand[id(p)].real for _, p in work})
+        self.profiles.append(opt._run_tiles(work, tiles, lent, reader))
         opt._outline([p for _, p in work if p in opt._records])
         return [by_stand[id(p)] for _, p in work]
 
     def step_began(self) -> None:
         """The optimizer's step() begins: forwards from now are those of the next step."""
+        self.drop_prefetch()
         for u in self.owner.units:
             u.graphs = 0
 
     def close(self) -> None:
+        self.drop_prefetch()
         if self.owner.stepper is self:
             self.owner.stepper = None
 

@@ -298,13 +298,18 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, Closing, torch.op
             hook(self.optimizer, (), {})
         return loss
 
-    def _run_tiles(self, work: list[tuple[int, torch.Tensor]], tiles: list[list[Piece]],
-                   lending: Any) -> StepProfile:
-        """Step `tiles` of `work`, each tile's state read ahead; `lending` gives offloaded parameters' values
-        (lending.py). An error leaves the optimizer refusing further steps (`_broken`)."""
-        reader = ReadAhead(self.swap, [[u for _, p, k in t if p in self._records
-                                        for u in self._records[p].units[k]] for t in tiles],
-                           end_parts=END_REQUESTS)
+    def _reader(self, tiles: list[list[Piece]]) -> ReadAhead:
+        """The reads of `tiles`' state, in order, issued as far ahead as the pool allows."""
+        return ReadAhead(self.swap, [[u for _, p, k in t if p in self._records
+                                      for u in self._records[p].units[k]] for t in tiles],
+                         end_parts=END_REQUESTS)
+
+    def _run_tiles(self, work: list[tuple[int, torch.Tensor]], tiles: list[list[Piece]], lending: Any,
+                   reader: ReadAhead | None = None) -> StepProfile:
+        """Step `tiles` of `work`, each tile's state read ahead (by `reader`, when its reads were issued
+        before); `lending` gives offloaded parameters' values (lending.py). An error leaves the optimizer
+        refusing further steps (`_broken`)."""
+        reader = self._reader(tiles) if reader is None else reader
         starts = {p: self._records[p].scalars for _, p in work if p in self._records}
         self._made = {p for _, p in work if p in self._records and self._records[p].made}
         self._flat_grads = {}

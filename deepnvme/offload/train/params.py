@@ -60,6 +60,7 @@ from deepnvme.offload.train.held import (
 )
 from deepnvme.offload.train.model_io import Checkpoint, converted, fill_residents
 from deepnvme.offload.train.model_io import save as save_model
+from deepnvme.offload.train.model_methods import ModelMethods
 from deepnvme.offload.train.unit_hooks import unwrap_unit, wrap_unit
 
 # Units read ahead of the one in use, in the direction of the pass (as far as the budget allows).
@@ -111,6 +112,7 @@ class OffloadedParameters(Closing):
         self.callback_queued = False
         self.backward_thread: int | None = None
         self.stepper: Any = None  # an OffloadedOptimizer's BackwardStepper (step_in_backward=True)
+        self._methods: ModelMethods | None = None
         self.counts = {"unit_reads": 0, "bytes_read": 0, "bytes_written": 0, "prefetched": 0, "demanded": 0}
         ckpt = None
         try:
@@ -121,6 +123,7 @@ class OffloadedParameters(Closing):
                 self.units.append(self._take(i, name, mod, params, ckpt))
             for u in self.units:
                 wrap_unit(self, u)
+            self._methods = ModelMethods(self)
         except BaseException:
             self.close()
             raise
@@ -379,6 +382,8 @@ class OffloadedParameters(Closing):
                 u.held = True
                 for h in u.params:
                     h.show(True)
+                if self.stepper is not None and u.graphs <= 1:  # its step's state read during its backward
+                    self.stepper.prefetch(u.params)
             self.prefetch(range(u.index - 1, -1, -1), grads=True)
 
     def backward_ends(self, u: HeldUnit) -> None:
@@ -482,6 +487,8 @@ class OffloadedParameters(Closing):
             return
         try:
             self._drop_pending()
+            if self._methods is not None:
+                self._methods.remove()
             for u in self.units:
                 unwrap_unit(u)
                 if u.params:
@@ -508,12 +515,18 @@ class OffloadedParameters(Closing):
 def _plan(model: nn.Module, chosen: list[tuple[str, nn.Module]],
           meta_ok: bool) -> list[list[tuple[str, nn.Parameter]]]:
     """For each unit, the (qualified name, parameter) it offloads: those found only inside it."""
+    # Every place of every module (a module registered in several places is seen in each): a parameter is
+    # in a unit where a module above it, or its own, is that unit's module.
+    unit_of = {id(mod): i for i, (_, mod) in enumerate(chosen)}
+    paths = dict(model.named_modules(remove_duplicate=False))
     where: dict[int, set[int]] = {}
-    inside = {id(m): i for i, (_, mod) in enumerate(chosen) for m in mod.modules()}
-    for m in model.modules():
+    for path, m in paths.items():
+        parts = path.split(".") if path else []
+        i = next((unit_of[id(paths[".".join(parts[:k])])] for k in range(1, len(parts) + 1)
+                  if id(paths[".".join(parts[:k])]) in unit_of), -1)
         for p in m._parameters.values():
             if p is not None:
-                where.setdefault(id(p), set()).add(inside.get(id(m), -1))
+                where.setdefault(id(p), set()).add(i)
     out: list[list[tuple[str, nn.Parameter]]] = [[] for _ in chosen]
     for name, p in model.named_parameters(remove_duplicate=True):
         places = where[id(p)]
