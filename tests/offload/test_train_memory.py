@@ -92,3 +92,13 @@ def test_a_configuration_the_cgroup_cannot_hold_is_refused_up_front(cgroup: Path
     assert done.returncode == 1, done.stderr[-3000:]
     assert f"MemoryError: offload_parameters(budget_bytes={LIMIT}) needs" in done.stderr, done.stderr[-2000:]
     assert "memory cgroup" in done.stderr and "left" in done.stderr
+
+
+def test_the_optimizer_counts_what_the_offloaded_step_still_needs(cgroup: Path, checkpoint: Path,
+                                                                  workdir: Path) -> None:
+    """offload_parameters' check passes on its own, but its step's memory (not used yet when the optimizer
+    is made) and the optimizer's pool together exceed the cgroup: the optimizer refuses, with both."""
+    done = _run(cgroup, LIMIT, "offload", checkpoint, workdir, budget=96 << 20)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert (f"MemoryError: OffloadedOptimizer(budget_bytes={96 << 20}) with the training step of the "
+            "offloaded model") in done.stderr, done.stderr[-2000:]

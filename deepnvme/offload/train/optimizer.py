@@ -50,7 +50,7 @@ from deepnvme.offload.train.checkpoints import Checkpoints
 from deepnvme.offload.train.checks import Checks
 from deepnvme.offload.train.grouping import how_stepped, whole_step_too_large
 from deepnvme.offload.train.held import HIDDEN_ATTR
-from deepnvme.offload.train.lending import Lending, zero_offloaded_grads
+from deepnvme.offload.train.lending import Lending, owner_of, zero_offloaded_grads
 from deepnvme.offload.train.probe import Prober
 from deepnvme.offload.train.profile import StepProfile
 from deepnvme.offload.train.records import (
@@ -161,7 +161,13 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, Closing, torch.op
                              f"{self.min_budget_bytes} bytes{'' if exact else ' (estimated)'} "
                              f"({self._need}); "
                              f"raise budget_bytes to at least {self.min_budget_bytes}")
-        check_memory_room(budget, f"OffloadedOptimizer(budget_bytes={budget})")  # the pool it locks
+        # The pool it locks, and what the step of a model offloaded by offload_parameters is still to take
+        # (counted there against the memory of that time, not yet used: the two checks must add up).
+        owners = {id(o): o for g in optimizer.param_groups for p in g["params"] if (o := owner_of(p))}
+        steps = sum(o.step_bytes for o in owners.values())
+        what = f"OffloadedOptimizer(budget_bytes={budget})"
+        check_memory_room(budget + steps, what + (f" with the training step of the offloaded model ({steps} "
+                                                  "bytes)" if steps else ""))
         self.swap = SwapSpace(directory, budget, handle=handle, expected_bytes=self.swap_bytes,
                               requests_in_flight=REQUESTS_IN_FLIGHT, handle_settings=SWAP)
         self._closed = False

@@ -97,7 +97,8 @@ class OffloadedParameters(Closing):
                              f"({need} bytes): raise budget_bytes to at least {need}, or make smaller units")
         drive = sum(round_up(h.numel() * h.element_size()) * (2 if h.requires_grad else 1)
                     for ps in plan for _, h in ps)
-        self.memory_bytes = budget + _memory_need(model, plan)
+        self.step_bytes = _memory_need(model, plan)  # what a training step takes beyond the pool
+        self.memory_bytes = budget + self.step_bytes
         check_memory_room(self.memory_bytes, f"offload_parameters(budget_bytes={budget})")
         return_freed_memory()
         self.space = SwapSpace(directory, budget, expected_bytes=drive, requests_in_flight=REQUESTS_IN_FLIGHT,
