@@ -224,3 +224,33 @@ def test_conversions_are_refused_before_anything_changes(workdir: Path) -> None:
         assert torch.equal(m(ids), want)
         with pytest.raises(TypeError, match="cannot be pickled or copied"):
             copy.deepcopy(m)
+
+
+def test_the_hooks_of_a_step_are_freed_with_its_graph(workdir: Path) -> None:
+    """The gradient hooks put on units' inputs live as long as the step's graph: none is left after it
+    (a hook holding the nodes it hangs on makes a cycle through C++ that Python cannot free, and memory
+    grows every step)."""
+    import gc
+    import inspect
+
+    from deepnvme.offload.train import unit_hooks
+
+    code = next(c for c in unit_hooks._when_done.__code__.co_consts
+                if inspect.iscode(c) and c.co_name == "hook")
+
+    def live() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if inspect.isfunction(o) and o.__code__ is code)
+
+    m = Residual()
+    with offload_parameters(m, workdir, BUDGET, units=list(m.blocks)), \
+            OffloadedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), workdir, OPT_BUDGET) as opt:
+        for s in range(6):
+            la = _residual_loss(m, s)
+            if s == 0:
+                assert live() == len(m.blocks)  # one per unit while the graph lives
+            la.backward()
+            opt.step()
+            opt.zero_grad()
+            del la
+            assert live() == 0

@@ -71,20 +71,30 @@ def unwrap_unit(u: HeldUnit) -> None:
 
 
 def _when_done(owner: OffloadedParameters, u: HeldUnit, args: Any) -> Any:
-    """Have `owner.backward_ends(u)` called once the gradients of the unit's inputs are complete; the
-    inputs as the unit is to see them.
+    """Have `owner.backward_ends(u)` called once the unit's backward is done; the inputs as the unit is to
+    see them.
 
-    Inputs made by autograd nodes get a gradient hook: it runs when the node that made them runs, after
-    every node of the unit (they were all made later), and adds nothing to the graph, so an input also used
-    outside the unit has its gradient summed in the order it has in memory. A leaf input cannot have one
-    (its hook runs at accumulation, which may come before the unit's weight gradients are accumulated):
-    inputs that include a leaf pass through _BackwardEnds instead."""
+    Inputs made by autograd nodes get a gradient hook, run just before the node that made them runs: after
+    every node of the unit, all made later (the first input's to run is enough), and nothing is added to
+    the graph, so an input also used outside the unit has its gradient summed in the order it has in
+    memory. (torch's register_multi_grad_hook is not used: its hooks hold the inputs' nodes, a cycle
+    through C++ that Python's collector cannot free, and memory grew every step.) A leaf input cannot have
+    one (its hook runs at accumulation, which may come before the unit's weight gradients are
+    accumulated): inputs that include a leaf pass through _BackwardEnds instead."""
     leaves = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not leaves:
         return args
     if any(t.grad_fn is None for t in leaves):
         return _through(_BackwardEnds, lambda: owner.backward_ends(u), args)
-    torch.autograd.graph.register_multi_grad_hook(leaves, lambda _grads: owner.backward_ends(u))
+    fired = [False]
+
+    def hook(_grad: torch.Tensor) -> None:
+        if not fired[0]:
+            fired[0] = True
+            owner.backward_ends(u)
+
+    for t in {id(t): t for t in leaves}.values():
+        t.register_hook(hook)
     return args
 
 
