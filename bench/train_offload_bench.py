@@ -6,6 +6,7 @@ drive's bound, and DeepSpeed ZeRO-3 with parameters and optimizer offloaded to N
     python3 bench/train_offload_bench.py [--size 1.5g|medium|small] [--small] [--hidden H --layers L ...]
                                          [--batch 1] [--seq 256] [--warmup 2] [--steps 3] [--repeats 3]
                                          [--budget B] [--opt_budget B] [--cgroup-mb N] [--step_in_backward]
+                                         [--checkpointing]
                                          [--deepspeed_python /work/dsvenv/bin/python] [--dir DIR]
                                          [--out PREFIX]
 
@@ -13,7 +14,8 @@ The model is transformers' LlamaForCausalLM made from a LlamaConfig here (nothin
 of seed 0; `--size` picks its shape (default 1.5g: 374 M parameters, 1.50 GB; `--small`: 40 M, 162 MB, for a
 run of a few minutes), and --hidden/--intermediate/--layers/--heads/--vocab override any of it. One training
 step is forward + backward (labels = inputs) + AdamW(lr 1e-4) + zero_grad, on `--batch` x `--seq` tokens
-(the same batches, seeded by step, for every contender). Contenders:
+(the same batches, seeded by step, for every contender); `--checkpointing` turns on activation
+checkpointing of every block in every contender. Contenders:
 - memory:    the same training in memory (torch.optim.AdamW);
 - io-bound:  the bytes one offloaded step moves (its own counters: off.stats() deltas + opt.last_step of a
              timed step) over the drive's raw speeds, measured here in the same run: deepnvme's aio handle
@@ -258,7 +260,8 @@ def render(res: dict[str, Any]) -> str:
              f"Model: LlamaForCausalLM {m['shape']} ({m['params'] / 1e6:.1f} M parameters, "
              f"{m['param_bytes'] / GB:.3f} GB fp32, {m['block_param_bytes'] / GB:.3f} GB of it in the "
              f"decoder blocks that offload moves; the rest stays in memory). Step: forward + backward + "
-             f"AdamW, batch {meta['batch']} x seq {meta['seq']} = {meta['tokens']} tokens. "
+             f"AdamW, batch {meta['batch']} x seq {meta['seq']} = {meta['tokens']} tokens"
+             f"{', activation checkpointing' if meta.get('checkpointing') else ''}. "
              f"{meta['repeats']} interleaved repeats x {meta['steps']} timed steps after {meta['warmup']} "
              f"warm-up steps, medians; torch {meta['torch']}, {meta['torch_threads']} threads, "
              f"OMP_WAIT_POLICY={meta['omp_wait_policy']}. Offload: budget {meta['budget'] // MIB} MiB "
@@ -355,6 +358,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--offload_build", choices=("checkpoint", "memory"), default="checkpoint",
                     help="offload's model: filled from deepnvme's store (never whole in memory), or built "
                          "in memory and then offloaded")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="activation checkpointing of every block (transformers' own, not reentrant) in "
+                         "every contender")
     ap.add_argument("--step_in_backward", action="store_true",
                     help="offload's optimizer steps each block in its backward (OffloadedOptimizer("
                          "step_in_backward=True)): its gradients never reach the drive")
@@ -411,14 +417,14 @@ def main(argv: list[str] | None = None) -> int:
         "size": args.size, "batch": args.batch, "seq": args.seq, "tokens": args.batch * args.seq,
         "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats, "budget": budget,
         "opt_budget": opt_budget, "offload_build": args.offload_build, "cgroup_mb": args.cgroup_mb,
-        "step_in_backward": args.step_in_backward,
+        "step_in_backward": args.step_in_backward, "checkpointing": args.checkpointing,
         "note": args.note, "torch": torch.__version__,
         "torch_threads": args.threads or torch.get_num_threads(),
         "omp_wait_policy": os.environ["OMP_WAIT_POLICY"], "load_before": load_average(), "dir": str(work)}
     base = {"shape": shape, "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "steps": args.steps,
             "lr": args.lr, "threads": args.threads, "root": str(ROOT), "store": str(work / "store"),
             "budget": budget, "opt_budget": opt_budget, "build": args.offload_build,
-            "step_in_backward": args.step_in_backward,
+            "step_in_backward": args.step_in_backward, "checkpointing": args.checkpointing,
             "ds_buffer_count": args.ds_buffer_count, "ds_max_in_cpu": args.ds_max_in_cpu,
             "ds_zero": json.loads(args.ds_zero or "{}"), "ds_aio": json.loads(args.ds_aio or "null")}
     samples: dict[str, list[dict]] = {c: [] for c in wanted}

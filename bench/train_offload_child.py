@@ -71,6 +71,14 @@ def build_model(config: tf.LlamaConfig) -> torch.nn.Module:
     return model
 
 
+def checkpointing(model: torch.nn.Module, spec: dict[str, Any]) -> torch.nn.Module:
+    """Activation checkpointing of every block (transformers' own, not reentrant) when the spec asks:
+    the same for every contender."""
+    if spec.get("checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def batch_ids(step: int, batch: int, seq: int, vocab: int) -> torch.Tensor:
     """Step `step`'s token ids: the same for every contender."""
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1000 + step))
@@ -122,7 +130,7 @@ class Contender:
 
 class Memory(Contender):
     def __init__(self, spec: dict[str, Any], config: tf.LlamaConfig) -> None:
-        self.model = build_model(config)
+        self.model = checkpointing(build_model(config), spec)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec["lr"])
 
     def step(self, ids: torch.Tensor) -> float:
@@ -149,11 +157,11 @@ class Offload(Contender):
             with accelerate.init_empty_weights():
                 self.model = tf.LlamaForCausalLM(config)
             self.model.tie_weights()
-            self.model.train()
+            checkpointing(self.model.train(), spec)
             mark("built without weights")
             self.off = offload_parameters(self.model, work, budget, checkpoint=spec["store"])
         else:
-            self.model = build_model(config)
+            self.model = checkpointing(build_model(config), spec)
             self.off = offload_parameters(self.model, work, budget)
         mark("offload_parameters done")
         self.opt = OffloadedOptimizer(torch.optim.AdamW(self.model.parameters(), lr=spec["lr"]), work,
@@ -203,7 +211,7 @@ class DeepSpeed(Contender):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
-        model = build_model(config)
+        model = checkpointing(build_model(config), spec)
         nvme = spec["swap_dir"]
         os.makedirs(nvme, exist_ok=True)
         largest = max(p.numel() for p in model.parameters())
