@@ -6,7 +6,7 @@ drive's bound, and DeepSpeed ZeRO-3 with parameters and optimizer offloaded to N
     python3 bench/train_offload_bench.py [--size 1.5g|medium|small] [--small] [--hidden H --layers L ...]
                                          [--batch 1] [--seq 256] [--warmup 2] [--steps 3] [--repeats 3]
                                          [--budget B] [--opt_budget B] [--cgroup-mb N] [--step_in_backward]
-                                         [--checkpointing]
+                                         [--checkpointing] [--offload_embeddings]
                                          [--deepspeed_python /work/dsvenv/bin/python] [--dir DIR]
                                          [--out PREFIX]
 
@@ -29,6 +29,7 @@ checkpointing of every block in every contender. Contenders:
              beforehand (--offload_build memory: built in memory, then offloaded); run inside a memory
              cgroup limited to --cgroup-mb when given; --step_in_backward: each block stepped in its
              backward (its gradients never written, and the I/O bound is of the bytes that moves);
+             --offload_embeddings: the embeddings and the head are units too (else they stay in memory);
 - deepspeed: DeepSpeed 0.19.8 ZeRO-3, offload_param and offload_optimizer to NVMe (pipeline_read/write),
              torch.optim.AdamW as client optimizer (zero_force_ds_cpu_optimizer false), default aio
              settings, one process, gloo, DS_ACCELERATOR=cpu, run by --deepspeed_python (its own venv).
@@ -259,14 +260,18 @@ def render(res: dict[str, Any]) -> str:
              f"{meta['host']})", "", f"`{meta['command']}`", "",
              f"Model: LlamaForCausalLM {m['shape']} ({m['params'] / 1e6:.1f} M parameters, "
              f"{m['param_bytes'] / GB:.3f} GB fp32, {m['block_param_bytes'] / GB:.3f} GB of it in the "
-             f"decoder blocks that offload moves; the rest stays in memory). Step: forward + backward + "
+             "decoder blocks" + ("; offload moves all of it" if meta.get("offload_embeddings") else
+                                 " that offload moves; the rest stays in memory")
+             + "). Step: forward + backward + "
              f"AdamW, batch {meta['batch']} x seq {meta['seq']} = {meta['tokens']} tokens"
              f"{', activation checkpointing' if meta.get('checkpointing') else ''}. "
              f"{meta['repeats']} interleaved repeats x {meta['steps']} timed steps after {meta['warmup']} "
              f"warm-up steps, medians; torch {meta['torch']}, {meta['torch_threads']} threads, "
              f"OMP_WAIT_POLICY={meta['omp_wait_policy']}. Offload: budget {meta['budget'] // MIB} MiB "
              f"(parameters) + {meta['opt_budget'] // MIB} MiB (optimizer)"
-             f"{', step in backward' if meta.get('step_in_backward') else ''}, build from "
+             f"{', step in backward' if meta.get('step_in_backward') else ''}"
+             f"{', embeddings and head offloaded as units' if meta.get('offload_embeddings') else ''}"
+             ", build from "
              f"{meta['offload_build']}, cgroup limit "
              f"{str(meta['cgroup_mb']) + ' MiB' if meta['cgroup_mb'] else 'none'}. {meta['note']}", "",
              f"Load average (1/5/15 min): {meta['load_before']} before, {meta['load_after']} after.", "",
@@ -358,6 +363,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--offload_build", choices=("checkpoint", "memory"), default="checkpoint",
                     help="offload's model: filled from deepnvme's store (never whole in memory), or built "
                          "in memory and then offloaded")
+    ap.add_argument("--offload_embeddings", action="store_true",
+                    help="offload's units include the embeddings and the head (one unit each; --budget "
+                         "must hold the larger with its gradient)")
     ap.add_argument("--checkpointing", action="store_true",
                     help="activation checkpointing of every block (transformers' own, not reentrant) in "
                          "every contender")
@@ -418,13 +426,14 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats, "budget": budget,
         "opt_budget": opt_budget, "offload_build": args.offload_build, "cgroup_mb": args.cgroup_mb,
         "step_in_backward": args.step_in_backward, "checkpointing": args.checkpointing,
-        "note": args.note, "torch": torch.__version__,
+        "offload_embeddings": args.offload_embeddings, "note": args.note, "torch": torch.__version__,
         "torch_threads": args.threads or torch.get_num_threads(),
         "omp_wait_policy": os.environ["OMP_WAIT_POLICY"], "load_before": load_average(), "dir": str(work)}
     base = {"shape": shape, "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "steps": args.steps,
             "lr": args.lr, "threads": args.threads, "root": str(ROOT), "store": str(work / "store"),
             "budget": budget, "opt_budget": opt_budget, "build": args.offload_build,
             "step_in_backward": args.step_in_backward, "checkpointing": args.checkpointing,
+            "offload_embeddings": args.offload_embeddings,
             "ds_buffer_count": args.ds_buffer_count, "ds_max_in_cpu": args.ds_max_in_cpu,
             "ds_zero": json.loads(args.ds_zero or "{}"), "ds_aio": json.loads(args.ds_aio or "null")}
     samples: dict[str, list[dict]] = {c: [] for c in wanted}

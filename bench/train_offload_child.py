@@ -79,6 +79,14 @@ def checkpointing(model: torch.nn.Module, spec: dict[str, Any]) -> torch.nn.Modu
     return model
 
 
+def units_of(model: torch.nn.Module, spec: dict[str, Any]) -> list[torch.nn.Module] | None:
+    """offload_parameters' units: the blocks (None: its default), and the embeddings and the head as
+    units of their own when the spec asks."""
+    if not spec.get("offload_embeddings"):
+        return None
+    return [model.model.embed_tokens, *model.model.layers, model.lm_head]
+
+
 def batch_ids(step: int, batch: int, seq: int, vocab: int) -> torch.Tensor:
     """Step `step`'s token ids: the same for every contender."""
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1000 + step))
@@ -159,10 +167,11 @@ class Offload(Contender):
             self.model.tie_weights()
             checkpointing(self.model.train(), spec)
             mark("built without weights")
-            self.off = offload_parameters(self.model, work, budget, checkpoint=spec["store"])
+            self.off = offload_parameters(self.model, work, budget, units=units_of(self.model, spec),
+                                          checkpoint=spec["store"])
         else:
             self.model = checkpointing(build_model(config), spec)
-            self.off = offload_parameters(self.model, work, budget)
+            self.off = offload_parameters(self.model, work, budget, units=units_of(self.model, spec))
         mark("offload_parameters done")
         self.opt = OffloadedOptimizer(torch.optim.AdamW(self.model.parameters(), lr=spec["lr"]), work,
                                       spec["opt_budget"],
