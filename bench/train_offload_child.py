@@ -208,7 +208,7 @@ class Offload(Contender):
 
     def close(self) -> None:
         self.opt.close()
-        self.off.close()
+        self.off.close(restore=False)  # the model would not fit in the cgroup: its values are dropped
 
 
 class DeepSpeed(Contender):

@@ -78,6 +78,11 @@ def test_a_model_4x_the_memory_limit_trains_inside_it(cgroup: Path, checkpoint: 
           f"interpreter")
     assert peak <= LIMIT and all(x == x for x in r["losses"])
     assert r["locked"] <= 2 * BUDGET
+    # close() would put 448 MiB back in memory: refused with the numbers; close(restore=False) drops them
+    assert r["close_refused"].startswith("close() of offload_parameters, putting the parameters back in "
+                                         f"memory (or save() them and close(restore=False)) needs {params} "
+                                         "bytes"), r["close_refused"]
+    assert r["files_left"] == [], r["files_left"]  # the swap folders of the model and the optimizer
 
 
 def test_the_same_training_in_memory_does_not_fit(cgroup: Path, checkpoint: Path, workdir: Path) -> None:

@@ -254,3 +254,18 @@ def test_the_hooks_of_a_step_are_freed_with_its_graph(workdir: Path) -> None:
             opt.zero_grad()
             del la
             assert live() == 0
+
+
+def test_close_without_restoring_drops_the_values(workdir: Path) -> None:
+    """close(restore=False), for a model larger than memory: the swap files go, the model refuses any
+    use saying why; nothing is read back."""
+    m = build("sequential")
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    off = offload_parameters(m, workdir, BUDGET, units=units_of("sequential", m))
+    m(ids)
+    reads = off.stats()["bytes_read"]
+    off.close(restore=False)
+    assert off.stats()["bytes_read"] == reads and not any(workdir.iterdir())
+    with pytest.raises(RuntimeError, match="closed with restore=False"):
+        m(ids)
+    off.close()  # idempotent

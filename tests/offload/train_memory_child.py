@@ -8,6 +8,7 @@ argv: mode, checkpoint, swap directory, layers, width, budget bytes, steps.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -56,7 +57,12 @@ def main() -> None:
                "stats": off.stats() if off is not None else None}
     if off is not None:
         opt.close()  # type: ignore[attr-defined]
-        off.space.close()  # files gone; the parameters are not brought back (they would not fit)
+        try:
+            off.close()  # the parameters would not fit: refused before anything moves
+        except MemoryError as exc:
+            figures["close_refused"] = str(exc)
+        off.close(restore=False)  # files gone, the parameters not brought back
+        figures["files_left"] = sorted(os.listdir(directory))
     print(json.dumps(figures))
 
 

@@ -456,6 +456,10 @@ class OffloadedParameters(Closing):
 
     # ------------------------------------------------------------------------------------------ life
     def _check_open(self) -> None:
+        if self._closed and getattr(self, "_dropped", False):
+            raise RuntimeError("these offloaded parameters were closed with restore=False: their values were "
+                               "dropped with the swap files (load them again with offload_parameters(..., "
+                               "checkpoint=) from what save() wrote)")
         if self._closed:
             raise RuntimeError("these offloaded parameters are closed (offload_parameters(...).close() put "
                                "them back in the model)")
@@ -477,20 +481,29 @@ class OffloadedParameters(Closing):
         """Counts since offload: unit reads (read ahead or on demand), bytes read and written."""
         return dict(self.counts)
 
-    def close(self) -> None:
+    def close(self, restore: bool = True) -> None:
         """Put every parameter back in its module with its values (and gradients) from the drive, and remove
-        the swap files (idempotent)."""
+        the swap files (idempotent). When the memory cgroup cannot hold them (a model larger than memory),
+        MemoryError says so before anything changes; `restore=False` then drops the values with the files
+        (save() first to keep them) and leaves the model's stand-ins, which refuse any use. An
+        OffloadedParameters collected with its model drops them too (nothing is left to use them)."""
         if getattr(self, "_closed", True):
             return
         if os.getpid() != self.pid:  # a forked child: the parent's I/O threads are not here to wait for
             self._closed = True
             self.space.close()  # in a child it only marks the space closed (SwapSpace.close)
             return
+        if restore:
+            need = sum(h.nbytes * (2 if h.grad_state() == GRAD_ON_DRIVE else 1) for u in self.units
+                       for h in u.params)
+            check_memory_room(need, "close() of offload_parameters, putting the parameters back in memory "
+                                    "(or save() them and close(restore=False))")
+        self._dropped = not restore
         try:
             self._drop_pending()
             if self._methods is not None:
                 self._methods.remove()
-            for u in self.units:
+            for u in self.units if restore else []:
                 unwrap_unit(u)
                 if u.params:
                     lease = self._read_units(self._units_of(u, True))
@@ -511,6 +524,12 @@ class OffloadedParameters(Closing):
             self.space.close()
             if getattr(self.model, OWNER_ATTR, None) is self:
                 delattr(self.model, OWNER_ATTR)
+
+    def __del__(self) -> None:
+        try:
+            self.close(restore=False)
+        except Exception:  # noqa: BLE001 - nothing can be raised from a finaliser
+            pass
 
 
 def _plan(model: nn.Module, chosen: list[tuple[str, nn.Module]],
