@@ -6,6 +6,7 @@ torch's format, each offloaded tensor read from the drive as the writer asks for
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 from collections.abc import Iterator
@@ -30,6 +31,8 @@ class Checkpoint:
 
     def __init__(self, path: str | os.PathLike, space: SwapSpace) -> None:
         self.path, self.space = os.fspath(path), space
+        if not os.path.exists(self.path):
+            raise FileNotFoundError(errno.ENOENT, "checkpoint= names nothing", self.path)
         self.store: Any = None
         self.loaded: dict[str, torch.Tensor] = {}
         if os.path.isfile(self.path) and not self.path.endswith(".safetensors"):

@@ -1,7 +1,7 @@
-"""The hooks of an offloaded unit: its forward wrapped (read before, freed after), an identity autograd
-function on its outputs that tells the owner its backward begins, and a gradient hook on its inputs (or,
-for inputs that are leaves, another identity) that tells it the backward is done (params.py says why
-their order is right)."""
+"""The hooks of an offloaded unit: its forward wrapped (read before, freed after), a gradient hook on its
+outputs that tells the owner its backward begins, and one on its inputs that tells it the backward is done
+(identity autograd functions instead where those tensors are leaves; params.py says why the order is
+right)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 class _BackwardBegins(torch.autograd.Function):
-    """Identity on a unit's outputs: its backward runs before any node of the unit."""
+    """Identity on a unit's outputs that are leaves: its backward runs before any node of the unit."""
 
     @staticmethod
     def forward(ctx: Any, hook: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -32,7 +32,7 @@ class _BackwardBegins(torch.autograd.Function):
 
 
 class _BackwardEnds(_BackwardBegins):
-    """Identity on a unit's inputs: its backward runs after every node of the unit."""
+    """Identity on a unit's inputs that are leaves: its backward runs after every node of the unit."""
 
 
 def _through(fn: type[_BackwardBegins], hook: Any, tree: Any) -> Any:
@@ -70,32 +70,53 @@ def unwrap_unit(u: HeldUnit) -> None:
     u.orig_forward = None
 
 
-def _when_done(owner: OffloadedParameters, u: HeldUnit, args: Any) -> Any:
-    """Have `owner.backward_ends(u)` called once the unit's backward is done; the inputs as the unit is to
-    see them.
+# The attribute of a tensor with the events its gradient hook runs (units' backwards beginning or ending).
+EVENTS_ATTR = "_deepnvme_gradient_events"
+ENDS, BEGINS = 0, 1
 
-    Inputs made by autograd nodes get a gradient hook, run just before the node that made them runs: after
-    every node of the unit, all made later (the first input's to run is enough), and nothing is added to
-    the graph, so an input also used outside the unit has its gradient summed in the order it has in
-    memory. (torch's register_multi_grad_hook is not used: its hooks hold the inputs' nodes, a cycle
-    through C++ that Python's collector cannot free, and memory grew every step.) A leaf input cannot have
-    one (its hook runs at accumulation, which may come before the unit's weight gradients are
-    accumulated): inputs that include a leaf pass through _BackwardEnds instead."""
-    leaves = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+def _on_gradient(t: torch.Tensor, order: int, fire: Any) -> None:
+    """Run `fire()` when `t`'s gradient is complete. One hook per tensor runs every event put on it, the
+    ends of units' backwards before the beginnings: a tensor that is one unit's input and another's (or
+    the same unit's, run again) output finishes the first before reading the second."""
+    version, events = t.__dict__.get(EVENTS_ATTR, (None, None))
+    if events is None or version != t._version:  # (modified in place since: its hook is on the old node)
+        events = []
+
+        def hook(_grad: torch.Tensor) -> None:
+            for _, f in sorted(events, key=lambda e: e[0]):
+                f()
+
+        t.register_hook(hook)
+        setattr(t, EVENTS_ATTR, (t._version, events))
+    events.append((order, fire))
+
+
+def _first_gradient(call: Any, u: HeldUnit, tree: Any, order: int) -> Any:
+    """Have `call(u)` run once, when the first of the gradients of `tree`'s tensors that need one is
+    complete (just before the node that made it runs); `tree` as the caller is to use it.
+
+    A gradient hook adds nothing to the graph: the caller may modify the tensors in place (a unit's output)
+    and an input also used outside the unit has its gradient summed in the order it has in memory.
+    (torch's register_multi_grad_hook is not used: its hooks hold their tensors' nodes, a cycle through C++
+    that Python's collector cannot free, and memory grew every step.) A leaf cannot have one (its hook runs
+    at accumulation, which may come before the unit's weight gradients are accumulated): a tree that holds
+    a leaf passes through an identity function instead."""
+    leaves = [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not leaves:
-        return args
+        return tree
     if any(t.grad_fn is None for t in leaves):
-        return _through(_BackwardEnds, lambda: owner.backward_ends(u), args)
+        return _through(_BackwardEnds if order == ENDS else _BackwardBegins, lambda: call(u), tree)
     fired = [False]
 
-    def hook(_grad: torch.Tensor) -> None:
+    def once() -> None:
         if not fired[0]:
             fired[0] = True
-            owner.backward_ends(u)
+            call(u)
 
     for t in {id(t): t for t in leaves}.values():
-        t.register_hook(hook)
-    return args
+        _on_gradient(t, order, once)
+    return tree
 
 
 def run(owner: OffloadedParameters, u: HeldUnit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -104,12 +125,12 @@ def run(owner: OffloadedParameters, u: HeldUnit, args: tuple[Any, ...], kwargs: 
     with owner.lock:
         owner.enter(u)
     try:
-        if grad:
-            args, kwargs = _when_done(owner, u, (args, kwargs))
+        if grad:  # the unit's inputs: their gradients are complete after every node of the unit
+            args, kwargs = _first_gradient(owner.backward_ends, u, (args, kwargs), ENDS)
         out = u.orig_forward(*args, **kwargs)
     finally:
         with owner.lock:
             owner.leave(u, grad)
     if grad:
-        out = _through(_BackwardBegins, lambda: owner.backward_begins(u), out)
+        out = _first_gradient(owner.backward_begins, u, out, BEGINS)
     return out
