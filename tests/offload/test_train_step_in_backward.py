@@ -128,3 +128,56 @@ def test_what_cannot_step_in_the_backward_is_refused(workdir: Path) -> None:
         # closed: another may step it now
         OffloadedOptimizer(torch.optim.AdamW(m.parameters()), workdir, OPT_BUDGET,
                            step_in_backward=True).close()
+
+
+class Checkpointed(torch.nn.Module):
+    """Blocks run through torch.utils.checkpoint by the model itself (reentrant: the forward runs without
+    autograd, the recompute inside the backward)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.reentrant = reentrant
+        self.emb = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+                                          for _ in range(3))
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for b in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=self.reentrant)
+        return self.head(h).pow(2).mean()
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "nonreentrant"])
+def test_a_loss_of_two_checkpointed_forwards_is_stepped_once(reentrant: bool, workdir: Path) -> None:
+    """The first of a unit's two backwards has half its gradient: the unit waits for the second, also when
+    its forward ran without autograd (reentrant checkpointing)."""
+    ref, m = Checkpointed(reentrant), Checkpointed(reentrant)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with offload_parameters(m, workdir, BUDGET, units=list(m.blocks)), \
+            OffloadedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), workdir, OPT_BUDGET,
+                               step_in_backward=True) as opt:
+        for net, o in ((ref, ref_opt), (m, opt)):
+            for s in range(3):
+                g = torch.Generator().manual_seed(s)
+                (net(torch.randn(4, 8, generator=g)) + net(torch.randn(4, 8, generator=g))).backward()
+                o.step()
+                o.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), m.parameters()))
+
+
+def test_an_optimizer_dropped_without_close_steps_nothing(workdir: Path) -> None:
+    """The model points at the optimizer stepping it in backward weakly: dropped, it is collected (its
+    files removed) and a new one takes over."""
+    import gc
+
+    m = build("sequential")
+    with offload_parameters(m, workdir, BUDGET, units=units_of("sequential", m)):
+        OffloadedOptimizer(torch.optim.AdamW(m.parameters()), workdir, OPT_BUDGET, step_in_backward=True)
+        gc.collect()
+        with OffloadedOptimizer(torch.optim.AdamW(m.parameters()), workdir, OPT_BUDGET,
+                                step_in_backward=True) as opt:
+            loss("sequential", m, 0, 0).backward()
+            assert opt.last_step is None and len(opt._stepper.profiles) == 4  # the four units, stepped

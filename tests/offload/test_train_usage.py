@@ -237,6 +237,8 @@ def test_the_hooks_of_a_step_are_freed_with_its_graph(workdir: Path) -> None:
 
     code = next(c for c in unit_hooks._on_gradient.__code__.co_consts
                 if inspect.iscode(c) and c.co_name == "hook")
+    # one per node before which a unit's backward begins or ends: each block's input and output (the
+    # residual around each block makes them all different nodes)
 
     def live() -> int:
         gc.collect()
@@ -248,7 +250,7 @@ def test_the_hooks_of_a_step_are_freed_with_its_graph(workdir: Path) -> None:
         for s in range(6):
             la = _residual_loss(m, s)
             if s == 0:
-                assert live() > 0  # on the units' inputs and outputs while the graph lives
+                assert live() == 2 * len(m.blocks), live()
             la.backward()
             opt.step()
             opt.zero_grad()
@@ -289,3 +291,43 @@ def test_a_checkpoint_that_does_not_exist_is_named(workdir: Path) -> None:
     with pytest.raises(FileNotFoundError) as err:
         offload_parameters(m, workdir, BUDGET, units=units_of("sequential", m), checkpoint=workdir / "no.pt")
     assert err.value.filename == str(workdir / "no.pt")
+
+
+def test_misuses_that_would_be_silent_are_refused(workdir: Path) -> None:
+    """`.data =` on an offloaded parameter (would change the stand-in only) and a step of an optimizer
+    whose offload was closed since (would skip every parameter it had offloaded) raise, naming them."""
+    m = build("sequential")
+    off = offload_parameters(m, workdir, BUDGET, units=units_of("sequential", m))
+    opt = OffloadedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3), workdir, OPT_BUDGET)
+    with pytest.raises(RuntimeError, match=r"3\.weight\.data = \.\.\..*load_state_dict"):
+        m[3].weight.data = torch.zeros(5, 5)
+    assert m[3].weight.shape == (64, 64)
+    loss("sequential", m, 0, 0).backward()
+    opt.step()
+    off.close()
+    loss("sequential", m, 1, 0).backward()
+    with pytest.raises(RuntimeError, match="was offloaded by offload_parameters, which was closed since"):
+        opt.step()
+    opt.close()
+
+
+def test_a_first_forward_in_inference_mode_does_not_spoil_training(workdir: Path) -> None:
+    ref, m = build("sequential"), build("sequential")
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    with offload_parameters(m, workdir, BUDGET, units=units_of("sequential", m)):
+        with torch.inference_mode():
+            assert torch.equal(m(ids), ref(ids))
+        loss("sequential", m, 0, 0).backward()
+        loss("sequential", ref, 0, 0).backward()
+        assert torch.equal(m[0].weight.grad, ref[0].weight.grad)
+
+
+def test_a_second_backward_over_a_retained_graph_is_as_in_memory(workdir: Path) -> None:
+    _same_training(lambda: build("sequential"), lambda m, s: _twice(loss("sequential", m, s, 0)), workdir,
+                   units=lambda m: units_of("sequential", m))
+
+
+def _twice(la: torch.Tensor) -> torch.Tensor:
+    """backward(retain_graph=True) here, and the caller's backward after: gradients doubled."""
+    la.backward(retain_graph=True)
+    return la

@@ -15,11 +15,13 @@ off for those) leave its gradients on the drive, and step() steps it as usual.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deepnvme.offload.train.held import OWNER_ATTR, Held
+from deepnvme.offload.train.held import Held
+from deepnvme.offload.train.lending import owner_of
 
 if TYPE_CHECKING:
     from deepnvme.offload.train.optimizer import OffloadedOptimizer
@@ -45,29 +47,42 @@ class Present:
         pass
 
 
+def check_can_step(optimizer: torch.optim.Optimizer, elementwise: bool) -> Any:
+    """The OffloadedParameters whose units `optimizer` would step in their backward; TypeError or
+    ValueError, before anything changes, when it cannot."""
+    if not elementwise:
+        raise TypeError("step_in_backward=True needs an element-wise optimizer (each element updated "
+                        f"from its own gradient and state); {type(optimizer).__name__} is not one (or "
+                        "declare it with elementwise=True): step it after the backward")
+    owners = {id(o): o for g in optimizer.param_groups for p in g["params"] if (o := owner_of(p)) is not None}
+    if len(owners) != 1:
+        raise ValueError("step_in_backward=True needs the parameters of one model offloaded by "
+                         f"offload_parameters (made on model.parameters() after it); these have "
+                         f"{len(owners)} such models")
+    owner = next(iter(owners.values()))
+    if owner.stepper is not None:
+        raise ValueError("another OffloadedOptimizer steps this model in its backward already (close it "
+                         "first)")
+    return owner
+
+
 class BackwardStepper:
     """What an OffloadedParameters calls as a unit's backward completes (`step(helds)`), for one optimizer."""
 
     def __init__(self, opt: OffloadedOptimizer) -> None:
-        if not opt.elementwise:
-            raise TypeError("step_in_backward=True needs an element-wise optimizer (each element updated "
-                            f"from its own gradient and state); {type(opt.optimizer).__name__} is not one "
-                            "(or "
-                            "declare it with elementwise=True): step it after the backward")
-        owners = {id(o): o for g in opt.param_groups for p in g["params"]
-                  if (o := getattr(p, OWNER_ATTR, None)) is not None}
-        if len(owners) != 1:
-            raise ValueError("step_in_backward=True needs the parameters of one model offloaded by "
-                             f"offload_parameters (made on model.parameters() after it); these have "
-                             f"{len(owners)} such models")
-        self.opt, self.owner = opt, next(iter(owners.values()))
-        if self.owner.stepper is not None:
-            raise ValueError("another OffloadedOptimizer steps this model in its backward already (close it "
-                             "first)")
+        self.owner = check_can_step(opt.optimizer, opt.elementwise)
+        self._opt = weakref.ref(opt)  # the optimizer owns its stepper; the model only points at it, weakly
         self.owner.stepper = self
         self.on = True
         self.profiles: list[Any] = []  # the steps made in backwards since the last step()
         self.ahead: tuple[list[int], list[Any], Any] | None = None  # a unit's state read ahead
+
+    @property
+    def opt(self) -> OffloadedOptimizer:
+        opt = self._opt()
+        if opt is None:  # collected: it can step nothing
+            raise RuntimeError("the OffloadedOptimizer stepping in backward was collected")
+        return opt
 
     def _work(self, helds: list[Held], wanted: Any) -> list[tuple[int, torch.Tensor]]:
         by_stand = {id(h.stand): h for h in helds if wanted(h)}

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepnvme.offload.train.lending import owner_of
+
 if TYPE_CHECKING:
     from deepnvme.offload.train.optimizer import OffloadedOptimizer
 
@@ -15,7 +17,17 @@ else:
 
 
 class Checks(_Base):
-    """_check_work and _check_chunked of OffloadedOptimizer."""
+    """_check_work, _check_chunked and _check_owners_open of OffloadedOptimizer."""
+
+    def _check_owners_open(self) -> None:
+        """Refuse a step over stand-ins whose offload_parameters was closed since (their parameters are back
+        in the model as other tensors: the step would skip them, silently)."""
+        for p in (p for g in self.param_groups for p in g["params"]):
+            owner = owner_of(p)
+            if owner is not None and owner._closed:
+                raise RuntimeError(f"{self._name(p)} was offloaded by offload_parameters, which was closed "
+                                   "since: its parameters are other tensors now. Make a new optimizer on "
+                                   "model.parameters() and load this one's state_dict() into it")
 
     def _check_work(self, p: torch.Tensor) -> None:
         """Refuse, before anything moves, a parameter this step cannot update."""

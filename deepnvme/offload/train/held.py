@@ -48,6 +48,20 @@ class OnDrive(Placeholder):
                 "gradient with that optimizer's zero_grad(), and read values with save() or close() of "
                 "the object offload_parameters returned")
 
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        return torch.Tensor.data.__get__(self)  # type: ignore[attr-defined]
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """Refused: the values are on the drive, where `.data =` cannot reach (it would change only the
+        stand-in, silently). Itself is accepted (what Module.to() does for a tensor it does not change)."""
+        if value is self:
+            return
+        raise RuntimeError(f"{self._name}.data = ...: {self._name} lies on the drive (deepnvme.offload."
+                           "offload_parameters); give it new values with model.load_state_dict({name: "
+                           "tensor}, strict=False), which writes them there, or close() the offload first")
+
     def register_hook(self, hook: Any) -> Any:  # type: ignore[override]
         """A gradient hook goes on the tensor autograd uses: it sees each gradient as it would in memory."""
         owner = getattr(self, OWNER_ATTR, None)
@@ -130,8 +144,9 @@ class Held:
             # Private: MADV_DONTNEED frees private pages; shared anonymous ones would stay as shmem.
             size = round_up(max(self.nbytes, 1))
             buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self.window = torch.frombuffer(buf, dtype=torch.uint8)[:self.nbytes].view(self.dtype).view(
-                self.shape)
+            with torch.inference_mode(False):  # made in an inference-mode forward, it could never train
+                self.window = torch.frombuffer(buf, dtype=torch.uint8)[:self.nbytes].view(self.dtype).view(
+                    self.shape)
             if size >= HUGE_PAGE:  # each use faults its pages in again: 2 MiB at a time is 2-3x as fast
                 madvise(self.window.data_ptr(), size, mmap.MADV_HUGEPAGE)
         self.window.view(-1).view(torch.uint8).copy_(source)

@@ -42,10 +42,10 @@ class ModelMethods:
             if prefix + n in state_dict:
                 wanted.setdefault(id(h), (h, []))[1].append(prefix + n)
         for h, keys in wanted.values():
-            v = state_dict[keys[0]]
+            v = state_dict[keys[-1]]  # torch copies every key in turn: the last one stays
             if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(h.shape):
                 shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-                raise RuntimeError(f"load_state_dict: {keys[0]} is {shape} in the state dict and "
+                raise RuntimeError(f"load_state_dict: {keys[-1]} is {shape} in the state dict and "
                                    f"{tuple(h.shape)} in the model (nothing was loaded)")
         owner = self.owner
         with owner.lock:
@@ -54,7 +54,7 @@ class ModelMethods:
             if busy:
                 raise RuntimeError(f"load_state_dict during a forward or backward of unit {busy[0]!r}")
             for h, keys in wanted.values():
-                owner._write([h], [state_dict[keys[0]].detach().to(h.dtype)], [h.data])
+                owner._write([h], [state_dict[keys[-1]].detach().to(h.dtype)], [h.data])
                 for key in keys:
                     del state_dict[key]
                     self.loaded.append(key)

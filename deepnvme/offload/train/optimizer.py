@@ -45,7 +45,7 @@ import torch
 
 from deepnvme.offload._doors import PAGE, SWAP
 from deepnvme.offload.swap import Closing, Lease, ReadAhead, SwapSpace, Ticket, budget_arg, check_memory_room
-from deepnvme.offload.train.backward_step import StepsInBackward
+from deepnvme.offload.train.backward_step import StepsInBackward, check_can_step
 from deepnvme.offload.train.checkpoints import Checkpoints
 from deepnvme.offload.train.checks import Checks
 from deepnvme.offload.train.grouping import how_stepped, whole_step_too_large
@@ -130,6 +130,8 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, Closing, torch.op
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         budget = budget_arg(DEFAULT_BUDGET if budget_bytes is None else budget_bytes)
         self._closed = True  # until the swap space exists
+        if step_in_backward:  # refused before anything changes
+            check_can_step(optimizer, how_stepped(optimizer, elementwise, chunks)[0])
         if needs_closure(optimizer):
             raise TypeError(f"{type(optimizer).__name__}.step needs a closure (it evaluates the loss several "
                             "times a step, over all parameters at once): it cannot be stepped with its state "
@@ -288,6 +290,7 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, Closing, torch.op
             with torch.enable_grad():
                 loss = closure()
         self._prune()
+        self._check_owners_open()
         self._backward_steps_begin()
         work = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"] if p.grad is not None]
         for _, p in work:

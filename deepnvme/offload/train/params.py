@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -112,7 +113,7 @@ class OffloadedParameters(Closing):
         self._writing: dict[str, list[Ticket]] = {}
         self.callback_queued = False
         self.backward_thread: int | None = None
-        self.stepper: Any = None  # an OffloadedOptimizer's BackwardStepper (step_in_backward=True)
+        self._stepper: Any = None  # a weak reference to the BackwardStepper of an optimizer
         self._methods: ModelMethods | None = None
         self.counts = {"unit_reads": 0, "bytes_read": 0, "bytes_written": 0, "prefetched": 0, "demanded": 0}
         ckpt = None
@@ -311,6 +312,16 @@ class OffloadedParameters(Closing):
                 and torch._C._current_graph_task_id() == -1):
             self._backward_ended(interrupted=True)
 
+    @property
+    def stepper(self) -> Any:
+        """The BackwardStepper of the OffloadedOptimizer stepping this model in its backward, or None (held
+        weakly: an optimizer dropped without close() is collected and steps nothing)."""
+        return self._stepper() if self._stepper is not None else None
+
+    @stepper.setter
+    def stepper(self, stepper: Any) -> None:
+        self._stepper = weakref.ref(stepper) if stepper is not None else None
+
     def _follow_requires_grad(self, u: HeldUnit) -> None:
         """Give the tensors autograd uses the requires_grad the caller set on the stand-ins since (unfreezing
         or freezing after the offload); a gradient newly wanted gets its room on the drive now."""
@@ -359,7 +370,9 @@ class OffloadedParameters(Closing):
         """A forward of `u` ended: its stand-ins back in its modules, its memory freed unless its backward
         holds it; after the last unit's forward with autograd on, its backward's read is issued."""
         u.depth -= 1
-        if grad and torch._C._current_graph_task_id() == -1:  # not a recompute inside a backward
+        # Every forward outside a backward may have one to come: with grad off too (reentrant checkpointing
+        # runs the forward without it, and its backward's recompute runs inside the backward).
+        if torch._C._current_graph_task_id() == -1:
             u.graphs += 1
         if u.depth or u.held:
             return
@@ -383,8 +396,9 @@ class OffloadedParameters(Closing):
                 u.held = True
                 for h in u.params:
                     h.show(True)
-                if self.stepper is not None and u.graphs <= 1:  # its step's state read during its backward
-                    self.stepper.prefetch(u.params)
+                stepper = self.stepper
+                if stepper is not None and u.graphs <= 1:  # its step's state read during its backward
+                    stepper.prefetch(u.params)
             self.prefetch(range(u.index - 1, -1, -1), grads=True)
 
     def backward_ends(self, u: HeldUnit) -> None:
@@ -407,8 +421,9 @@ class OffloadedParameters(Closing):
         u.graphs = max(u.graphs - 1, 0)
         done = [h for h in u.params if h.real.grad is not None and h.real.grad is not h.marker]
         late = [h for h in done if h.grad_state() == GRAD_ON_DRIVE and not h.loaded_grad]
-        if done and not (late or interrupted or u.graphs or u.depth) and self.stepper is not None:
-            done = self._step_now(u, done)
+        stepper = self.stepper
+        if done and not (late or interrupted or u.graphs or u.depth) and stepper is not None:
+            done = self._step_now(stepper, u, done)
         for h in late:  # a gradient reached after the unit was finished: add it to the one on the drive
             lease = self._read_units([h.grad_unit])  # type: ignore[list-item]
             try:
@@ -429,10 +444,10 @@ class OffloadedParameters(Closing):
                 h.show(False)
             self.free(u)
 
-    def _step_now(self, u: HeldUnit, done: list[Held]) -> list[Held]:
+    def _step_now(self, stepper: Any, u: HeldUnit, done: list[Held]) -> list[Held]:
         """Step `done` (their gradients complete and in memory) with the optimizer stepping in backward and
         write their new values; those it does not step (in none of its groups)."""
-        stepped = self.stepper.step(done)
+        stepped = stepper.step(done)
         if stepped:
             for key in ((u.index, False), (u.index, True)):  # read ahead before the update: stale
                 lease = self._pending.pop(key, None)

@@ -70,25 +70,27 @@ def unwrap_unit(u: HeldUnit) -> None:
     u.orig_forward = None
 
 
-# The attribute of a tensor with the events its gradient hook runs (units' backwards beginning or ending).
-EVENTS_ATTR = "_deepnvme_gradient_events"
+# The key, in the metadata of the autograd node that made a tensor, of the events run before that node.
+EVENTS_KEY = "deepnvme_gradient_events"
 ENDS, BEGINS = 0, 1
 
 
 def _on_gradient(t: torch.Tensor, order: int, fire: Any) -> None:
-    """Run `fire()` when `t`'s gradient is complete. One hook per tensor runs every event put on it, the
-    ends of units' backwards before the beginnings: a tensor that is one unit's input and another's (or
-    the same unit's, run again) output finishes the first before reading the second."""
-    version, events = t.__dict__.get(EVENTS_ATTR, (None, None))
-    if events is None or version != t._version:  # (modified in place since: its hook is on the old node)
-        events = []
+    """Run `fire()` just before the node that made `t` runs in a backward (when `t`'s gradient is
+    complete). One pre-hook per node runs every event put on it, the ends of units' backwards before the
+    beginnings: a tensor that is one unit's input and another's (or the same unit's, run again) output
+    finishes the first before reading the second. Kept with the node, not the tensor: a tensor modified in
+    place has a new node, and its events stay with the old one, where its gradient is complete."""
+    node = t.grad_fn
+    events = node.metadata.get(EVENTS_KEY)
+    if events is None:
+        events = node.metadata[EVENTS_KEY] = []
 
-        def hook(_grad: torch.Tensor) -> None:
+        def hook(_grads: Any) -> None:
             for _, f in sorted(events, key=lambda e: e[0]):
                 f()
 
-        t.register_hook(hook)
-        setattr(t, EVENTS_ATTR, (t._version, events))
+        node.register_prehook(hook)
     events.append((order, fire))
 
 
@@ -107,11 +109,12 @@ def _first_gradient(call: Any, u: HeldUnit, tree: Any, order: int) -> Any:
         return tree
     if any(t.grad_fn is None for t in leaves):
         return _through(_BackwardEnds if order == ENDS else _BackwardBegins, lambda: call(u), tree)
-    fired = [False]
+    fired = [None]
 
-    def once() -> None:
-        if not fired[0]:
-            fired[0] = True
+    def once() -> None:  # once per backward over this graph (retain_graph: again in the next one)
+        task = torch._C._current_graph_task_id()
+        if fired[0] != task:
+            fired[0] = task
             call(u)
 
     for t in {id(t): t for t in leaves}.values():
