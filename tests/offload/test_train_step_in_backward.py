@@ -181,3 +181,23 @@ def test_an_optimizer_dropped_without_close_steps_nothing(workdir: Path) -> None
                                 step_in_backward=True) as opt:
             loss("sequential", m, 0, 0).backward()
             assert opt.last_step is None and len(opt._stepper.profiles) == 4  # the four units, stepped
+
+
+def test_what_would_read_an_applied_gradient_raises(workdir: Path) -> None:
+    """After a backward that stepped the units, their gradients are gone: a clip by the norm of all of
+    them, or a second backward before zero_grad() (the flag left on within an accumulation), raises saying
+    so instead of using the rest; zero_grad() and the next step go on."""
+    from deepnvme.offload import StreamedWeightError
+
+    m = build("sequential")
+    with offload_parameters(m, workdir, BUDGET, units=units_of("sequential", m)), \
+            OffloadedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3), workdir, OPT_BUDGET,
+                               step_in_backward=True) as opt:
+        loss("sequential", m, 0, 0).backward()
+        with pytest.raises(StreamedWeightError, match=r"1\.weight\.grad was applied by the optimizer's step"):
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        with pytest.raises(RuntimeError, match=r"gradient of 5\.weight was applied .*opt\.zero_grad\(\)"):
+            loss("sequential", m, 0, 1).backward()
+        opt.step()
+        opt.zero_grad()
+        train("sequential", m, opt, 1)

@@ -34,7 +34,7 @@ HIDDEN_ATTR = "_deepnvme_hidden_by"
 # "madvise" or "always"; elsewhere the advice is ignored).
 HUGE_PAGE = 2 << 20
 # Where a parameter's gradient is between uses.
-NO_GRAD, GRAD_ON_DRIVE, GRAD_ZERO = "none", "drive", "zero"
+NO_GRAD, GRAD_ON_DRIVE, GRAD_ZERO, GRAD_APPLIED = "none", "drive", "zero", "applied"
 
 
 class OnDrive(Placeholder):
@@ -80,6 +80,17 @@ class OnDrive(Placeholder):
             "backward); register_hook (called with each gradient) is, and OffloadedOptimizer steps it")
 
 
+class Applied(OnDrive):
+    """Stands for a gradient the optimizer applied in its unit's backward (step_in_backward=True): it is
+    gone, and anything that would read it (a clip by the norm of all gradients) raises saying so."""
+
+    @classmethod
+    def _explain(cls, name: str, unit: str, func: Any) -> str:
+        return (f"{name} was applied by the optimizer's step in the backward of unit {unit!r} "
+                f"(OffloadedOptimizer(step_in_backward=True)) and is gone ({func} was called on it): clip "
+                "per parameter with register_hook, or step after the backward (step_in_backward=False)")
+
+
 @dataclass(eq=False)
 class Held:
     """One offloaded parameter: its stand-in, the tensor autograd uses, its places in modules and units."""
@@ -92,6 +103,7 @@ class Held:
     grad_unit: Unit | None = None
     grad: str = NO_GRAD  # where its gradient is when the stand-in's .grad is its marker
     marker: OnDrive | None = None  # the stand-in's .grad while the gradient is on the drive (or zero)
+    applied: OnDrive | None = None  # the stand-in's .grad once the step in the backward applied it
     loaded_grad: bool = False  # `real.grad` holds the gradient from the drive (this backward's adds to it)
 
     shape: torch.Size | None = None  # the parameter's (`real` has no elements between uses)
@@ -115,6 +127,8 @@ class Held:
             return NO_GRAD
         if g is self.marker:
             return self.grad
+        if g is self.applied:
+            return GRAD_APPLIED
         return g
 
     def gradient(self, lease: Any) -> torch.Tensor | None:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from deepnvme.offload.swap import Lease, ReadAhead
-from deepnvme.offload.train.held import GRAD_ON_DRIVE, GRAD_ZERO, NO_GRAD, OWNER_ATTR, Held
+from deepnvme.offload.train.held import GRAD_APPLIED, GRAD_ON_DRIVE, GRAD_ZERO, NO_GRAD, OWNER_ATTR, Held
 from deepnvme.offload.train.params import OffloadedParameters
 
 # How long a step waits for forwards in other threads to leave the model.
@@ -21,6 +21,11 @@ BUSY_WAIT_S = 60.0
 def owner_of(p: torch.Tensor) -> OffloadedParameters | None:
     """The OffloadedParameters a stand-in belongs to (None for a parameter in memory)."""
     return getattr(p, OWNER_ATTR, None)
+
+
+def applied_in_backward(p: torch.Tensor) -> bool:
+    """Whether `p`'s gradient was applied by the step in its unit's backward (nothing left to step)."""
+    return owner_of(p) is not None and held_of(p).grad_state() == GRAD_APPLIED
 
 
 def held_of(p: torch.Tensor) -> Held:

@@ -50,7 +50,7 @@ from deepnvme.offload.train.checkpoints import Checkpoints
 from deepnvme.offload.train.checks import Checks
 from deepnvme.offload.train.grouping import how_stepped, whole_step_too_large
 from deepnvme.offload.train.held import HIDDEN_ATTR
-from deepnvme.offload.train.lending import Lending, owner_of, zero_offloaded_grads
+from deepnvme.offload.train.lending import Lending, applied_in_backward, owner_of, zero_offloaded_grads
 from deepnvme.offload.train.probe import Prober
 from deepnvme.offload.train.profile import StepProfile
 from deepnvme.offload.train.records import (
@@ -292,7 +292,8 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, Closing, torch.op
         self._prune()
         self._check_owners_open()
         self._backward_steps_begin()
-        work = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"] if p.grad is not None]
+        work = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]
+                if p.grad is not None and not applied_in_backward(p)]
         for _, p in work:
             self._check_work(p)
         self.swap.check_files()

@@ -51,10 +51,12 @@ from deepnvme.offload.swap import (
     round_up,
 )
 from deepnvme.offload.train.held import (
+    GRAD_APPLIED,
     GRAD_ON_DRIVE,
     HIDDEN_ATTR,
     NO_GRAD,
     OWNER_ATTR,
+    Applied,
     Held,
     HeldUnit,
     OnDrive,
@@ -149,6 +151,7 @@ class OffloadedParameters(Closing):
             h = Held(pname, real, stand, places, self.space.add(pname, p.numel() * p.element_size()),
                      shape=p.shape)
             h.marker = OnDrive(pname + ".grad", name, p.shape, p.dtype, device)
+            h.applied = Applied(pname + ".grad", name, p.shape, p.dtype, device)
             if p.requires_grad:  # its room on the drive taken now: a full disk shows here, not mid-backward
                 self._grad_unit(h)
             held.append(h)
@@ -392,6 +395,13 @@ class OffloadedParameters(Closing):
                 self.callback_queued = True
                 self.backward_thread = threading.get_ident()  # only its thread can tell it has ended
             if not u.held:  # shown in its modules too: a recompute may bypass its forward (HF checkpointing)
+                applied = [h.name for h in u.params if h.grad_state() == GRAD_APPLIED]
+                if applied:  # in memory this backward would add to it: it is gone
+                    raise RuntimeError(
+                        f"the gradient of {applied[0]} was applied by the optimizer's step in an earlier "
+                        "backward and is gone, so this backward cannot add to it: call opt.zero_grad() "
+                        "before it, or set opt.step_in_backward = False for the micro-batches before the "
+                        "last of an accumulation")
                 self.bring(u, grads=True)
                 u.held = True
                 for h in u.params:
@@ -455,7 +465,7 @@ class OffloadedParameters(Closing):
                     lease.release()
             self._write(stepped, [h.real.detach() for h in stepped], [h.data for h in stepped])
             for h in stepped:
-                h.grad, h.stand.grad, h.real.grad = NO_GRAD, None, None
+                h.grad, h.stand.grad, h.real.grad = NO_GRAD, h.applied, None
         return [h for h in done if h not in stepped]
 
     def free(self, u: HeldUnit) -> None:
