@@ -10,13 +10,13 @@ the direction of the pass, as far as the budget of locked memory allows. `Offloa
 state, and writes the parameters back. Parameters outside every unit, or shared between a unit and
 anything else (tied embeddings), stay in memory as they are.
 
-Why the order of events is right (the CPU autograd engine): a unit's forward passes its outputs through an
-identity function whose backward (run before any node of the unit, which all need its outputs' gradients)
-reads the unit; its inputs get a gradient hook, which runs when the node that made them runs, after every
-node of the unit: the engine runs the ready node with the highest sequence number first, and that node
-was made before any of them (leaf inputs, whose hooks run at accumulation, pass through a second identity
-instead). The hook finishes the unit. A unit whose inputs need no gradient (the first) is finished when
-the whole backward ends (a callback queued on the engine). See held.py for what the model shows.
+Why the order of events is right (the CPU autograd engine; unit_hooks.py): a pre-hook on the node that
+made a unit's outputs runs before any node of the unit (they all need those outputs' gradients) and reads
+the unit; a pre-hook on the node that made its inputs runs after every node of the unit (the engine runs
+the ready node with the highest sequence number first, and that node was made before any of them) and
+finishes it. Leaves have no such node: they pass through identity autograd functions instead. A unit
+whose inputs need no gradient (the first) is finished when the whole backward ends (a callback queued on
+the engine). See held.py for what the model shows.
 
 Threads: one thread trains (forward, backward, step); others may run forwards without autograd on the
 same model at the same time (an evaluation); a unit's state changes under one lock, a unit in use by any

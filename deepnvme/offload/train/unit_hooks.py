@@ -1,7 +1,7 @@
-"""The hooks of an offloaded unit: its forward wrapped (read before, freed after), a gradient hook on its
-outputs that tells the owner its backward begins, and one on its inputs that tells it the backward is done
-(identity autograd functions instead where those tensors are leaves; params.py says why the order is
-right)."""
+"""The hooks of an offloaded unit: its forward wrapped (read before, freed after), a pre-hook on the
+autograd node that made its outputs that tells the owner its backward begins, and one on the node that
+made its inputs that tells it the backward is done (identity autograd functions instead where those
+tensors are leaves; params.py says why the order is right)."""
 
 from __future__ import annotations
 
@@ -98,12 +98,12 @@ def _first_gradient(call: Any, u: HeldUnit, tree: Any, order: int) -> Any:
     """Have `call(u)` run once, when the first of the gradients of `tree`'s tensors that need one is
     complete (just before the node that made it runs); `tree` as the caller is to use it.
 
-    A gradient hook adds nothing to the graph: the caller may modify the tensors in place (a unit's output)
-    and an input also used outside the unit has its gradient summed in the order it has in memory.
-    (torch's register_multi_grad_hook is not used: its hooks hold their tensors' nodes, a cycle through C++
-    that Python's collector cannot free, and memory grew every step.) A leaf cannot have one (its hook runs
-    at accumulation, which may come before the unit's weight gradients are accumulated): a tree that holds
-    a leaf passes through an identity function instead."""
+    A node's pre-hook adds nothing to the graph: the caller may modify the tensors in place (a unit's
+    output) and an input also used outside the unit has its gradient summed in the order it has in memory.
+    (torch's register_multi_grad_hook is not used: its hooks hold their tensors' nodes, a cycle through
+    C++ that Python's collector cannot free, and memory grew every step.) A leaf has no such node (its
+    gradient is accumulated, maybe before the unit's weight gradients are): a tree that holds a leaf
+    passes through an identity function instead."""
     leaves = [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not leaves:
         return tree
