@@ -11,7 +11,7 @@ import torch
 
 from deepnvme.offload import OffloadedOptimizer
 from deepnvme.offload._doors import SWAP
-from deepnvme.offload.train.optimizer import END_REQUESTS
+from deepnvme.offload.train.tile_walk import END_REQUESTS
 from tests.offload.helpers import flip_byte
 from tests.offload.optim_cases import BASE, OPTIMIZERS, PerParameter, model, train
 

@@ -36,7 +36,6 @@ silently from the mix. Errors found before any tile is touched (bad input, no ro
 from __future__ import annotations
 
 import os
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -44,7 +43,7 @@ from typing import Any
 import torch
 
 from deepnvme.offload._doors import PAGE, SWAP
-from deepnvme.offload.swap import Closing, Lease, ReadAhead, SwapSpace, Ticket, budget_arg, check_memory_room
+from deepnvme.offload.swap import Closing, Lease, SwapSpace, budget_arg, check_memory_room
 from deepnvme.offload.train.backward_step import StepsInBackward, check_can_step
 from deepnvme.offload.train.checkpoints import Checkpoints
 from deepnvme.offload.train.checks import Checks
@@ -65,25 +64,19 @@ from deepnvme.offload.train.records import (
     least_piece,
     strides_of,
 )
+from deepnvme.offload.train.tile_walk import REQUESTS_IN_FLIGHT, Piece, TileWalk
 from deepnvme.offload.train.wrapped import needs_closure, step_unhooked
 
 # The state key under which checkpoints carry the fp32 master of a parameter (master_weights=True).
 MASTER = "master"
 # Budget when none is given (bytes of locked memory).
 DEFAULT_BUDGET = 256 << 20
-# Requests each direction serves at once: with one, the drive idles while each request's last blocks
-# complete and the queue issues the next; with two, the next is already in the drive.
-REQUESTS_IN_FLIGHT = 2
-# Requests the first and the last tile move in (each way): the tile that starts the pipeline and the one
-# that ends it, where nothing else is left to overlap with, fill every slot of the queue (see ReadAhead).
-END_REQUESTS = REQUESTS_IN_FLIGHT
 # Devices a parameter may be on: the host, or a GPU (its state staged through the host's pool).
 DEVICES = ("cpu", "cuda")
 
-Piece = tuple[int, torch.Tensor, int]  # (group index, parameter, chunk index: 0 when whole)
 
 
-class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, Closing, torch.optim.Optimizer):
+class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, TileWalk, Closing, torch.optim.Optimizer):
     """Wrap `optimizer` so that its state lives in files under `directory` (created with its parents when
     missing) between steps.
 
@@ -307,68 +300,6 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, Closing, torch.op
         for hook in list(self.optimizer._optimizer_step_post_hooks.values()):
             hook(self.optimizer, (), {})
         return loss
-
-    def _reader(self, tiles: list[list[Piece]]) -> ReadAhead:
-        """The reads of `tiles`' state, in order, issued as far ahead as the pool allows."""
-        return ReadAhead(self.swap, [[u for _, p, k in t if p in self._records
-                                      for u in self._records[p].units[k]] for t in tiles],
-                         end_parts=END_REQUESTS)
-
-    def _run_tiles(self, work: list[tuple[int, torch.Tensor]], tiles: list[list[Piece]], lending: Any,
-                   reader: ReadAhead | None = None) -> StepProfile:
-        """Step `tiles` of `work`, each tile's state read ahead (by `reader`, when its reads were issued
-        before); `lending` gives offloaded parameters' values (lending.py). An error leaves the optimizer
-        refusing further steps (`_broken`)."""
-        reader = self._reader(tiles) if reader is None else reader
-        starts = {p: self._records[p].scalars for _, p in work if p in self._records}
-        self._made = {p for _, p in work if p in self._records and self._records[p].made}
-        self._flat_grads = {}
-        self._broken = "a step() was interrupted"
-        profile = StepProfile(time.perf_counter())
-        writes: list[Ticket] = []
-        try:
-            for i, tile in enumerate(tiles):
-                waited = time.perf_counter()
-                lease = reader.take(i)
-                began = time.perf_counter()
-                profile.read_wait_s += began - waited
-                profile.tile_reads_queued.append(min(t.queued for t in lease.tickets)
-                                                 if lease is not None and lease.tickets else None)
-                if lease is not None:
-                    profile.add_requests(lease.tickets)
-                try:
-                    self._lent = lending.take(i)
-                    fresh = self._step_tile(tile, lease, starts)
-                except BaseException:
-                    if lease is not None:
-                        lease.release()
-                    raise
-                profile.updates.append((began, time.perf_counter(),
-                                        sum(p.numel() * p.element_size() for _, p, _ in tile)))
-                if lease is not None:
-                    writes += lease.write_back(END_REQUESTS if i == len(tiles) - 1 else 1)
-                lending.give_back(i)
-                if fresh:  # state made in memory: stored once the memory read ahead is given back
-                    reader.restart(i + 1)
-                    self._store_fresh(fresh)
-            lending.done()
-            self.swap.wait_writes()
-            profile.add_requests(writes)
-            profile.ended = time.perf_counter()
-        except BaseException as exc:
-            reader.close()
-            lending.close()
-            try:
-                self.swap.wait_writes()
-            except OSError:
-                pass
-            self._broken = (f"a step() ended by {type(exc).__name__}: {exc}" if str(exc)
-                            else f"a step() ended by {type(exc).__name__}")
-            raise
-        finally:
-            self._flat_grads, self._lent = {}, {}
-        self._broken = None
-        return profile
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; gradients of offloaded parameters are dropped or marked zero without any I/O."""

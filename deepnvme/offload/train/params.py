@@ -65,6 +65,7 @@ from deepnvme.offload.train.model_io import Checkpoint, converted, fill_resident
 from deepnvme.offload.train.model_io import save as save_model
 from deepnvme.offload.train.model_methods import ModelMethods
 from deepnvme.offload.train.unit_hooks import unwrap_unit, wrap_unit
+from deepnvme.offload.train.unit_plan import check_param, memory_need, plan_units
 
 # Units read ahead of the one in use, in the direction of the pass (as far as the budget allows).
 DEFAULT_AHEAD = 2
@@ -89,10 +90,10 @@ class OffloadedParameters(Closing):
         self._closed = True
         self.model, self.ahead, self.pid = model, ahead, os.getpid()
         chosen = unit_modules(model, units)
-        plan = _plan(model, chosen, meta_ok=checkpoint is not None)
+        plan = plan_units(model, chosen, meta_ok=checkpoint is not None)
         if checkpoint is None:
             for name, t in [*model.named_parameters(), *model.named_buffers()]:
-                _check(name, t, meta_ok=False) if t.is_meta else None
+                check_param(name, t, meta_ok=False) if t.is_meta else None
         need = max((sum(round_up(h.numel() * h.element_size()) * (2 if h.requires_grad else 1)
                         for _, h in ps) for ps in plan), default=0)
         if need > budget:
@@ -100,7 +101,7 @@ class OffloadedParameters(Closing):
                              f"({need} bytes): raise budget_bytes to at least {need}, or make smaller units")
         drive = sum(round_up(h.numel() * h.element_size()) * (2 if h.requires_grad else 1)
                     for ps in plan for _, h in ps)
-        self.step_bytes = _memory_need(model, plan)  # what a training step takes beyond the pool
+        self.step_bytes = memory_need(model, plan)  # what a training step takes beyond the pool
         self.memory_bytes = budget + self.step_bytes
         check_memory_room(self.memory_bytes, f"offload_parameters(budget_bytes={budget})")
         return_freed_memory()
@@ -555,62 +556,6 @@ class OffloadedParameters(Closing):
             self.close(restore=False)
         except Exception:  # noqa: BLE001 - nothing can be raised from a finaliser
             pass
-
-
-def _plan(model: nn.Module, chosen: list[tuple[str, nn.Module]],
-          meta_ok: bool) -> list[list[tuple[str, nn.Parameter]]]:
-    """For each unit, the (qualified name, parameter) it offloads: those found only inside it."""
-    # Every place of every module (a module registered in several places is seen in each): a parameter is
-    # in a unit where a module above it, or its own, is that unit's module.
-    unit_of = {id(mod): i for i, (_, mod) in enumerate(chosen)}
-    paths = dict(model.named_modules(remove_duplicate=False))
-    where: dict[int, set[int]] = {}
-    for path, m in paths.items():
-        parts = path.split(".") if path else []
-        i = next((unit_of[id(paths[".".join(parts[:k])])] for k in range(1, len(parts) + 1)
-                  if id(paths[".".join(parts[:k])]) in unit_of), -1)
-        for p in m._parameters.values():
-            if p is not None:
-                where.setdefault(id(p), set()).add(i)
-    out: list[list[tuple[str, nn.Parameter]]] = [[] for _ in chosen]
-    for name, p in model.named_parameters(remove_duplicate=True):
-        places = where[id(p)]
-        if len(places) == 1 and -1 not in places:
-            _check(name, p, meta_ok)
-            out[next(iter(places))].append((name, p))
-    return out
-
-
-def _memory_need(model: nn.Module, plan: list[list[tuple[str, nn.Parameter]]]) -> int:
-    """Memory a training step takes beyond the pool and what the process holds now: the largest unit's
-    parameters and gradients twice (a unit's new tensors are made while the last ones are let go, and a
-    gradient read from the drive meets the one autograd makes), the gradients of parameters that stay in
-    memory, and those parameters themselves when they are yet to be made (meta)."""
-    def size(p: nn.Parameter) -> int:
-        return p.numel() * p.element_size()
-
-    offloaded = {id(p) for ps in plan for _, p in ps}
-    data = max((sum(size(p) for _, p in ps) for ps in plan), default=0)
-    grads = max((sum(size(p) for _, p in ps if p.requires_grad) for ps in plan), default=0)
-    resident = [p for p in model.parameters() if id(p) not in offloaded]
-    return (2 * (data + grads) + sum(size(p) for p in resident if p.requires_grad)
-            + sum(size(p) for p in resident if p.is_meta))
-
-
-def _check(name: str, p: nn.Parameter, meta_ok: bool) -> None:
-    if p.is_meta and meta_ok:
-        return
-    if p.is_meta:
-        raise ValueError(f"{name} is on the meta device: give checkpoint= (the values to fill it with), or "
-                         "fill the model before offloading it")
-    if p.device.type != "cpu":
-        raise ValueError(f"{name} is on {p.device}: offload_parameters keeps host parameters only for now "
-                         "(a CUDA model's parameters offloaded through host memory are not built yet)")
-    if not p.is_contiguous() or p.storage_offset() != 0 or p.untyped_storage().nbytes() != (
-            p.numel() * p.element_size()):
-        raise ValueError(f"{name} does not own its storage whole (a view of a larger tensor, or not "
-                         "contiguous): offload_parameters frees each parameter's storage between uses; "
-                         "give it a storage of its own (param.data = param.data.clone())")
 
 
 def offload_parameters(model: nn.Module, directory: str | os.PathLike, budget_bytes: int = 256 << 20, *,
