@@ -195,7 +195,7 @@ class HeldUnit:
     present: bool = False  # the parameters' storages are filled
     depth: int = 0  # forwards (or recomputes) of it in progress
     held: bool = False  # read for its backward and not finished yet
-    graphs: int = 0  # forwards with autograd since the last step whose backward has not finished it
+    graphs: int = 0  # forwards outside a backward since the last step whose backward has not finished it
     orig_forward: Any = None
     had_forward: bool = False
 

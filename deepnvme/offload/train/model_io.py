@@ -38,7 +38,7 @@ class Checkpoint:
         if os.path.isfile(self.path) and not self.path.endswith(".safetensors"):
             try:
                 sd = torch.load(self.path, mmap=True, weights_only=True, map_location="cpu")
-            except FileNotFoundError:
+            except OSError:  # the file's own error (gone since, unreadable), with its errno and path
                 raise
             except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a file that is not its own
                 raise StoreError(f"{self.path}: not a checkpoint in torch's format ({exc})") from exc
