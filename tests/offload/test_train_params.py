@@ -26,8 +26,10 @@ def _hf(kind: str) -> None:
 
 
 def _run(kind: str, workdir: Path, *, dtype: torch.dtype = torch.float32, checkpointing: str = "none",
-         accumulate: int = 1, set_to_none: bool = True, steps: int = STEPS) -> None:
-    """Train the model in memory and offloaded; losses and final parameters must be equal bit for bit."""
+         accumulate: int = 1, set_to_none: bool = True, steps: int = STEPS) -> dict[str, int]:
+    """Train the model in memory and offloaded; losses and final parameters must be equal bit for bit.
+    Returns the offload's stats()."""
+    stats: dict[str, int] = {}
     _hf(kind)
     masters = dtype != torch.float32
     ref, m = build(kind, dtype, checkpointing), build(kind, dtype, checkpointing)
@@ -41,15 +43,18 @@ def _run(kind: str, workdir: Path, *, dtype: torch.dtype = torch.float32, checkp
         assert all(torch.equal(a, b) for a, b in zip(want, got)), [(a.item(), b.item())
                                                                     for a, b in zip(want, got)]
         assert off.stats()["bytes_written"] > 0
+        stats.update(off.stats())
     if masters:
         ref_opt.close()
     for (name, a), b in zip(ref.named_parameters(), m.parameters()):
         assert type(b) is nn.Parameter and torch.equal(a, b), name
+    return stats
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_fp32_adamw_is_bit_identical(kind: str, workdir: Path) -> None:
-    _run(kind, workdir)
+    stats = _run(kind, workdir)
+    assert stats["lent"] >= STEPS, stats  # units computed in the pool memory they were read into
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -7,7 +7,9 @@ A parameter given to `offload_parameters` is split in two:
 - the original Parameter object (`real`) is what autograd sees: it is put back into its module for the
   unit's forward (and a recompute), its storage filled from the drive; between uses the storage is resized
   to nothing, so the tensors autograd saved of it (views of that storage) come back with it when the unit
-  is read again for its backward, as FSDP's first version frees its parameters.
+  is read again for its backward, as FSDP's first version frees its parameters. Filled means shown where
+  the unit was read: the storage is pointed at the pool memory (Held.lend, no copy: a copy into new pages
+  cost about a tenth of a step), and pointed back at its own empty mapping when the unit is freed.
 A gradient lies on the drive between backward and step; the stand-in's `.grad` is then an `OnDrive` too
 (None when there is none), so `p.grad is not None` means what it means in memory.
 """
@@ -35,6 +37,9 @@ HIDDEN_ATTR = "_deepnvme_hidden_by"
 HUGE_PAGE = 2 << 20
 # Where a parameter's gradient is between uses.
 NO_GRAD, GRAD_ON_DRIVE, GRAD_ZERO, GRAD_APPLIED = "none", "drive", "zero", "applied"
+# A window can show pool memory without a copy (Held.lend) where torch can point a storage elsewhere.
+LENDING = hasattr(torch.UntypedStorage, "_swap_data_ptr_") and hasattr(
+    torch._C, "_construct_storage_from_data_pointer")
 
 
 class OnDrive(Placeholder):
@@ -110,6 +115,8 @@ class Held:
     dtype: torch.dtype = torch.float32
     window: torch.Tensor | None = None  # the memory `real` shows while in use (saved views are of it)
     idle: torch.Tensor | None = None  # what `real` is between uses: no elements, so nothing can touch memory
+    # While the window shows a lease's pool memory (lend()): a storage holding the window's own mapping.
+    own: torch.UntypedStorage | None = None
 
     def __post_init__(self) -> None:
         self.shape = self.real.shape if self.shape is None else torch.Size(self.shape)
@@ -148,12 +155,11 @@ class Held:
     def park_grad(self) -> None:
         """Between uses `real.grad` is the marker when the gradient is on the drive (an optimizer holding
         `real` raises naming it, rather than seeing no gradient and silently skipping it), else None."""
+        if self.real.shape != self.shape:  # not filled (an error before it was): it keeps what it has
+            return
         self.real.grad = self.marker if self.grad_state() in (GRAD_ON_DRIVE, GRAD_ZERO) else None
 
-    def fill(self, source: torch.Tensor) -> None:
-        """Give `real` its values (`source`: the unit's bytes) in its window: memory mapped for it alone, so
-        that freeing it gives the pages back to the system at once (a heap would keep them), and the views
-        of it autograd saved in a forward see the values again when the unit is read for its backward."""
+    def _make_window(self) -> torch.Tensor:
         if self.window is None:
             # Private: MADV_DONTNEED frees private pages; shared anonymous ones would stay as shmem.
             size = round_up(max(self.nbytes, 1))
@@ -163,15 +169,54 @@ class Held:
                     self.shape)
             if size >= HUGE_PAGE:  # each use faults its pages in again: 2 MiB at a time is 2-3x as fast
                 madvise(self.window.data_ptr(), size, mmap.MADV_HUGEPAGE)
-        self.window.view(-1).view(torch.uint8).copy_(source)
+        return self.window
+
+    def fill(self, source: torch.Tensor) -> None:
+        """Give `real` its values (`source`: the unit's bytes) in its window: memory mapped for it alone, so
+        that freeing it gives the pages back to the system at once (a heap would keep them), and the views
+        of it autograd saved in a forward see the values again when the unit is read for its backward."""
+        self.take_back()
+        self._make_window().view(-1).view(torch.uint8).copy_(source)
         self.real.data = self.window
+
+    def can_lend(self, io_view: torch.Tensor, head: int) -> bool:
+        """Whether lend() can show `io_view` (a unit's page range in the pool) as the window."""
+        return (LENDING and head == 0 and self.nbytes > 0 and self.own is None
+                and io_view.data_ptr() % PAGE == 0 and io_view.numel() >= round_up(self.nbytes))
+
+    def lend(self, io_view: torch.Tensor) -> None:
+        """Give `real` its values by showing the pool memory they were read into (`io_view`, checked by
+        can_lend) as the window, with no copy: the window's storage is pointed at it, so the views of the
+        window autograd saved see it too. The pool memory must stay the unit's until take_back()."""
+        storage = self._make_window().untyped_storage()
+        self.own = torch._C._construct_storage_from_data_pointer(io_view.data_ptr(), io_view.device,
+                                                                  storage.nbytes())
+        storage._swap_data_ptr_(self.own)  # the window's storage now shows the pool; `own`, the mapping
+        self.real.data = self.window
+
+    def take_back(self) -> None:
+        """Point the window's storage at its own mapping again (after lend(); else nothing): from now on
+        nothing reads or writes the pool memory it showed. The mapping holds what it held before the lend
+        (nothing: emptied), so a copy of the values must follow if they are still wanted."""
+        if self.own is not None:
+            self.window.untyped_storage()._swap_data_ptr_(self.own)  # type: ignore[union-attr]
+            self.own = None
+
+    def keep(self, io_view: torch.Tensor) -> None:
+        """After lend(): copy the values from the pool memory shown (`io_view`) into the window's own
+        mapping and show that, so that the pool memory can go (the values, the views, the same)."""
+        if self.own is not None:
+            self.take_back()
+            self.window.view(-1).view(torch.uint8).copy_(io_view[:self.nbytes])  # type: ignore[union-attr]
 
     def empty(self) -> None:
         """Free the values: the window's pages go back to the system (saved views of it stay valid
         addresses, read as zeros if anything touched them) and `real` shows a tensor with no elements (code
         holding it from before the offload computes nothing out of bounds: a shape error at worst)."""
-        w = self.window
-        if w is not None and self.nbytes:
+        if self.own is not None:
+            self.take_back()  # its own mapping was emptied before the lend
+        elif self.window is not None and self.nbytes:
+            w = self.window
             madvise(w.data_ptr() // PAGE * PAGE, round_up(self.nbytes), mmap.MADV_DONTNEED)
         self.real.data = self.idle
 
@@ -198,6 +243,47 @@ class HeldUnit:
     graphs: int = 0  # forwards outside a backward since the last step whose backward has not finished it
     orig_forward: Any = None
     had_forward: bool = False
+    lease: Any = None  # the pool memory its parameters show while present (Held.lend), or None
+
+    def lend(self, lease: Any) -> bool:
+        """Show the parameters in `lease`'s pool memory with no copy (Held.lend) where every one can."""
+        views = [(h, lease.io_view(h.data)) for h in self.params]
+        if not all(h.can_lend(v, h.data.head) for h, v in views):
+            return False
+        for h, v in views:
+            h.lend(v)
+        self.lease = lease
+        return True
+
+    def empty(self) -> None:
+        """Free the parameters' values (Held.empty) and the pool memory lent to them."""
+        for h in self.params:
+            h.empty()
+        self.present = False
+        if self.lease is not None:
+            lease, self.lease = self.lease, None
+            lease.release()
+
+    def give_lent(self, stepped: list[Held]) -> Any:
+        """The lease the parameters are shown in, taken back from them (Held.take_back), when it holds
+        exactly `stepped`, all of them (to be written from); else None and nothing changes."""
+        lease = self.lease
+        if lease is None or lease.units != self.data_units() or len(stepped) != len(self.params):
+            return None
+        self.lease = None
+        for h in self.params:
+            h.take_back()
+        return lease
+
+    def keep_lent(self) -> None:
+        """Copy lent parameters into their own windows and give the pool memory back (Held.keep)."""
+        if self.lease is not None:
+            lease, self.lease = self.lease, None
+            try:
+                for h in self.params:
+                    h.keep(lease.io_view(h.data))
+            finally:
+                lease.release()
 
     def data_units(self) -> list[Unit]:
         return [h.data for h in self.params]

@@ -118,7 +118,8 @@ class OffloadedParameters(Closing):
         self.backward_thread: int | None = None
         self._stepper: Any = None  # a weak reference to the BackwardStepper of an optimizer
         self._methods: ModelMethods | None = None
-        self.counts = {"unit_reads": 0, "bytes_read": 0, "bytes_written": 0, "prefetched": 0, "demanded": 0}
+        self.counts = {"unit_reads": 0, "bytes_read": 0, "bytes_written": 0, "prefetched": 0, "demanded": 0,
+                       "lent": 0, "kept": 0}
         ckpt = None
         try:
             if checkpoint is not None:
@@ -201,7 +202,13 @@ class OffloadedParameters(Closing):
             self._drop_pending()
             if make_room is not None:
                 make_room()
-            lease = get(True)
+            lent = [x for x in self.units if x.lease is not None]
+            if lent and (lease := get(False)) is None:
+                for x in lent:  # units in use that show pool memory (lent) keep it no longer: copied out
+                    x.keep_lent()
+                self.counts["kept"] += len(lent)
+            if lease is None:
+                lease = get(True)
         return lease
 
     def _settle_writes(self, units: Iterable[Unit]) -> None:
@@ -222,10 +229,13 @@ class OffloadedParameters(Closing):
         except BaseException:
             lease.release()  # type: ignore[union-attr]
             raise
-        tickets = lease.write_back()  # type: ignore[union-attr]
-        for u in units:
-            self._writing[u.name] = tickets
-        self.counts["bytes_written"] += sum(u.nbytes for u in units)
+        self._write_back(lease)  # type: ignore[arg-type]
+
+    def _write_back(self, lease: Lease) -> None:
+        """Queue the writes of `lease`'s units from its memory (a read of one of them waits for them)."""
+        tickets = lease.write_back()
+        self._writing.update((u.name, tickets) for u in lease.units)
+        self.counts["bytes_written"] += sum(u.nbytes for u in lease.units)
 
     def _units_of(self, u: HeldUnit, grads: bool) -> list[Unit]:
         """The units a read of `u` takes: its parameters, and its gradients on the drive when `grads`."""
@@ -287,14 +297,19 @@ class OffloadedParameters(Closing):
         accumulated so far."""
         drive = grads and any(h.grad_state() == GRAD_ON_DRIVE and not h.loaded_grad for h in u.params)
         lease = self._read(u, drive) if u.params and (not u.present or drive) else None
+        src = lease
         try:
             if not u.present:
-                for h in u.params:
-                    h.fill(lease.view(h.data))  # type: ignore[union-attr]
+                if u.lend(src):  # shown where it was read (no copy): the lease is the unit's until free()
+                    self.counts["lent"] += 1
+                    lease = None
+                else:
+                    for h in u.params:
+                        h.fill(src.view(h.data))  # type: ignore[union-attr]
                 u.present = True
             if grads:
                 for h in u.params:
-                    self._load_grad(h, lease)
+                    self._load_grad(h, src)
         finally:
             if lease is not None:
                 lease.release()
@@ -464,15 +479,17 @@ class OffloadedParameters(Closing):
                 lease = self._pending.pop(key, None)
                 if lease is not None:
                     lease.release()
-            self._write(stepped, [h.real.detach() for h in stepped], [h.data for h in stepped])
+            lent = u.give_lent(stepped)  # written from the pool memory they were computed in: no copy
+            if lent is not None:
+                self._write_back(lent)
+            else:
+                self._write(stepped, [h.real.detach() for h in stepped], [h.data for h in stepped])
             for h in stepped:
                 h.grad, h.stand.grad, h.real.grad = NO_GRAD, h.applied, None
         return [h for h in done if h not in stepped]
 
     def free(self, u: HeldUnit) -> None:
-        for h in u.params:
-            h.empty()
-        u.present = False
+        u.empty()
         self.idle.notify_all()
 
     def _read_units(self, units: list[Unit]) -> Lease:
@@ -504,7 +521,8 @@ class OffloadedParameters(Closing):
         save_model(self, path)
 
     def stats(self) -> dict[str, Any]:
-        """Counts since offload: unit reads (read ahead or on demand), bytes read and written."""
+        """Counts since offload: unit reads (read ahead or on demand), bytes read and written, units shown
+        in the pool memory they were read into (lent: no copy) and those copied out of it for room (kept)."""
         return dict(self.counts)
 
     def close(self, restore: bool = True) -> None:
@@ -527,6 +545,8 @@ class OffloadedParameters(Closing):
         self._dropped = not restore
         try:
             self._drop_pending()
+            for u in self.units:  # the pool is about to go: no window may show it
+                u.keep_lent()
             if self._methods is not None:
                 self._methods.remove()
             for u in self.units if restore else []:
