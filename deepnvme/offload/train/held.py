@@ -9,7 +9,7 @@ A parameter given to `offload_parameters` is split in two:
   to nothing, so the tensors autograd saved of it (views of that storage) come back with it when the unit
   is read again for its backward, as FSDP's first version frees its parameters. Filled means shown where
   the unit was read: the storage is pointed at the pool memory (Held.lend, no copy: a copy into new pages
-  cost about a tenth of a step), and pointed back at its own empty mapping when the unit is freed.
+  took about 7% of a step's main thread), and pointed back at its own empty mapping when the unit is freed.
 A gradient lies on the drive between backward and step; the stand-in's `.grad` is then an `OnDrive` too
 (None when there is none), so `p.grad is not None` means what it means in memory.
 """
