@@ -89,6 +89,7 @@ class Lease:
             self._slot[u.name] = at
             at += round_up(u.io_nbytes)
         self._writes_left = 0
+        self._owned: list[Unit] = []  # the units being written (write_back)
         self._writes_lock = threading.Lock()  # a queue completes a lease's writes on either of its threads
 
     @staticmethod
@@ -170,8 +171,8 @@ class Lease:
         if not owned:
             self.buffer.release()
             return []
-        self.space.record_sums(self, owned)
         runs = self.runs(owned, parts)
+        self._owned = owned
         self._writes_left = len(runs)
         self.tickets = [Ticket(view, self.space._fd, start, path, True, self._written)
                         for view, start, path in runs]
@@ -183,8 +184,11 @@ class Lease:
         with self._writes_lock:
             self._writes_left -= 1
             last = self._writes_left == 0
-        if last:
-            self.buffer.release()
+        if last:  # the CRC-32s are taken here, off the caller's thread, before any waiter is released
+            try:
+                self.space.record_sums(self, self._owned)
+            finally:
+                self.buffer.release()
 
     def release(self) -> None:
         """Give the memory back without writing (requests in flight, and a check reading the bytes, finish
@@ -402,8 +406,9 @@ class SwapSpace(Closing):
         return lease
 
     def record_sums(self, lease: Lease, units: Sequence[Unit]) -> None:
-        """Remember the CRC-32 of each of `units`' bytes as `lease` is about to write them (the whole page
-        range written), so that the next read of the unit is checked against it."""
+        """Remember the CRC-32 of each of `units`' bytes as `lease` wrote them (the whole page range written;
+        taken before its writes' waiters are released), so that the next read of the unit is checked
+        against it."""
         sums = {u.name: crc32(lease.io_view(u).numpy()) for u in units}
         with self._checks_lock:
             self._sums.update(sums)
