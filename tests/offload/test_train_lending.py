@@ -4,6 +4,7 @@ when the pool needs the room: the same values, the same training, bit for bit (i
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,47 @@ def test_stepped_in_backward_a_unit_is_written_from_where_it_was_read(workdir: P
     nothing copied out, the least budget enough, the same training."""
     stats = _train_at_least_budget(workdir, step_in_backward=True)
     assert stats["lent"] > 0 and stats["kept"] == 0, stats
+
+
+def test_an_evaluation_thread_beside_training_sees_the_right_values(workdir: Path) -> None:
+    """A second thread running forwards while the first trains at a tight budget: lending stops (the first
+    thread's units are never copied out of the pool under the other's computation), every output of the
+    evaluation equals memory's, and so do the accumulated gradients."""
+    dim = 256
+
+    def make() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(4)])
+
+    ref, m = make(), make()
+    x = torch.randn(16, dim)
+    with torch.no_grad():
+        want = ref(x)
+    batches = [torch.randn(8, dim, generator=torch.Generator().manual_seed(i)) for i in range(20)]
+    for b in batches:
+        ref(b).sum().backward()
+    stop, wrong, runs = threading.Event(), [], [0]
+
+    def evaluate() -> None:
+        while not stop.is_set():
+            with torch.no_grad():
+                wrong.append(not torch.equal(m(x), want))
+            runs[0] += 1
+
+    least = 2 * (dim * dim * 4 + 4096)  # the budget it takes: a unit, parameters and gradients, in pages
+    with offload_parameters(m, workdir, least, units=list(m)) as off:
+        for b in batches[:2]:  # lent, by this thread alone
+            m(b).sum().backward()
+        assert off.stats()["lent"] > 0
+        t = threading.Thread(target=evaluate)
+        t.start()
+        try:
+            for b in batches[2:]:
+                m(b).sum().backward()
+        finally:
+            stop.set()
+            t.join()
+        assert runs[0] > 0 and not any(wrong)
+        assert not off.lender.on
+    for a, b in zip(ref.parameters(), m.parameters()):
+        assert torch.equal(a.grad, b.grad)

@@ -17,6 +17,7 @@ A gradient lies on the drive between backward and step; the stand-in's `.grad` i
 from __future__ import annotations
 
 import mmap
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,8 @@ HIDDEN_ATTR = "_deepnvme_hidden_by"
 HUGE_PAGE = 2 << 20
 # Where a parameter's gradient is between uses.
 NO_GRAD, GRAD_ON_DRIVE, GRAD_ZERO, GRAD_APPLIED = "none", "drive", "zero", "applied"
+# How long a second thread waits for the units the first one lent to be freed (OneLender).
+LEND_WAIT_S = 60.0
 # A window can show pool memory without a copy (Held.lend) where torch can point a storage elsewhere.
 LENDING = hasattr(torch.UntypedStorage, "_swap_data_ptr_") and hasattr(
     torch._C, "_construct_storage_from_data_pointer")
@@ -246,14 +249,37 @@ class HeldUnit:
     lease: Any = None  # the pool memory its parameters show while present (Held.lend), or None
 
     def lend(self, lease: Any) -> bool:
-        """Show the parameters in `lease`'s pool memory with no copy (Held.lend) where every one can."""
+        """Show the parameters in `lease`'s pool memory with no copy (Held.lend) where every one can; the
+        lease is then the unit's (`self.lease`), else nothing changed."""
         views = [(h, lease.io_view(h.data)) for h in self.params]
         if not all(h.can_lend(v, h.data.head) for h, v in views):
             return False
-        for h, v in views:
-            h.lend(v)
+        try:
+            for h, v in views:
+                h.lend(v)
+        except BaseException:
+            for h in self.params:  # none may show the lease once it goes back to the pool
+                h.take_back()
+            raise
         self.lease = lease
         return True
+
+    def keep_lent(self) -> None:
+        """Copy lent parameters into their own windows and give the pool memory back (Held.keep). Ended by
+        an error part-way, the unit is freed instead (read again on its next use), never left showing
+        memory the pool has taken back or values partly copied."""
+        if self.lease is None:
+            return
+        lease, self.lease = self.lease, None
+        done = False
+        try:
+            for h in self.params:
+                h.keep(lease.io_view(h.data))
+            done = True
+        finally:
+            if not done:
+                self.empty()
+            lease.release()
 
     def empty(self) -> None:
         """Free the parameters' values (Held.empty) and the pool memory lent to them."""
@@ -275,15 +301,32 @@ class HeldUnit:
             h.take_back()
         return lease
 
-    def keep_lent(self) -> None:
-        """Copy lent parameters into their own windows and give the pool memory back (Held.keep)."""
-        if self.lease is not None:
-            lease, self.lease = self.lease, None
-            try:
-                for h in self.params:
-                    h.keep(lease.io_view(h.data))
-            finally:
-                lease.release()
-
     def data_units(self) -> list[Unit]:
         return [h.data for h in self.params]
+
+
+@dataclass
+class OneLender:
+    """Which thread lends (HeldUnit.lend): the first to use the model, and only until another does. So the
+    pool memory of a unit in use is taken back (copied out) only by the thread using it, never from under
+    another thread's computation, and a thread needing room never waits under the lock for memory only
+    another thread can give back. A second thread (an evaluation beside training) turns lending off and
+    waits for the units lent to be freed before it uses the model."""
+
+    on: bool = True
+    thread: int | None = None
+
+    def mine(self) -> bool:
+        """Whether this thread lends."""
+        return self.on and self.thread == threading.get_ident()
+
+    def check(self, units: list[HeldUnit], idle: threading.Condition) -> None:
+        """A thread begins a use of the model (`idle`'s lock held; units freed notify it)."""
+        me = threading.get_ident()
+        if self.on and self.thread is None:
+            self.thread = me
+        elif me != self.thread:
+            self.on, self.thread = False, None
+            if not idle.wait_for(lambda: all(u.lease is None for u in units), LEND_WAIT_S):
+                raise RuntimeError("a unit of the offloaded model stayed in use by another thread for "
+                                   f"{LEND_WAIT_S:g} s; use the model from one thread at a time")

@@ -60,6 +60,7 @@ from deepnvme.offload.train.held import (
     Held,
     HeldUnit,
     OnDrive,
+    OneLender,
 )
 from deepnvme.offload.train.model_io import Checkpoint, converted, fill_residents
 from deepnvme.offload.train.model_io import save as save_model
@@ -116,6 +117,7 @@ class OffloadedParameters(Closing):
         self._writing: dict[str, list[Ticket]] = {}
         self.callback_queued = False
         self.backward_thread: int | None = None
+        self.lender = OneLender()
         self._stepper: Any = None  # a weak reference to the BackwardStepper of an optimizer
         self._methods: ModelMethods | None = None
         self.counts = {"unit_reads": 0, "bytes_read": 0, "bytes_written": 0, "prefetched": 0, "demanded": 0,
@@ -202,11 +204,12 @@ class OffloadedParameters(Closing):
             self._drop_pending()
             if make_room is not None:
                 make_room()
-            lent = [x for x in self.units if x.lease is not None]
+            lent = [x for x in self.units if x.lease is not None]  # all this thread's (OneLender)
             if lent and (lease := get(False)) is None:
-                for x in lent:  # units in use that show pool memory (lent) keep it no longer: copied out
+                for x in lent:  # units in use that show pool memory keep it no longer: copied out
                     x.keep_lent()
                 self.counts["kept"] += len(lent)
+                self.idle.notify_all()
             if lease is None:
                 lease = get(True)
         return lease
@@ -300,9 +303,9 @@ class OffloadedParameters(Closing):
         src = lease
         try:
             if not u.present:
-                if u.lend(src):  # shown where it was read (no copy): the lease is the unit's until free()
+                # shown where it was read (no copy), by the one thread that lends: the unit's until free()
+                if self.lender.mine() and u.lend(src):
                     self.counts["lent"] += 1
-                    lease = None
                 else:
                     for h in u.params:
                         h.fill(src.view(h.data))  # type: ignore[union-attr]
@@ -311,7 +314,7 @@ class OffloadedParameters(Closing):
                 for h in u.params:
                     self._load_grad(h, src)
         finally:
-            if lease is not None:
+            if lease is not None and lease is not u.lease:
                 lease.release()
 
     def _load_grad(self, h: Held, lease: Lease | None) -> None:
@@ -371,6 +374,7 @@ class OffloadedParameters(Closing):
         """A forward (or a recompute) of `u` begins: its parameters in memory and in its modules."""
         self._check_open()
         self.settle_interrupted()
+        self.lender.check(self.units, self.idle)
         if not (u.depth or u.held):
             self._follow_requires_grad(u)
         u.depth += 1
@@ -406,6 +410,7 @@ class OffloadedParameters(Closing):
         before it read ahead."""
         with self.lock:
             self._check_open()
+            self.lender.check(self.units, self.idle)
             if not self.callback_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
                 self.callback_queued = True
