@@ -133,7 +133,7 @@ class BackwardStepper:
                 ahead[2].close()
             tiles, reader = opt._make_records(work), None
         lent = Present({p: by_stand[id(p)].real for _, p in work})
-        self.profiles.append(opt._run_tiles(work, tiles, lent, reader, settle=False))
+        self.profiles.append(opt._run_tiles(work, tiles, lent, reader))
         opt._outline([p for _, p in work if p in opt._records])
         return [by_stand[id(p)] for _, p in work]
 

@@ -38,12 +38,10 @@ class TileWalk(_Base):
                          end_parts=END_REQUESTS)
 
     def _run_tiles(self, work: list[tuple[int, torch.Tensor]], tiles: list[list[Piece]], lending: Any,
-                   reader: ReadAhead | None = None, settle: bool = True) -> StepProfile:
+                   reader: ReadAhead | None = None) -> StepProfile:
         """Step `tiles` of `work`, each tile's state read ahead (by `reader`, when its reads were issued
-        before); `lending` gives offloaded parameters' values (lending.py). Returns once the state's writes
-        are done (`settle`), or once queued (a unit stepped in its backward: the caller goes on computing
-        while they run, and the next walk, which begins by waiting for them, raises their error). An error
-        leaves the optimizer refusing further steps (`_broken`)."""
+        before); `lending` gives offloaded parameters' values (lending.py). An error leaves the optimizer
+        refusing further steps (`_broken`)."""
         reader = self._reader(tiles) if reader is None else reader
         starts = {p: self._records[p].scalars for _, p in work if p in self._records}
         self._made = {p for _, p in work if p in self._records and self._records[p].made}
@@ -52,8 +50,6 @@ class TileWalk(_Base):
         profile = StepProfile(time.perf_counter())
         writes: list[Ticket] = []
         try:
-            if not settle:
-                self.swap.wait_writes()  # the last walk's, done by now
             for i, tile in enumerate(tiles):
                 waited = time.perf_counter()
                 lease = reader.take(i)
@@ -79,8 +75,7 @@ class TileWalk(_Base):
                     reader.restart(i + 1)
                     self._store_fresh(fresh)
             lending.done()
-            if settle:
-                self.swap.wait_writes()
+            self.swap.wait_writes()
             profile.add_requests(writes)
             profile.ended = time.perf_counter()
         except BaseException as exc:
