@@ -120,6 +120,7 @@ class Held:
     idle: torch.Tensor | None = None  # what `real` is between uses: no elements, so nothing can touch memory
     # While the window shows a lease's pool memory (lend()): a storage holding the window's own mapping.
     own: torch.UntypedStorage | None = None
+    home: int = 0  # the address of the window's own mapping
 
     def __post_init__(self) -> None:
         self.shape = self.real.shape if self.shape is None else torch.Size(self.shape)
@@ -170,6 +171,7 @@ class Held:
             with torch.inference_mode(False):  # made in an inference-mode forward, it could never train
                 self.window = torch.frombuffer(buf, dtype=torch.uint8)[:self.nbytes].view(self.dtype).view(
                     self.shape)
+            self.home = self.window.untyped_storage().data_ptr()  # its own mapping's address
             if size >= HUGE_PAGE:  # each use faults its pages in again: 2 MiB at a time is 2-3x as fast
                 madvise(self.window.data_ptr(), size, mmap.MADV_HUGEPAGE)
         return self.window
@@ -192,6 +194,8 @@ class Held:
         can_lend) as the window, with no copy: the window's storage is pointed at it, so the views of the
         window autograd saved see it too. The pool memory must stay the unit's until take_back()."""
         storage = self._make_window().untyped_storage()
+        # `own` is set before the swap: take_back() swaps only while the window shows other memory than its
+        # mapping, so a Ctrl-C landing between the two leaves nothing pointing the wrong way.
         self.own = torch._C._construct_storage_from_data_pointer(io_view.data_ptr(), io_view.device,
                                                                   storage.nbytes())
         storage._swap_data_ptr_(self.own)  # the window's storage now shows the pool; `own`, the mapping
@@ -202,7 +206,9 @@ class Held:
         nothing reads or writes the pool memory it showed. The mapping holds what it held before the lend
         (nothing: emptied), so a copy of the values must follow if they are still wanted."""
         if self.own is not None:
-            self.window.untyped_storage()._swap_data_ptr_(self.own)  # type: ignore[union-attr]
+            storage = self.window.untyped_storage()  # type: ignore[union-attr]
+            if storage.data_ptr() != self.home:
+                storage._swap_data_ptr_(self.own)
             self.own = None
 
     def keep(self, io_view: torch.Tensor) -> None:
