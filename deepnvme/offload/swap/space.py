@@ -89,7 +89,6 @@ class Lease:
             self._slot[u.name] = at
             at += round_up(u.io_nbytes)
         self._writes_left = 0
-        self._owned: list[Unit] = []  # the units being written (write_back)
         self._writes_lock = threading.Lock()  # a queue completes a lease's writes on either of its threads
 
     @staticmethod
@@ -172,7 +171,6 @@ class Lease:
             self.buffer.release()
             return []
         runs = self.runs(owned, parts)
-        self._owned = owned
         self._writes_left = len(runs)
         self.tickets = [Ticket(view, self.space._fd, start, path, True, self._written)
                         for view, start, path in runs]
@@ -186,7 +184,7 @@ class Lease:
             last = self._writes_left == 0
         if last:  # the CRC-32s are taken here, off the caller's thread, before any waiter is released
             try:
-                self.space.record_sums(self, self._owned)
+                self.space.record_sums(self, [u for u in self.units if u.owned])
             finally:
                 self.buffer.release()
 

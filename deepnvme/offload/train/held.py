@@ -38,8 +38,9 @@ HIDDEN_ATTR = "_deepnvme_hidden_by"
 HUGE_PAGE = 2 << 20
 # Where a parameter's gradient is between uses.
 NO_GRAD, GRAD_ON_DRIVE, GRAD_ZERO, GRAD_APPLIED = "none", "drive", "zero", "applied"
-# How long a second thread waits for the units the first one lent to be freed (OneLender).
-LEND_WAIT_S = 60.0
+# How long a use of the model waits for another thread's to end: a step for forwards in other threads
+# (lending.py), a second thread for the units the first one lent to be freed (OneLender).
+BUSY_WAIT_S = 60.0
 # A window can show pool memory without a copy (Held.lend) where torch can point a storage elsewhere.
 LENDING = hasattr(torch.UntypedStorage, "_swap_data_ptr_") and hasattr(
     torch._C, "_construct_storage_from_data_pointer")
@@ -215,8 +216,7 @@ class Held:
         """After lend(): copy the values from the pool memory shown (`io_view`) into the window's own
         mapping and show that, so that the pool memory can go (the values, the views, the same)."""
         if self.own is not None:
-            self.take_back()
-            self.window.view(-1).view(torch.uint8).copy_(io_view[:self.nbytes])  # type: ignore[union-attr]
+            self.fill(io_view[:self.nbytes])
 
     def empty(self) -> None:
         """Free the values: the window's pages go back to the system (saved views of it stay valid
@@ -333,6 +333,6 @@ class OneLender:
             self.thread = me
         elif me != self.thread:
             self.on, self.thread = False, None
-            if not idle.wait_for(lambda: all(u.lease is None for u in units), LEND_WAIT_S):
+            if not idle.wait_for(lambda: all(u.lease is None for u in units), BUSY_WAIT_S):
                 raise RuntimeError("a unit of the offloaded model stayed in use by another thread for "
-                                   f"{LEND_WAIT_S:g} s; use the model from one thread at a time")
+                                   f"{BUSY_WAIT_S:g} s; use the model from one thread at a time")

@@ -11,11 +11,16 @@ from typing import Any
 import torch
 
 from deepnvme.offload.swap import Lease, ReadAhead
-from deepnvme.offload.train.held import GRAD_APPLIED, GRAD_ON_DRIVE, GRAD_ZERO, NO_GRAD, OWNER_ATTR, Held
+from deepnvme.offload.train.held import (
+    BUSY_WAIT_S,
+    GRAD_APPLIED,
+    GRAD_ON_DRIVE,
+    GRAD_ZERO,
+    NO_GRAD,
+    OWNER_ATTR,
+    Held,
+)
 from deepnvme.offload.train.params import OffloadedParameters
-
-# How long a step waits for forwards in other threads to leave the model.
-BUSY_WAIT_S = 60.0
 
 
 def owner_of(p: torch.Tensor) -> OffloadedParameters | None:

@@ -300,19 +300,18 @@ class OffloadedParameters(Closing):
         accumulated so far."""
         drive = grads and any(h.grad_state() == GRAD_ON_DRIVE and not h.loaded_grad for h in u.params)
         lease = self._read(u, drive) if u.params and (not u.present or drive) else None
-        src = lease
         try:
             if not u.present:
                 # shown where it was read (no copy), by the one thread that lends: the unit's until free()
-                if self.lender.mine() and u.lend(src):
+                if self.lender.mine() and u.lend(lease):
                     self.counts["lent"] += 1
                 else:
                     for h in u.params:
-                        h.fill(src.view(h.data))  # type: ignore[union-attr]
+                        h.fill(lease.view(h.data))  # type: ignore[union-attr]
                 u.present = True
             if grads:
                 for h in u.params:
-                    self._load_grad(h, src)
+                    self._load_grad(h, lease)
         finally:
             if lease is not None and lease is not u.lease:
                 lease.release()
