@@ -105,11 +105,13 @@ def test_an_evaluation_thread_beside_training_sees_the_right_values(workdir: Pat
         ref(b).sum().backward()
     stop, wrong, runs = threading.Event(), [], [0]
 
-    def evaluate() -> None:
-        while not stop.is_set():
+    def evaluate() -> None:  # at least once, however the threads are scheduled
+        while True:
             with torch.no_grad():
                 wrong.append(not torch.equal(m(x), want))
             runs[0] += 1
+            if stop.is_set():
+                return
 
     least = 2 * (dim * dim * 4 + 4096)  # the budget it takes: a unit, parameters and gradients, in pages
     with offload_parameters(m, workdir, least, units=list(m)) as off:
