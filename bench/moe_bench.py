@@ -54,7 +54,17 @@ HIDDEN = 1024
 CAPACITY_FACTOR = 1.25
 MIN_CAPACITY = 4
 AUX_COEFF = 0.01
-CONTENDERS = ("deepnvme op", "deepnvme torch", "DeepSpeed", "dense mask")
+CONTENDERS = ("deepnvme op", "deepnvme torch", "deepnvme loop", "deepnvme dropless", "DeepSpeed", "dense mask")
+# What each deepnvme contender changes: the routing implementation, the experts' computation
+# (DEEPNVME_MOE_EXPERTS; unset = the library's choice), dropless routing.
+DEEPNVME_SETTINGS = {
+    "deepnvme op": {"impl": "op", "experts": "", "dropless": False},
+    "deepnvme torch": {"impl": "torch", "experts": "", "dropless": False},
+    "deepnvme loop": {"impl": "op", "experts": "loop", "dropless": False},
+    "deepnvme dropless": {"impl": "op", "experts": "", "dropless": True},
+}
+# Memory is measured with elementwise experts, which never run grouped: the loop contender would repeat op's.
+MEMORY_CONTENDERS = ("deepnvme op", "deepnvme torch", "deepnvme dropless", "DeepSpeed", "dense mask")
 SCOPES = {"routing": "routing alone (gate, dispatch, combine; the buffer goes from dispatch to combine)",
           "layer": "whole layer with elementwise experts"}
 
@@ -182,7 +192,7 @@ class DenseMaskMoE:
         return torch.einsum("sec,ecm->sm", combine.type_as(x), out), l_aux, None
 
 
-def build_layer(family: str, cfg: Config, expert_kind: str, ffn: int) -> Any:
+def build_layer(family: str, cfg: Config, expert_kind: str, ffn: int, dropless: bool = False) -> Any:
     """The contender's layer with the shared gate weight copied in."""
     import torch
 
@@ -198,6 +208,8 @@ def build_layer(family: str, cfg: Config, expert_kind: str, ffn: int) -> Any:
             from deepspeed.moe.layer import MoE
         else:
             from deepnvme.moe import MoE
+
+            kwargs["dropless"] = dropless
         layer = MoE(HIDDEN, expert, **kwargs).train()
         gate_weight = layer.deepspeed_moe.gate.wg.weight
     with torch.no_grad():
@@ -281,19 +293,23 @@ def serve(family: str, threads: int) -> int:
         try:
             req = json.loads(line)
             cfg = Config(**req["config"])
-            key = (req["layer"], cfg, req["expert"], req["ffn"])
+            dropless = bool(req.get("dropless"))
+            key = (req["layer"], dropless, cfg, req["expert"], req["ffn"])
             if key not in layers:
-                if any(k[1:] != key[1:] for k in layers):
+                if any(k[2:] != key[2:] for k in layers):
                     layers.clear()
                     warm.clear()
-                layers[key] = (build_layer(req["layer"], cfg, req["expert"], req["ffn"]), make_inputs(cfg))
+                layers[key] = (build_layer(req["layer"], cfg, req["expert"], req["ffn"], dropless),
+                               make_inputs(cfg))
             if "impl" in req:
                 os.environ["DEEPNVME_MOE_IMPL"] = req["impl"]
+                os.environ["DEEPNVME_MOE_EXPERTS"] = req["experts"]
             layer, (x, _, g) = layers[key]
             if req["cmd"] == "time":
-                if (*key, req.get("impl")) not in warm:
+                path = (*key, req.get("impl"), req.get("experts"))
+                if path not in warm:
                     step(layer, x, g)  # first touch of this layer and path: not timed
-                    warm.add((*key, req.get("impl")))
+                    warm.add(path)
                 samples = [list(timed(partial(step, layer, x, g))) for _ in range(req["steps"])]
                 print(json.dumps({"samples": samples}), file=proto)
             else:
@@ -370,7 +386,7 @@ def request_for(contender: str, cfg: Config, args: argparse.Namespace, cmd: str,
     req: dict[str, Any] = {"cmd": cmd, "config": asdict(cfg), "expert": expert, "ffn": args.ffn,
                            "steps": args.steps}
     if contender.startswith("deepnvme"):
-        req.update(layer="deepnvme", impl=contender.split()[1])
+        req.update(layer="deepnvme", **DEEPNVME_SETTINGS[contender])
     else:
         req["layer"] = "deepspeed" if contender == "DeepSpeed" else "dense"
     return req
@@ -405,7 +421,7 @@ def measure(args: argparse.Namespace, configs: list[Config]) -> dict[str, Any]:
     try:
         for rep in range(args.repeats):
             for cfg in configs:
-                order = [c for c in CONTENDERS
+                order = [c for c in args.contenders
                          if c != "dense mask" or (dense_allowed(cfg, args) and rep == 0)]
                 order = order[rep % len(order):] + order[:rep % len(order)]  # rotate who goes first
                 for contender in order:
@@ -421,10 +437,11 @@ def measure(args: argparse.Namespace, configs: list[Config]) -> dict[str, Any]:
                           f"{[round(s[0], 3) for s in answer['samples']]} s", file=sys.stderr)
         for cfg in configs:
             for scope in SCOPES:
-                for contender in CONTENDERS:
+                for contender in (c for c in MEMORY_CONTENDERS if c in args.contenders):
                     side = mem_sides.get(side_of(contender))
                     if side is None or side.error or (contender == "dense mask" and (
-                            scope != "routing" or not dense_allowed(cfg, args))):
+                            scope != "routing" or not dense_allowed(cfg, args))) or (
+                            contender == "deepnvme dropless" and scope == "routing"):
                         continue
                     req = request_for(contender, cfg, args, "memory", "scale")
                     answer = side.ask({**req, "scope": scope})
@@ -525,23 +542,29 @@ def render(args: argparse.Namespace, configs: list[Config], res: dict[str, Any],
              "Step time: median wall s (median CPU s); ratio = DeepSpeed's wall time / this one's "
              "(>1: faster). The dense mask is timed in the first round only, its memory for the routing "
              "alone.",
-             "", "| config | C | " + " | ".join(CONTENDERS) + " | DS/op | DS/torch |",
-             "|---|---|" + "---|" * (len(CONTENDERS) + 2)]
+             ""]
+    shown = [c for c in CONTENDERS if c in args.contenders]
+    ours = [c for c in shown if c.startswith("deepnvme")]
+    lines += ["| config | C | " + " | ".join(shown) + " | " + " | ".join(f"DS/{c.split()[1]}" for c in ours)
+              + " |", "|---|---|" + "---|" * (len(shown) + len(ours))]
     for cfg in configs:
         t = res["times"][cfg.label]
-        cells = [f"{med(t[c], 0):.3f} ({med(t[c], 1):.3f})" if c in t else "—" for c in CONTENDERS]
+        cells = [f"{med(t[c], 0):.3f} ({med(t[c], 1):.3f})" if c in t else "—" for c in shown]
         ratios = [f"{med(t['DeepSpeed'], 0) / med(t[c], 0):.2f}x" if c in t and "DeepSpeed" in t else "—"
-                  for c in ("deepnvme op", "deepnvme torch")]
+                  for c in ours]
         lines.append(f"| {cfg.label} | {cfg.capacity} | " + " | ".join(cells + ratios) + " |")
+    mem_shown = [c for c in MEMORY_CONTENDERS if c in args.contenders]
+    mem_ours = [c for c in mem_shown if c.startswith("deepnvme")]
     for scope, what in SCOPES.items():
         lines += ["", f"Peak extra memory of one step, {what}: MiB; ratio = this one / DeepSpeed's.",
-                  "", "| config | " + " | ".join(CONTENDERS) + " | op/DS | torch/DS |",
-                  "|---|" + "---|" * (len(CONTENDERS) + 2)]
+                  "", "| config | " + " | ".join(mem_shown) + " | "
+                  + " | ".join(f"{c.split()[1]}/DS" for c in mem_ours) + " |",
+                  "|---|" + "---|" * (len(mem_shown) + len(mem_ours))]
         for cfg in configs:
             m = res["memory"][scope][cfg.label]
-            cells = [f"{m[c] / 2**20:.0f}" if c in m else "—" for c in CONTENDERS]
+            cells = [f"{m[c] / 2**20:.0f}" if c in m else "—" for c in mem_shown]
             ratios = [f"{m[c] / m['DeepSpeed']:.2f}" if c in m and m.get("DeepSpeed") else "—"
-                      for c in ("deepnvme op", "deepnvme torch")]
+                      for c in mem_ours]
             lines.append(f"| {cfg.label} | " + " | ".join(cells + ratios) + " |")
     skipped = [c for c in configs if not dense_allowed(c, args)]
     if skipped:
@@ -579,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--tokens x --experts x --k grid")
     p.add_argument("--expert", choices=("scale", "ffn"), default="scale", help="expert module (see above)")
     p.add_argument("--ffn", type=int, default=1024, help="inner width of --expert ffn")
+    p.add_argument("--contenders", default=",".join(CONTENDERS),
+                   help=f"comma-separated subset of: {', '.join(CONTENDERS)}")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds over every case")
     p.add_argument("--steps", type=int, default=1, help="timed steps per case and round")
     p.add_argument("--threads", type=int, default=1, help="torch threads in each worker")
@@ -599,6 +624,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("repeats", "steps", "threads"):
         if getattr(args, name) < 1:
             p.error(f"argument --{name}: must be at least 1")
+    args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    unknown = [c for c in args.contenders if c not in CONTENDERS]
+    if unknown or not args.contenders:
+        p.error(f"argument --contenders: unknown {unknown}; choose from {list(CONTENDERS)}")
     if args.shapes:
         try:
             configs = [Config(*(int(v) for v in shape.lower().split("x"))) for shape in args.shapes.split(",")

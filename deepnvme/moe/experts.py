@@ -6,11 +6,13 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from deepnvme._core.checks import check_int, check_type
+from deepnvme.moe.grouped import GroupedExperts, pack
 
 # DeepSpeed's state_dict naming of a rank-local expert inside an MoE layer.
 EXPERT_KEY = re.compile(
@@ -49,6 +51,10 @@ class Experts(nn.Module):
     ``forward`` takes ``[..., num_local_experts * n, ...]`` split along dim 1 into one chunk per expert (the
     MoE layer passes ``[ep, E_local, C, M]``, so each expert sees ``[ep, 1, C, M]``); an expert returning a
     tuple contributes its first element.
+
+    The copies' parameters are packed (:func:`deepnvme.moe.grouped.pack`: each name's tensors are slices of
+    one ``[E, ...]`` storage, again after ``.to()`` and the like), so that :meth:`grouped` can multiply them
+    all at once without stacking copies.
     """
 
     def __init__(
@@ -65,10 +71,44 @@ class Experts(nn.Module):
         # Called with the indices of the experts about to run, before the first runs (a weight streamer
         # reads exactly those ahead: deepnvme.offload.experts). None: nothing is told.
         self.before_run: Callable[[list[int]], None] | None = None
+        pack(self.deepspeed_experts)
         for e in self.deepspeed_experts:
             for p in e.parameters():
                 p.allreduce = False
                 p.group_name = expert_group_name
+
+    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
+        """``nn.Module._apply`` (``.to()``, ``.half()``, ...), then the parameters packed again: a conversion
+        gives every tensor storage of its own."""
+        out = super()._apply(fn, recurse)
+        pack(self.deepspeed_experts)
+        return out
+
+    def grouped(self, x: Tensor) -> GroupedExperts | None:
+        """The experts as one :class:`~deepnvme.moe.grouped.GroupedExperts` when computing them together on
+        rows like ``x`` gives what calling each would (see its ``ready``), else None."""
+        if not self.runs_each_as_forward():
+            return None
+        plan = GroupedExperts.of(self.deepspeed_experts)
+        return plan if plan is not None and plan.ready(x) else None
+
+    def run_rows(self, rows: Tensor, counts: list[int], active: list[bool] | None = None) -> Tensor:
+        """Rows grouped by expert (``counts[e]`` rows of expert e, in order) through each expert module in
+        turn: the reference for the grouped computation. Experts whose ``active`` flag is False are not run
+        (they must have no rows); with every expert idle the result is ``rows`` itself, empty."""
+        if len(counts) != self.num_local_experts or sum(counts) != rows.shape[0]:
+            raise ValueError(f"counts must give {self.num_local_experts} group sizes summing to "
+                             f"{rows.shape[0]} rows, got {counts}")
+        flags = self._check_active(active)
+        if any(n and not run for n, run in zip(counts, flags)):
+            raise ValueError("active: an expert with rows must run")
+        self._announce(flags)
+        outputs = []
+        for chunk, expert, run in zip(rows.split(counts), self.deepspeed_experts, flags):
+            if run:
+                out = expert(chunk)
+                outputs.append(out[0] if isinstance(out, tuple) else out)
+        return torch.cat(outputs) if outputs else rows
 
     def run_each(self, inputs: list[Tensor] | tuple[Tensor, ...],
                  active: list[bool] | None = None) -> list[Tensor]:

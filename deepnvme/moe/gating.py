@@ -266,6 +266,8 @@ class TopKGate(nn.Module):
         use_rts: bool = True,
         ep_group: Any = None,
         top2_2nd_expert_sampling: bool = True,
+        *,
+        dropless: bool = False,
     ) -> None:
         super().__init__()
         check_int("model_dim", model_dim, 1)
@@ -280,6 +282,7 @@ class TopKGate(nn.Module):
         self.min_capacity = min_capacity
         self.noisy_gate_policy = noisy_gate_policy
         self.drop_tokens = bool(drop_tokens)
+        self.dropless = bool(dropless)
         self.use_rts = bool(use_rts)
         self.top2_2nd_expert_sampling = bool(top2_2nd_expert_sampling)
 
@@ -308,7 +311,9 @@ class TopKGate(nn.Module):
         return routes
 
     def _gate(self, logits: Tensor, factor: float, used_token: Tensor | None) -> Routes:
-        """Run the gating function for this gate's k."""
+        """Run the gating function for this gate's k (dropless: no capacity, nothing agreed)."""
+        drop = self.drop_tokens and not self.dropless
+        group = None if self.dropless else self.ep_group
         if self.k == 1:
             noise = self.noisy_gate_policy if self.training else None
             return top1gating(
@@ -317,22 +322,22 @@ class TopKGate(nn.Module):
                 self.min_capacity,
                 used_token,
                 noise,
-                self.drop_tokens,
+                drop,
                 self.use_rts and self.training,
-                self.ep_group,
+                group,
             )
         if self.k == 2:
             return top2gating(
                 logits,
                 factor,
                 self.min_capacity,
-                self.drop_tokens,
-                self.ep_group,
+                drop,
+                group,
                 self.top2_2nd_expert_sampling and self.training,
                 used_token,
             )
         return topkgating(
-            logits, self.k, factor, self.min_capacity, self.drop_tokens, self.ep_group, used_token
+            logits, self.k, factor, self.min_capacity, drop, group, used_token
         )
 
     def forward(

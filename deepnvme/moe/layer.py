@@ -54,7 +54,11 @@ class MoE(nn.Module):
     differ at init and expert g is the same whatever ``ep_size`` is; False keeps
     DeepSpeed's identical copies (needed for bit-for-bit parity with DeepSpeed, or to upcycle a trained dense
     MLP). With one expert the copy keeps the given weights. ``use_data_before_expert_parallel`` picks the rank
-    layout of :mod:`deepnvme.moe.groups`.
+    layout of :mod:`deepnvme.moe.groups`. ``dropless`` (default False) keeps every route: no capacity, no
+    padding, no token dropped; each expert computes exactly the rows routed to it, and with ``ep_size > 1``
+    the all-to-all sends exactly those rows (``drop_tokens`` and the capacity factors are then ignored; the
+    aux loss is computed as before). Experts that are Linear / Sequential-of-Linear-and-activation modules of
+    one shape are computed together (:mod:`deepnvme.moe.grouped`), in either mode.
 
     Where DeepSpeed misbehaves, this layer differs (see also :mod:`deepnvme.moe.gating`):
 
@@ -95,6 +99,7 @@ class MoE(nn.Module):
         *,
         distinct_experts: bool = True,
         use_data_before_expert_parallel: bool = False,
+        dropless: bool = False,
     ) -> None:
         super().__init__()
         check_int("hidden_size", hidden_size, 1)
@@ -133,6 +138,7 @@ class MoE(nn.Module):
             use_rts,
             None,
             top2_2nd_expert_sampling,
+            dropless=dropless,
         )
         self.deepspeed_moe = MOELayer(gate, experts, self.expert_group_name, ep_size, self.num_local_experts)
         if self.use_residual:

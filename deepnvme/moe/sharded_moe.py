@@ -7,10 +7,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from deepnvme.moe.comm import all_to_all
+from deepnvme.moe.comm import all_to_all, all_to_all_rows, exchange_counts
 from deepnvme.moe.experts import Experts
 from deepnvme.moe.gating import TopKGate
+from deepnvme.moe.grouped import GroupedExperts, choose
 from deepnvme.moe.routing import combine, combine_per_expert, dispatch, dispatch_per_expert, uses_op
+from deepnvme.moe.rows import Regroup, expert_rows
 
 
 class MOELayer(nn.Module):
@@ -26,6 +28,13 @@ class MOELayer(nn.Module):
     concatenated around the experts). At inference (no autograd graph through the experts) and ``ep_size ==
     1``, experts that keep no token are not run at all (see :meth:`_active_experts`). After ``forward``,
     ``l_aux`` and ``exp_counts`` hold the batch's aux loss and per-expert counts.
+
+    When the experts qualify (:mod:`deepnvme.moe.grouped`) they are computed together: at ``ep_size == 1``
+    on each expert's kept rows only (:mod:`deepnvme.moe.rows`; the padding up to C is never computed) with
+    torch's grouped mm, or on the padded buffer with one ``baddbmm`` where that is the choice; with
+    ``ep_size > 1`` on the exchanged ``[E_local, ep*C, M]`` rows with ``baddbmm``. A dropless gate
+    (``gate.dropless``) sends exactly the kept rows: at ``ep_size > 1`` through a variable all-to-all
+    whose row counts are exchanged first. ``last_path`` names the path the last forward took.
     """
 
     def __init__(
@@ -49,6 +58,7 @@ class MOELayer(nn.Module):
         )
         self.l_aux: Tensor | None = None
         self.exp_counts: Tensor | None = None
+        self.last_path = ""
 
     def _set_ep_group(self, ep_group: Any) -> None:
         """Attach the expert-parallel group to the layer and its gate."""
@@ -70,28 +80,112 @@ class MOELayer(nn.Module):
         tokens = x.reshape(-1, d_model)
         routes = self.gate.route(tokens, used_token)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
-        c = routes.capacity
-        active = self._active_experts(tokens, routes) if self.ep_size == 1 else None
-        if (self.ep_size == 1 and isinstance(self.experts, Experts) and self.experts.runs_each_as_forward()
-                and uses_op(tokens)):
+        dropless = bool(getattr(self.gate, "dropless", False))
+        if dropless and not isinstance(self.experts, Experts):
+            raise TypeError(f"a dropless gate needs deepnvme.moe.Experts as experts, got "
+                            f"{type(self.experts).__name__}")
+        impl = choose(tokens.device, tokens.dtype)
+        plan = self.experts.grouped(tokens) if impl != "loop" and isinstance(self.experts, Experts) else None
+        if self.ep_size > 1:
+            out = (self._rows_across_ranks(tokens, routes, plan, impl) if dropless
+                   else self._padded_across_ranks(tokens, routes, plan))
+        elif dropless or (plan is not None and impl == "grouped_mm"):
+            out = self._rows(tokens, routes, plan, impl)
+        else:
+            out = self._padded(tokens, routes, plan)
+        return out.reshape(x.shape[:-1] + out.shape[-1:])
+
+    def _rows(self, tokens: Tensor, routes: Any, plan: GroupedExperts | None, impl: str) -> Tensor:
+        """ep_size 1: every kept route's token in a row of its own, grouped by expert (no padding), the
+        experts on those rows, the weighted combine."""
+        rows = expert_rows(routes.expert_idx, routes.slot, routes.num_experts)
+        buffer = dispatch(tokens, rows.index, rows.slot, 1, rows.total)
+        flat = buffer.view(rows.total, tokens.shape[1])
+        if plan is not None:
+            self.experts._announce([n > 0 for n in rows.counts])
+            out = plan.run(flat, rows.counts, impl)
+            self.last_path = f"rows, {impl}"
+        else:
+            out = self.experts.run_rows(flat, rows.counts, self._active_rows(tokens, rows.counts))
+            self.last_path = "rows, loop"
+        return combine(out.view(1, rows.total, out.shape[-1]), rows.index, rows.slot, routes.weight)
+
+    def _padded(self, tokens: Tensor, routes: Any, plan: GroupedExperts | None) -> Tensor:
+        """ep_size 1: the ``[E, C, M]`` capacity buffer through the experts (one baddbmm per Linear with a
+        plan, else each expert on its block)."""
+        c, d_model = routes.capacity, tokens.shape[1]
+        active = self._active_experts(tokens, routes)
+        if plan is not None:
+            self.experts._announce([True] * routes.num_experts if active is None else active)
+            buffer = dispatch(tokens, routes.expert_idx, routes.slot, routes.num_experts, c)
+            self.last_path = "padded, bmm"
+            return combine(plan.run_padded(buffer), routes.expert_idx, routes.slot, routes.weight)
+        if isinstance(self.experts, Experts) and self.experts.runs_each_as_forward() and uses_op(tokens):
             # One buffer per expert, each expert's output combined as it is: what the path below does, without
             # the split of one [E, C, M] buffer, the concatenation after the experts, and their backwards (the
             # compiled op reads and writes the buffers in place; the pure-torch path would copy them instead).
             blocks = dispatch_per_expert(tokens, routes.expert_idx, routes.slot, routes.num_experts, c,
                                          (1, 1, c, d_model))
             outs = self.experts.run_each(blocks, active)
-            combined = combine_per_expert(outs, routes.expert_idx, routes.slot, routes.weight)
-            return combined.reshape(x.shape[:-1] + combined.shape[-1:])
+            self.last_path = "padded, loop per block"
+            return combine_per_expert(outs, routes.expert_idx, routes.slot, routes.weight)
+        buffer = dispatch(tokens, routes.expert_idx, routes.slot, routes.num_experts, c)
+        buffer = buffer.reshape(1, self.num_local_experts, c, d_model)
+        out = self.experts(buffer) if active is None else self.experts(buffer, active=active)
+        self.last_path = "padded, loop"
+        return combine(out, routes.expert_idx, routes.slot, routes.weight)
+
+    def _padded_across_ranks(self, tokens: Tensor, routes: Any, plan: GroupedExperts | None) -> Tensor:
+        """ep_size > 1: the capacity buffer exchanged over the group (equal chunks), the local experts on
+        ``[ep, E_local, C, M]``, exchanged back, combined."""
+        c, d_model = routes.capacity, tokens.shape[1]
         buffer = dispatch(tokens, routes.expert_idx, routes.slot, routes.num_experts, c)
         buffer = all_to_all(buffer, self.ep_group)
         buffer = buffer.reshape(self.ep_size, self.num_local_experts, c, d_model)
-        out = self.experts(buffer) if active is None else self.experts(buffer, active=active)
-        if self.ep_size > 1:
-            num_experts = self.ep_size * self.num_local_experts
-            out = all_to_all(out.reshape(num_experts, c, out.shape[-1]), self.ep_group)
-        # [ep, E_local, C, M] goes in as it is, not as a reshaped view: the combine's backward may reuse it.
-        combined = combine(out, routes.expert_idx, routes.slot, routes.weight)
-        return combined.reshape(x.shape[:-1] + combined.shape[-1:])
+        if plan is not None:
+            self.experts._announce([True] * self.num_local_experts)
+            local = buffer.transpose(0, 1).reshape(self.num_local_experts, self.ep_size * c, d_model)
+            out = plan.run_padded(local)
+            out = out.reshape(self.num_local_experts, self.ep_size, c, -1).transpose(0, 1)
+            self.last_path = "padded across ranks, bmm"
+        else:
+            out = self.experts(buffer)
+            self.last_path = "padded across ranks, loop"
+        num_experts = self.ep_size * self.num_local_experts
+        out = all_to_all(out.reshape(num_experts, c, out.shape[-1]), self.ep_group)
+        return combine(out, routes.expert_idx, routes.slot, routes.weight)
+
+    def _rows_across_ranks(self, tokens: Tensor, routes: Any, plan: GroupedExperts | None,
+                           impl: str) -> Tensor:
+        """ep_size > 1, dropless: each rank's rows for each expert-parallel rank sent as they are (a variable
+        all-to-all after one exchange of the row counts), regrouped by local expert, computed, sent back."""
+        rows = expert_rows(routes.expert_idx, routes.slot, routes.num_experts)
+        buffer = dispatch(tokens, rows.index, rows.slot, 1, rows.total).view(rows.total, tokens.shape[1])
+        sent = torch.tensor(rows.counts, dtype=torch.int64, device=tokens.device).view(
+            self.ep_size, self.num_local_experts)
+        got = exchange_counts(sent, self.ep_group)
+        send, recv = sent.sum(1).tolist(), got.sum(1).tolist()
+        arrived = all_to_all_rows(buffer, send, recv, self.ep_group)
+        regroup = Regroup(got.to(tokens.device))
+        local = regroup.to_experts(arrived)
+        if plan is not None:
+            self.experts._announce([True] * self.num_local_experts)
+            out = plan.run(local, regroup.counts, impl if impl == "grouped_mm" else "bmm")
+            self.last_path = f"rows across ranks, {impl}"
+        else:
+            out = self.experts.run_rows(local, regroup.counts)
+            self.last_path = "rows across ranks, loop"
+        back = all_to_all_rows(regroup.to_ranks(out), recv, send, self.ep_group)
+        return combine(back.view(1, rows.total, back.shape[-1]), rows.index, rows.slot, routes.weight)
+
+    def _active_rows(self, tokens: Tensor, counts: list[int]) -> list[bool] | None:
+        """At inference (as :meth:`_active_experts` means it), the experts that have rows; else None."""
+        if type(self.experts).forward is not Experts.forward:
+            return None
+        if torch.is_grad_enabled() and (tokens.requires_grad
+                                        or any(p.requires_grad for p in self.experts.parameters())):
+            return None
+        return [n > 0 for n in counts]
 
     def _active_experts(self, tokens: Tensor, routes: Any) -> list[bool] | None:
         """At inference, which experts keep at least one route (None: run them all).

@@ -140,9 +140,12 @@ def test_matches_dense_reference_and_gradients(k: int, drop: bool) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_per_expert_path_equals_the_single_buffer_path_and_hooks_still_fire(k: int) -> None:
-    """At ep_size 1 the layer runs each expert on its own buffer; a forward hook on the experts container
-    (which that path would skip) sends it back through Experts.forward. Both give the same numbers."""
+def test_per_expert_path_equals_the_single_buffer_path_and_hooks_still_fire(
+        k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At ep_size 1 (experts not grouped) the layer runs each expert on its own buffer; a forward hook on the
+    experts container (which that path would skip) sends it back through Experts.forward. Both give the same
+    numbers."""
+    monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "loop")
     results, calls = [], []
     for hooked in (False, True):
         moe = make(k=k, capacity_factor=0.75, min_capacity=2)

@@ -1,0 +1,339 @@
+"""Grouped experts: a layer's local experts computed as one matrix multiply per linear step instead of one
+module call per expert.
+
+An expert qualifies when it is a ``nn.Linear`` or an ``nn.Sequential`` of ``nn.Linear`` layers and
+element-wise activations (ReLU, GELU, SiLU, Tanh, Sigmoid, LeakyReLU, Identity, Dropout at p = 0 or in eval
+mode), the same structure and shapes in every expert, with plain parameters of one dtype on one device.
+Anything else (PR-MoE's differently shaped experts, custom modules, hooks inside an expert, a streamer's
+forwards, dropout in training) runs through the per-expert loop, which stays the reference.
+
+How the multiply is done (``IMPLS``) is chosen once per device type and dtype by running a tiny forward and
+backward (``choose``), or forced with ``DEEPNVME_MOE_EXPERTS``:
+
+* ``grouped_mm``: torch's grouped matrix multiply over each expert's own rows, groups of any size, nothing
+  padded. The bias is added after the product, so results may differ from the loop's fused ``addmm`` in the
+  last bit (fp32: ~1e-7 relative; bf16: one rounding).
+* ``bmm``: one batched multiply (``baddbmm``) over rows padded to the largest group: the same bits as the loop
+  for the rows it computes, at the cost of the padded rows.
+* ``loop``: each expert module called on its rows.
+
+The experts' parameters are packed at construction (:func:`pack`): every expert's tensor of one name is a
+slice of one ``[E, ...]`` storage, so the stacked weights the multiply needs are a view, not a copy. Saving one
+expert's tensors alone with ``torch.save`` would therefore write the whole pack; ``state_dict()`` of the model
+and deepnvme's MoE checkpoints are unaffected (the latter clone each expert's tensors).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+IMPL_ENV = "DEEPNVME_MOE_EXPERTS"
+IMPLS = {
+    "grouped_mm": "torch's grouped matrix multiply over each expert's rows (nothing padded)",
+    "bmm": "one batched matrix multiply over rows padded to the largest expert's",
+    "loop": "one call of each expert module (any expert)",
+}
+
+# Element-wise activation modules computed on all experts' rows at once, with the call their forward makes.
+_ACTIVATIONS: dict[type, Callable[[nn.Module, Tensor], Tensor]] = {
+    nn.ReLU: lambda m, x: F.relu(x),
+    nn.GELU: lambda m, x: F.gelu(x, approximate=m.approximate),
+    nn.SiLU: lambda m, x: F.silu(x),
+    nn.Tanh: lambda m, x: torch.tanh(x),
+    nn.Sigmoid: lambda m, x: torch.sigmoid(x),
+    nn.LeakyReLU: lambda m, x: F.leaky_relu(x, m.negative_slope),
+    nn.Identity: lambda m, x: x,
+    nn.Dropout: lambda m, x: x,  # only while it is a no-op (p = 0 or eval): see GroupedExperts.ready
+}
+
+
+def _grouped_mm() -> Callable[..., Tensor] | None:
+    """torch's grouped matrix multiply: the public name (torch 2.10 on), else the private one (2.9)."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether torch's grouped mm runs forward and backward here, on a tiny case with an empty group; the
+    reason when not."""
+    fn = _grouped_mm()
+    if fn is None:
+        return False, f"torch {torch.__version__} has no grouped mm"
+    try:
+        x = torch.ones(3, 8, dtype=dtype, device=device_type, requires_grad=True)
+        w = torch.ones(2, 8, 8, dtype=dtype, device=device_type, requires_grad=True)
+        offs = torch.tensor([2, 2], dtype=torch.int32, device=device_type)
+        y = fn(x[:2], w, offs=offs)
+        y.backward(torch.ones_like(y))
+    except Exception as exc:  # noqa: BLE001 - any failure means: use the fallback on this device and dtype
+        return False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return True, ""
+
+
+def choose(device: torch.device, dtype: torch.dtype) -> str:
+    """How experts are multiplied on ``device`` in ``dtype``: ``$DEEPNVME_MOE_EXPERTS`` when set, else
+    ``grouped_mm`` where torch's grouped mm works there, else ``bmm``."""
+    forced = os.environ.get(IMPL_ENV, "").strip()
+    if forced:
+        if forced not in IMPLS:
+            raise ValueError(f"{IMPL_ENV}={forced!r}: expected one of {sorted(IMPLS)}")
+        return forced
+    return "grouped_mm" if _grouped_mm_works(device.type, dtype)[0] else "bmm"
+
+
+def describe() -> tuple[bool, str]:
+    """(grouped mm usable somewhere, one line) for the report: the choice per dtype on this machine."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    parts, ok = [], False
+    for dev in devices:
+        picks = []
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            impl = choose(torch.device(dev), dtype)
+            ok = ok or impl == "grouped_mm"
+            why = _grouped_mm_works(dev, dtype)[1]
+            picks.append(f"{str(dtype).replace('torch.', '')} {impl}" + (f" ({why})" if impl == "bmm" and why
+                                                                         else ""))
+        parts.append(f"{dev}: " + ", ".join(picks))
+    forced = os.environ.get(IMPL_ENV, "").strip()
+    return ok, "; ".join(parts) + (f" (forced by {IMPL_ENV})" if forced else "")
+
+
+# ------------------------------------------------------------------------------------------------ packing
+def pack(experts: Sequence[nn.Module]) -> bool:
+    """Point every expert's parameter of one name at a slice of one new ``[E, ...]`` tensor (values kept,
+    Parameter objects kept: ``.data`` is re-pointed), so :class:`GroupedExperts` stacks them without a
+    copy. Returns False (nothing changed) when the experts' parameters differ in names, shapes, dtypes or
+    devices, or are not plain tensors."""
+    if len(experts) < 2:
+        return False
+    named = [dict(e.named_parameters()) for e in experts]
+    first = named[0]
+    for params in named[1:]:
+        if params.keys() != first.keys():
+            return False
+        for name, p in params.items():
+            q = first[name]
+            if p.shape != q.shape or p.dtype != q.dtype or p.device != q.device:
+                return False
+    if any(type(p) is not nn.Parameter or type(p.data) is not torch.Tensor or p.device.type == "meta"
+           for params in named for p in params.values()):
+        return False
+    with torch.no_grad():
+        for name in first:
+            stacked = torch.stack([params[name].detach() for params in named])
+            for i, params in enumerate(named):
+                params[name].data = stacked[i]
+    return True
+
+
+def stack_views(views: Sequence[Tensor | None]) -> Tensor | None:
+    """One tensor with dim 0 over ``views`` (same shape, dtype and strides, at increasing addresses one
+    stride apart in one storage) without copying, or None when they do not lie so."""
+    tensors = [v for v in views if v is not None]
+    if not tensors or len(tensors) != len(views):
+        return None
+    first = tensors[0]
+    if len(tensors) == 1:
+        return first.unsqueeze(0)
+    ptrs = [v.data_ptr() for v in tensors]
+    step = ptrs[1] - ptrs[0]
+    size = first.element_size()
+    base = first.untyped_storage().data_ptr()
+    if (step <= 0 or step % size or any(b - a != step for a, b in zip(ptrs, ptrs[1:]))
+            or any(v.shape != first.shape or v.dtype != first.dtype or v.stride() != first.stride()
+                   or v.untyped_storage().data_ptr() != base for v in tensors)):
+        return None
+    return torch.as_strided(first, (len(tensors), *first.shape), (step // size, *first.stride()),
+                            first.storage_offset())
+
+
+class _Stacked(torch.autograd.Function):
+    """The experts' tensors of one name as one ``[E, ...]`` view of their packed storage; the gradient of
+    the view goes back to each tensor as its slice."""
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: Tensor) -> Tensor:  # type: ignore[override]
+        view = stack_views([t.detach() for t in tensors])
+        if view is None:  # callers check first (GroupedExperts._stack); kept as a safe fallback
+            return torch.stack([t.detach() for t in tensors])
+        return view
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        return tuple(grad.unbind(0))
+
+
+def _stack(tensors: list[Tensor]) -> Tensor:
+    """``torch.stack(tensors)`` for autograd, without the copy when they lie packed."""
+    if stack_views([t.detach() for t in tensors]) is not None:
+        return _Stacked.apply(*tensors)
+    return torch.stack(tensors)
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient dense: torch's CPU grouped mm rejects an expanded
+    (stride-0) gradient, as a ``sum()`` loss produces."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class _Step:
+    """One step of every expert: a Linear (``linear``) or an activation (its module type and settings)."""
+
+    kind: type
+    settings: tuple
+
+
+def _steps(expert: nn.Module) -> list[tuple[_Step, nn.Module]] | None:
+    """The expert as steps, or None when it is not a Linear or a Sequential of Linears and activations."""
+    chain = [expert] if type(expert) is nn.Linear else (
+        list(expert) if type(expert) is nn.Sequential else None)
+    if not chain:
+        return None
+    out = []
+    for m in chain:
+        if type(m) is nn.Linear:
+            out.append((_Step(nn.Linear, (m.in_features, m.out_features, m.bias is not None)), m))
+        elif type(m) in _ACTIVATIONS:
+            settings = tuple(sorted((k, v) for k, v in vars(m).items()
+                                    if not k.startswith("_") and k not in ("training", "inplace")))
+            out.append((_Step(type(m), settings), m))
+        else:
+            return None
+    return out if any(s.kind is nn.Linear for s, _ in out) else None
+
+
+class GroupedExperts:
+    """A layer's local experts seen as one chain of steps, computed for all experts at once.
+
+    Built by :meth:`of` from the expert modules (None when they do not qualify); :meth:`ready` says whether
+    they can run grouped on given rows now; :meth:`run` computes rows grouped by expert (``counts[e]`` rows
+    of expert e, in expert order), :meth:`run_padded` an ``[E, C, M]`` buffer.
+    """
+
+    def __init__(self, experts: list[nn.Module], steps: list[_Step], modules: list[list[nn.Module]]) -> None:
+        self.experts = experts
+        self.steps = steps
+        self.modules = modules  # modules[i][e]: step i of expert e
+
+    @classmethod
+    def of(cls, experts: Sequence[nn.Module]) -> GroupedExperts | None:
+        """The plan for ``experts``, or None when they are not one shared chain of supported steps."""
+        experts = list(experts)
+        if not experts:
+            return None
+        chains = [_steps(e) for e in experts]
+        if any(c is None for c in chains):
+            return None
+        first = [s for s, _ in chains[0]]  # type: ignore[union-attr]
+        if any([s for s, _ in c] != first for c in chains):  # type: ignore[union-attr]
+            return None
+        modules = [[c[i][1] for c in chains] for i in range(len(first))]  # type: ignore[index]
+        return cls(experts, first, modules)
+
+    def ready(self, x: Tensor) -> bool:
+        """Whether the grouped computation equals calling the modules on ``x``'s rows now: no hook or
+        replaced forward anywhere in the experts, dropout inactive, no autocast, and parameters that are
+        plain tensors of ``x``'s dtype on its device."""
+        from torch.nn.modules import module as nn_module
+
+        if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
+                or nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks):
+            return False
+        if torch.is_autocast_enabled(x.device.type):
+            return False
+        for step, mods in zip(self.steps, self.modules):
+            for m in mods:
+                if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                        or "forward" in m.__dict__):
+                    return False
+                if step.kind is nn.Dropout and m.training and m.p > 0:
+                    return False
+                for p in m._parameters.values():
+                    if p is None or type(p.data) is not torch.Tensor or p.dtype != x.dtype \
+                            or p.device != x.device:
+                        return False
+        return not any(("forward" in e.__dict__) or e._forward_hooks or e._forward_pre_hooks
+                       or e._backward_hooks or e._backward_pre_hooks for e in self.experts)
+
+    def _weights(self, i: int) -> tuple[Tensor, Tensor | None]:
+        """Step i's stacked weight ``[E, out, in]`` and bias ``[E, out]`` (or None)."""
+        mods = self.modules[i]
+        weight = _stack([m.weight for m in mods])
+        bias = _stack([m.bias for m in mods]) if mods[0].bias is not None else None
+        return weight, bias
+
+    def run(self, x: Tensor, counts: list[int], impl: str) -> Tensor:
+        """Rows ``x`` ``[T, M]`` grouped by expert (``counts[e]`` rows of expert e, in order) through every
+        expert's chain: ``[T, M_out]``. ``impl`` is ``grouped_mm`` or ``bmm`` (see :data:`IMPLS`)."""
+        if len(counts) != len(self.experts) or sum(counts) != x.shape[0]:
+            raise ValueError(f"counts must give {len(self.experts)} group sizes summing to {x.shape[0]} "
+                             f"rows, got {counts}")
+        if impl == "bmm" or not self._aligned(x):
+            return self._run_padded_rows(x, counts)
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        sizes = torch.tensor(counts, device=x.device)
+        mm = _grouped_mm()
+        h = x
+        for i, step in enumerate(self.steps):
+            if step.kind is nn.Linear:
+                weight, bias = self._weights(i)
+                h = mm(_DenseGrad.apply(h) if h.requires_grad else h, weight.transpose(-2, -1), offs=offs)  # type: ignore[misc]
+                if bias is not None:
+                    h = h + bias.repeat_interleave(sizes, dim=0, output_size=x.shape[0])
+            else:
+                h = _ACTIVATIONS[step.kind](self.modules[i][0], h)
+        return h
+
+    def run_padded(self, x: Tensor) -> Tensor:
+        """``[E, C, M]`` (expert e's rows in ``x[e]``) through every expert's chain, one ``baddbmm`` per
+        Linear: the same bits as each expert's ``F.linear`` on its rows."""
+        h = x
+        for i, step in enumerate(self.steps):
+            if step.kind is nn.Linear:
+                weight, bias = self._weights(i)
+                wt = weight.transpose(-2, -1)
+                h = torch.bmm(h, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), h, wt)
+            else:
+                h = _ACTIVATIONS[step.kind](self.modules[i][0], h)
+        return h
+
+    def _run_padded_rows(self, x: Tensor, counts: list[int]) -> Tensor:
+        """:meth:`run` through :meth:`run_padded`: rows scattered into ``[E, max(counts), M]`` and gathered
+        back."""
+        e, width = len(counts), max(counts, default=0)
+        sizes = torch.tensor(counts, device=x.device)
+        expert = torch.repeat_interleave(torch.arange(e, device=x.device), sizes, output_size=x.shape[0])
+        starts = sizes.cumsum(0) - sizes
+        pos = torch.arange(x.shape[0], device=x.device) - starts[expert]
+        padded = x.new_zeros(e, width, x.shape[1]).index_put((expert, pos), x)
+        return self.run_padded(padded)[expert, pos]
+
+    def _aligned(self, x: Tensor) -> bool:
+        """torch's grouped mm wants every row stride a multiple of 16 bytes: each Linear's widths too."""
+        size = x.element_size()
+        for step in self.steps:
+            if step.kind is nn.Linear:
+                fan_in, fan_out, _ = step.settings
+                if (fan_in * size) % 16 or (fan_out * size) % 16:
+                    return False
+        return x.data_ptr() % 16 == 0 and (x.stride(0) * size) % 16 == 0
+
+
+__all__ = ["IMPLS", "IMPL_ENV", "GroupedExperts", "choose", "describe", "pack", "stack_views"]
