@@ -54,7 +54,8 @@ HIDDEN = 1024
 CAPACITY_FACTOR = 1.25
 MIN_CAPACITY = 4
 AUX_COEFF = 0.01
-CONTENDERS = ("deepnvme op", "deepnvme torch", "deepnvme loop", "deepnvme dropless", "DeepSpeed", "dense mask")
+CONTENDERS = ("deepnvme op", "deepnvme torch", "deepnvme loop", "deepnvme dropless", "DeepSpeed",
+              "dense mask")
 # What each deepnvme contender changes: the routing implementation, the experts' computation
 # (DEEPNVME_MOE_EXPERTS; unset = the library's choice), dropless routing.
 DEEPNVME_SETTINGS = {

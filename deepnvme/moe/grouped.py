@@ -18,9 +18,10 @@ backward (``choose``), or forced with ``DEEPNVME_MOE_EXPERTS``:
 * ``loop``: each expert module called on its rows.
 
 The experts' parameters are packed at construction (:func:`pack`): every expert's tensor of one name is a
-slice of one ``[E, ...]`` storage, so the stacked weights the multiply needs are a view, not a copy. Saving one
-expert's tensors alone with ``torch.save`` would therefore write the whole pack; ``state_dict()`` of the model
-and deepnvme's MoE checkpoints are unaffected (the latter clone each expert's tensors).
+slice of one ``[E, ...]`` storage, so the stacked weights the multiply needs are a view, not a copy. Saving
+one expert's tensors alone with ``torch.save`` would therefore write the whole pack; ``state_dict()`` of the
+model (its storage is written once) and deepnvme's MoE checkpoints (each expert's tensors are cloned) are
+unaffected.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _grouped_mm() -> Callable[..., Tensor] | None:
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> tuple[bool, str]:
     """Whether torch's grouped mm runs forward and backward here, on a tiny case with an empty group; the
     reason when not."""

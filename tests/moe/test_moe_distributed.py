@@ -23,11 +23,17 @@ TOL = 1e-5
 DEADLINE_S = 240
 
 
+class _PlainMLP(nn.Sequential):
+    """A Sequential by another name: the experts' computation falls back to one call per expert."""
+
+
 def _build(sc: dict[str, Any], ep_size: int) -> nn.Module:
     from deepnvme.moe import MoE
 
     torch.manual_seed(sc["seed"])
-    expert = nn.Sequential(nn.Linear(M, F_HIDDEN), nn.ReLU(), nn.Linear(F_HIDDEN, M))
+    # A subclass of Sequential is not grouped (its forward could differ): it runs through the loop.
+    kind = _PlainMLP if sc.get("loop_expert") else nn.Sequential
+    expert = kind(nn.Linear(M, F_HIDDEN), nn.ReLU(), nn.Linear(F_HIDDEN, M))
     moe = MoE(
         M,
         expert,
@@ -41,6 +47,7 @@ def _build(sc: dict[str, Any], ep_size: int) -> nn.Module:
         top2_2nd_expert_sampling=False,
         use_residual=sc.get("residual", False),
         use_data_before_expert_parallel=sc.get("data_before_expert", False) and ep_size > 1,
+        dropless=sc.get("dropless", False),
     )
     with torch.no_grad():  # a sharp gate makes loads uneven
         moe.deepspeed_moe.gate.wg.weight.mul_(4.0)
@@ -97,6 +104,7 @@ def _scenario(rank: int, world: int, sc: dict[str, Any]) -> dict[str, Any]:
         if compare
         else 0.0,
         "expert_grad_nonzero": all(bool(a[0].weight.grad.abs().sum() > 0) for a, _ in pairs),
+        "path": moe.deepspeed_moe.last_path,
     }
 
 
@@ -122,7 +130,13 @@ def _broadcast_check(rank: int, world: int, sc: dict[str, Any]) -> dict[str, Any
 
 
 def _scenarios(rank: int, world: int, scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [(_broadcast_check if sc.get("broadcast") else _scenario)(rank, world, sc) for sc in scenarios]
+    out = []
+    for sc in scenarios:
+        res = (_broadcast_check if sc.get("broadcast") else _scenario)(rank, world, sc)
+        if "path" in sc:
+            res["expected_path"] = sc["path"]
+        out.append(res)
+    return out
 
 
 def _launch(world: int, scenarios: list[dict[str, Any]], tmp_path: Path) -> list[list[dict[str, Any]]]:
@@ -143,6 +157,8 @@ def _check(per_rank: list[list[dict[str, Any]]], expected_groups: dict[str, int]
             assert res["init"] == 0.0, where  # expert g starts the same whatever ep_size is
             assert res["out"] <= TOL and res["expert_grad"] <= TOL and res["dense_grad"] <= TOL, where
             assert res["counts_equal"] and res["expert_grad_nonzero"], where
+            if "expected_path" in res:
+                assert res["path"].startswith(res["expected_path"]), where
 
 
 def _sc(name: str, ep: int, k: int, drop: bool, tokens: list[int], **kw: Any) -> dict[str, Any]:
@@ -164,6 +180,13 @@ def test_two_processes(tmp_path: Path) -> None:
         _sc("ep2-k2-nodrop-empty-rank", 2, 2, False, [0, 20]),
         # unequal token counts with dropping: C is agreed, so no hang (C differs from the lone model's)
         _sc("ep2-k1-drop-unequal", 2, 1, True, [10, 30], compare=False),
+        # dropless: exactly the routed rows cross (a variable all-to-all), grouped or through the loop
+        _sc("ep2-k1-dropless", 2, 1, True, [24, 24], dropless=True, path="rows across ranks"),
+        _sc("ep2-k2-dropless-unequal", 2, 2, True, [5, 40], dropless=True, path="rows across ranks"),
+        _sc("ep2-k2-dropless-empty-rank", 2, 2, False, [0, 20], dropless=True, path="rows across ranks"),
+        _sc("ep2-k2-dropless-loop", 2, 2, True, [9, 30], dropless=True, loop_expert=True,
+            path="rows across ranks, loop"),
+        _sc("ep2-k2-drop-grouped", 2, 2, True, [24, 24], path="padded across ranks, bmm"),
     ]
     groups = {sc["name"]: sc["ep"] for sc in scenarios}
     _check(_launch(2, scenarios, tmp_path), groups)
@@ -177,6 +200,12 @@ def test_four_processes(tmp_path: Path) -> None:
         _sc("ep2-data-before-expert-k2", 2, 2, True, [16, 16, 16, 16], data_before_expert=True),
         _sc("ep1-k1-drop", 1, 1, True, [16, 16, 16, 16]),
         _sc("broadcast-ep2", 2, 1, True, [], broadcast=True),
+        _sc("ep4-e8-k2-dropless-unequal", 4, 2, True, [4, 12, 20, 28], experts=8, dropless=True,
+            path="rows across ranks"),
+        _sc("ep4-k3-dropless-residual", 4, 3, True, [7, 0, 16, 9], dropless=True, residual=True,
+            path="rows across ranks"),
+        _sc("ep2-of-4-k1-dropless-loop", 2, 1, True, [4, 12, 20, 28], dropless=True, loop_expert=True,
+            path="rows across ranks, loop"),
     ]
     groups = {sc["name"]: sc["ep"] for sc in scenarios}
     _check(_launch(4, scenarios, tmp_path), groups)

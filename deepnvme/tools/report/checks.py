@@ -18,7 +18,7 @@ from deepnvme.filesystem import mount_of
 from .model import Finding
 
 __all__ = ["MEMLOCK_WANTED", "O_DIRECT_BLOCK", "SHM_WANTED", "check_memlock", "check_o_direct",
-           "check_plain_tensors", "human_bytes", "iec", "shm_size"]
+           "check_moe_experts", "check_plain_tensors", "human_bytes", "iec", "shm_size"]
 
 # One aligned block: a page suits both 512-byte and 4 KiB logical sectors, and an mmap buffer is page aligned.
 O_DIRECT_BLOCK = PAGE
@@ -186,6 +186,25 @@ def check_plain_tensors() -> Finding:
         "start Python with THP_MEM_ALLOC_ENABLE=1 (torch then page-aligns tensors of 2 MiB and more), or "
         "allocate with new_cpu_locked_tensor",
     )
+
+
+def check_moe_experts() -> Finding:
+    """How deepnvme.moe multiplies a layer's experts here (deepnvme.moe.grouped.choose, per device and
+    dtype): torch's grouped mm where it runs, else one bmm over padded rows."""
+    key, label = "moe_experts", "MoE experts"
+    try:
+        from deepnvme.moe.grouped import describe
+
+        grouped, detail = describe()
+    except Exception as exc:  # noqa: BLE001 - the report must still explain a broken install
+        return Finding(key, label, False, "unknown", f"{type(exc).__name__}: {exc}",
+                       "reinstall deepnvme with a working torch")
+    if grouped:
+        return Finding(key, label, True, detail)
+    return Finding(key, label, True, detail,
+                   "no grouped mm in this torch for these dtypes: experts are multiplied with one bmm over "
+                   "rows padded to the largest expert's",
+                   "torch 2.9 or later has a grouped mm (CPU and CUDA)")
 
 
 def shm_size() -> tuple[str, int | None]:

@@ -19,7 +19,14 @@ from op_builder import engines as catalogue
 from op_builder.cuda import cuda_home, nvcc_version
 from op_builder.prebuilt import installed_record, torch_mismatch
 
-from .checks import SHM_WANTED, check_memlock, check_o_direct, check_plain_tensors, shm_size
+from .checks import (
+    SHM_WANTED,
+    check_memlock,
+    check_moe_experts,
+    check_o_direct,
+    check_plain_tensors,
+    shm_size,
+)
 from .model import Finding, OpRow, Report
 
 __all__ = ["engines_finding", "gather", "gather_environment", "gather_ops", "gather_probes"]
@@ -299,6 +306,7 @@ def gather(directory: str) -> Report:
         o_direct,
         check_memlock(),
         check_plain_tensors(),
+        check_moe_experts(),
         probes["cuda"],
         probes["cufile"],
         engines,

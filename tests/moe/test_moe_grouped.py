@@ -1,0 +1,259 @@
+"""Experts computed together (deepnvme.moe.grouped) and the dropless mode, against the per-expert loop.
+
+The loop (``DEEPNVME_MOE_EXPERTS=loop``) is the reference: every other path must give its outputs, l_aux,
+counts and every gradient (input, gate, experts), exactly where the arithmetic is the same (one ``baddbmm``
+per Linear over the padded buffer) and within rounding where it is not (torch's grouped mm adds the bias
+after the product; rows that skip the padding are multiplied in other blocks).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from deepnvme.moe import MoE
+from deepnvme.moe.grouped import GroupedExperts, choose, describe, pack, stack_views
+
+M, FFN = 32, 48
+
+
+def _moe(seed: int = 0, dtype: torch.dtype = torch.float32, expert: nn.Module | None = None,
+         **kw: Any) -> MoE:
+    torch.manual_seed(seed)
+    expert = expert if expert is not None else nn.Sequential(nn.Linear(M, FFN), nn.GELU(), nn.Linear(FFN, M))
+    args: dict[str, Any] = {"num_experts": 4, "k": 1, "capacity_factor": 0.75, "min_capacity": 2,
+                            "use_rts": False, "top2_2nd_expert_sampling": False}
+    args.update(kw)
+    moe = MoE(M, expert, **args).to(dtype)
+    with torch.no_grad():
+        moe.deepspeed_moe.gate.wg.weight.mul_(4.0)  # uneven loads: some experts drop, some sit half empty
+    return moe
+
+
+def _step(monkeypatch: pytest.MonkeyPatch, impl: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+          tokens: int = 40, **kw: Any) -> dict[str, Any]:
+    """Forward and backward of one layer built from ``seed`` with the experts computed by ``impl``."""
+    monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", impl)
+    moe = _moe(seed, dtype, **kw)
+    x = torch.randn(tokens, M, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).requires_grad_()
+    out, l_aux, counts = moe(x)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 2)).to(dtype)
+    ((out * w).sum() + 0.1 * l_aux).backward()
+    grads = {n: p.grad.clone() for n, p in moe.named_parameters()}
+    return {"out": out.detach(), "l_aux": l_aux.detach(), "counts": counts, "x": x.grad,
+            "grads": grads, "path": moe.deepspeed_moe.last_path}
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, exact: bool, name: str) -> None:
+    """Equal bits; else fp32 within 1e-5, bf16 within 2% of the tensor's norm (one bf16 rounding here and
+    there, which a sum over rows carries into a gradient)."""
+    if exact:
+        assert torch.equal(a, b), name
+    elif a.dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    else:
+        err = (a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-6)
+        assert err <= 2e-2, f"{name}: relative error {err:.3g}"
+
+
+def _same(a: dict[str, Any], b: dict[str, Any], exact: bool, dtype: torch.dtype) -> None:
+    assert torch.equal(a["counts"], b["counts"])
+    for key in ("l_aux", "out", "x"):
+        _close(a[key], b[key], exact, key)
+    assert a["grads"].keys() == b["grads"].keys()
+    for name in a["grads"]:
+        _close(a["grads"][name], b["grads"][name], exact, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,drop", [(1, True), (2, True), (2, False), (3, True)])
+def test_grouped_paths_equal_the_loop(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, k: int,
+                                      drop: bool) -> None:
+    ref = _step(monkeypatch, "loop", dtype=dtype, k=k, drop_tokens=drop)
+    assert "loop" in ref["path"]
+    bmm = _step(monkeypatch, "bmm", dtype=dtype, k=k, drop_tokens=drop)
+    assert bmm["path"] == "padded, bmm"
+    _same(bmm, ref, exact=True, dtype=dtype)  # one baddbmm per Linear: the loop's bits
+    grouped = _step(monkeypatch, "grouped_mm", dtype=dtype, k=k, drop_tokens=drop)
+    assert grouped["path"] == "rows, grouped_mm"
+    _same(grouped, ref, exact=False, dtype=dtype)
+
+
+@pytest.mark.parametrize("impl", ["loop", "bmm", "grouped_mm"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_dropless_keeps_every_route_and_equals_the_padded_no_drop_layer(monkeypatch: pytest.MonkeyPatch,
+                                                                        impl: str, k: int) -> None:
+    """Dropless computes only the routed rows; the same assignment padded to the largest expert (DeepSpeed's
+    drop_tokens=False) through the loop gives the same numbers."""
+    ref = _step(monkeypatch, "loop", k=k, drop_tokens=False)
+    got = _step(monkeypatch, impl, k=k, dropless=True)
+    assert got["path"] == f"rows, {impl}"
+    assert int(got["counts"].sum()) == 40 * k
+    _same(got, ref, exact=False, dtype=torch.float32)
+
+
+def test_dropless_ignores_capacity_and_drop_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DEEPNVME_MOE_EXPERTS", raising=False)
+    moe = _moe(num_experts=4, k=2, capacity_factor=0.1, min_capacity=0, drop_tokens=True, dropless=True)
+    routes = moe.deepspeed_moe.gate.route(torch.randn(30, M))
+    assert bool((routes.slot >= 0).all())
+    out, _, _ = moe(torch.randn(30, M))
+    assert bool((out.abs().sum(1) > 0).all())  # no token lost its experts
+
+
+def test_empty_batch_and_idle_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    for impl in ("grouped_mm", "bmm", "loop"):
+        monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", impl)
+        for dropless in (False, True):
+            moe = _moe(dropless=dropless)
+            out, l_aux, counts = moe(torch.zeros(0, M, requires_grad=True))
+            assert out.shape == (0, M) and int(counts.sum()) == 0
+            (out.sum() + l_aux).backward()
+            # One token: three of four experts idle; in training every expert still gets a gradient (zeros).
+            moe.zero_grad(set_to_none=True)
+            out, l_aux, _ = moe(torch.randn(1, M))
+            (out.sum() + l_aux).backward()
+            assert all(p.grad is not None for p in moe.deepspeed_moe.experts.parameters())
+
+
+def test_what_is_not_grouped_runs_through_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DEEPNVME_MOE_EXPERTS", raising=False)
+    x = torch.randn(20, M)
+
+    class Custom(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(M, M)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.fc(t) * 2
+
+    class MySequential(nn.Sequential):
+        pass
+
+    cases = {
+        "custom module": _moe(expert=Custom()),
+        "Sequential subclass": _moe(expert=MySequential(nn.Linear(M, M), nn.ReLU())),
+        "unknown activation": _moe(expert=nn.Sequential(nn.Linear(M, M), nn.Softplus())),
+        "dropout in training": _moe(expert=nn.Sequential(nn.Linear(M, M), nn.Dropout(0.5))).train(),
+    }
+    hooked = _moe()
+    hooked.deepspeed_moe.experts.deepspeed_experts[2][0].register_forward_hook(lambda *a: None)
+    cases["hook inside an expert"] = hooked
+    for name, moe in cases.items():
+        moe(x)
+        assert "loop" in moe.deepspeed_moe.last_path, name
+    # dropout that does nothing (eval, or p = 0) is grouped; so is a lone Linear
+    for moe in (_moe(expert=nn.Sequential(nn.Linear(M, M), nn.Dropout(0.5))).eval(),
+                _moe(expert=nn.Sequential(nn.Linear(M, M), nn.Dropout(0.0))), _moe(expert=nn.Linear(M, M))):
+        with torch.no_grad():
+            moe(x)
+        assert "loop" not in moe.deepspeed_moe.last_path
+    # autocast: the loop, where torch decides each Linear's dtype
+    moe = _moe()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moe(x)
+    assert "loop" in moe.deepspeed_moe.last_path
+
+
+def test_pr_moe_residual_grouped_equals_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = _step(monkeypatch, "loop", k=2, use_residual=True)
+    got = _step(monkeypatch, "grouped_mm", k=2, use_residual=True)
+    _same(got, ref, exact=False, dtype=torch.float32)
+
+
+def test_packed_model_saves_each_expert_once(tmp_path: Any) -> None:
+    import deepnvme
+
+    moe = _moe()
+    deepnvme.save(moe.state_dict(), tmp_path / "packed.pt")
+    deepnvme.save({k: v.clone() for k, v in moe.state_dict().items()}, tmp_path / "cloned.pt")
+    assert (tmp_path / "packed.pt").stat().st_size <= (tmp_path / "cloned.pt").stat().st_size * 1.05
+    loaded = deepnvme.load(tmp_path / "packed.pt")
+    assert all(torch.equal(loaded[k], v) for k, v in moe.state_dict().items())
+
+
+def test_parameters_are_packed_and_stay_packed() -> None:
+    moe = _moe()
+    experts = moe.deepspeed_moe.experts.deepspeed_experts
+    weights = [e[0].weight for e in experts]
+    assert stack_views(weights) is not None
+    params_before = [id(p) for p in moe.parameters()]
+    moe.double()
+    assert stack_views([e[0].weight for e in experts]) is not None
+    assert [id(p) for p in moe.parameters()] == params_before  # optimisers keep their parameters
+    # values survive packing: a state dict round trip through torch.save gives the same tensors
+    state = {k: v.clone() for k, v in moe.state_dict().items()}
+    buf = io.BytesIO()
+    torch.save(moe.state_dict(), buf)
+    size = buf.tell()
+    fresh = _moe(seed=9).double()
+    fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in state.items())
+    # the model's file holds each expert once (shared storage written once)
+    unpacked = io.BytesIO()
+    torch.save(state, unpacked)
+    assert size <= unpacked.tell() * 1.05
+
+
+def test_pack_refuses_what_it_cannot_stack() -> None:
+    a, b = nn.Linear(4, 4), nn.Linear(4, 5)
+    assert not pack([a, b])
+    assert not pack([nn.Linear(4, 4)])
+    c, d = nn.Linear(4, 4), nn.Linear(4, 4).double()
+    assert not pack([c, d])
+    e, f = nn.Linear(4, 4), nn.Linear(4, 4)
+    before = (e.weight.clone(), f.weight.clone())
+    assert pack([e, f]) and torch.equal(e.weight, before[0]) and torch.equal(f.weight, before[1])
+
+
+def test_unpacked_experts_are_stacked_by_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user who replaces a parameter breaks the pack: the grouped path copies, and stays correct."""
+    ref = _step(monkeypatch, "loop", k=2)
+    monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "grouped_mm")
+    moe = _moe(k=2)
+    with torch.no_grad():
+        first = moe.deepspeed_moe.experts.deepspeed_experts[0][0]
+        first.weight = nn.Parameter(first.weight.clone())
+    assert stack_views([e[0].weight for e in moe.deepspeed_moe.experts.deepspeed_experts]) is None
+    x = torch.randn(40, M, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    out, l_aux, _ = moe(x)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    ((out * w).sum() + 0.1 * l_aux).backward()
+    torch.testing.assert_close(out.detach(), ref["out"], rtol=1e-5, atol=1e-6)
+    for n, p in moe.named_parameters():
+        torch.testing.assert_close(p.grad, ref["grads"][n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_choice_is_reported_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DEEPNVME_MOE_EXPERTS", raising=False)
+    ok, line = describe()
+    assert line.startswith("cpu: float32 ")
+    assert ok == (choose(torch.device("cpu"), torch.float32) == "grouped_mm")
+    monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "bmm")
+    assert choose(torch.device("cpu"), torch.float32) == "bmm"
+    assert "forced" in describe()[1]
+    monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "fast")
+    with pytest.raises(ValueError, match="DEEPNVME_MOE_EXPERTS"):
+        choose(torch.device("cpu"), torch.float32)
+
+
+def test_run_checks_counts() -> None:
+    plan = GroupedExperts.of([nn.Linear(8, 8), nn.Linear(8, 8)])
+    assert plan is not None
+    with pytest.raises(ValueError, match="counts"):
+        plan.run(torch.randn(5, 8), [2, 2], "grouped_mm")
+    assert GroupedExperts.of([nn.Linear(8, 8), nn.Linear(8, 16)]) is None
+    assert GroupedExperts.of([nn.Sequential(nn.ReLU())]) is None  # no Linear: nothing to group
+
+
+def test_unaligned_widths_fall_back_to_bmm_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's grouped mm wants 16-byte row strides: a width of 5 floats takes the padded-rows route."""
+    ref = _step(monkeypatch, "loop", k=2, expert=nn.Sequential(nn.Linear(M, 5), nn.ReLU(), nn.Linear(5, M)))
+    got = _step(monkeypatch, "grouped_mm", k=2,
+                expert=nn.Sequential(nn.Linear(M, 5), nn.ReLU(), nn.Linear(5, M)))
+    _same(got, ref, exact=False, dtype=torch.float32)
