@@ -3,7 +3,10 @@ module call per expert.
 
 An expert qualifies when it is a ``nn.Linear`` or an ``nn.Sequential`` of ``nn.Linear`` layers and
 element-wise activations (ReLU, GELU, SiLU, Tanh, Sigmoid, LeakyReLU, Identity, Dropout at p = 0 or in eval
-mode), the same structure and shapes in every expert, with plain parameters of one dtype on one device.
+mode), the same structure and shapes in every expert, with plain parameters of one dtype on one device. A
+module of another class qualifies by declaring what its forward computes: ``grouped_steps()`` returning its
+``nn.Linear`` submodules and element-wise functions (module-level ones, e.g. ``F.gelu``, so that every copy
+names the same object) in order, e.g. ``return [self.fc1, F.gelu, self.fc2]``.
 Anything else (PR-MoE's differently shaped experts, custom modules, hooks inside an expert, a streamer's
 forwards, dropout in training) runs through the per-expert loop, which stays the reference.
 
@@ -201,13 +204,32 @@ class _Step:
     settings: tuple
 
 
-def _steps(expert: nn.Module) -> list[tuple[_Step, nn.Module]] | None:
-    """The expert as steps, or None when it is not a Linear or a Sequential of Linears and activations."""
-    chain = [expert] if type(expert) is nn.Linear else (
-        list(expert) if type(expert) is nn.Sequential else None)
+class _Function:
+    """Step kind of an element-wise function named by an expert's ``grouped_steps``."""
+
+
+def _chain(expert: nn.Module) -> list[Any] | None:
+    """What the expert computes, in order: itself (a Linear), its children (a Sequential), or what its
+    ``grouped_steps()`` declares; None for anything else."""
+    if type(expert) is nn.Linear:
+        return [expert]
+    if type(expert) is nn.Sequential:
+        return list(expert)
+    declared = getattr(expert, "grouped_steps", None)
+    if callable(declared):
+        try:
+            return list(declared())
+        except Exception:  # noqa: BLE001 - a declaration that fails means: not grouped
+            return None
+    return None
+
+
+def _steps(expert: nn.Module) -> list[tuple[_Step, Any]] | None:
+    """The expert as steps, or None when it is not a chain of Linears and element-wise activations."""
+    chain = _chain(expert)
     if not chain:
         return None
-    out = []
+    out: list[tuple[_Step, Any]] = []
     for m in chain:
         if type(m) is nn.Linear:
             out.append((_Step(nn.Linear, (m.in_features, m.out_features, m.bias is not None)), m))
@@ -215,6 +237,8 @@ def _steps(expert: nn.Module) -> list[tuple[_Step, nn.Module]] | None:
             settings = tuple(sorted((k, v) for k, v in vars(m).items()
                                     if not k.startswith("_") and k not in ("training", "inplace")))
             out.append((_Step(type(m), settings), m))
+        elif callable(m) and not isinstance(m, nn.Module):
+            out.append((_Step(_Function, (m,)), m))
         else:
             return None
     return out if any(s.kind is nn.Linear for s, _ in out) else None
@@ -260,6 +284,8 @@ class GroupedExperts:
         if torch.is_autocast_enabled(x.device.type):
             return False
         for step, mods in zip(self.steps, self.modules):
+            if step.kind is _Function:
+                continue
             for m in mods:
                 if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
                         or "forward" in m.__dict__):
@@ -299,8 +325,15 @@ class GroupedExperts:
                 if bias is not None:
                     h = h + bias.repeat_interleave(sizes, dim=0, output_size=x.shape[0])
             else:
-                h = _ACTIVATIONS[step.kind](self.modules[i][0], h)
+                h = self._activation(i, h)
         return h
+
+    def _activation(self, i: int, h: Tensor) -> Tensor:
+        """Step i (element-wise) on all rows: the module's call, or the declared function."""
+        step = self.steps[i]
+        if step.kind is _Function:
+            return step.settings[0](h)
+        return _ACTIVATIONS[step.kind](self.modules[i][0], h)
 
     def run_padded(self, x: Tensor) -> Tensor:
         """``[E, C, M]`` (expert e's rows in ``x[e]``) through every expert's chain, one ``baddbmm`` per
@@ -312,7 +345,7 @@ class GroupedExperts:
                 wt = weight.transpose(-2, -1)
                 h = torch.bmm(h, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), h, wt)
             else:
-                h = _ACTIVATIONS[step.kind](self.modules[i][0], h)
+                h = self._activation(i, h)
         return h
 
     def _run_padded_rows(self, x: Tensor, counts: list[int]) -> Tensor:

@@ -253,3 +253,27 @@ def test_plot_and_table(tmp_path: Path) -> None:
         plot_curves(runs, str(tmp_path / "c.svg"))
     with pytest.raises(ValueError, match="baseline"):
         results_table(runs, baseline="nope")
+
+
+def test_grouped_experts_and_dropless_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recipe's experts declare grouped_steps, so its MoE blocks are computed together; --moe-experts
+    loop gives the per-expert loop, and the curves agree to rounding. --moe-dropless trains too."""
+    from deepnvme.moe.grouped import GroupedExperts
+
+    cfg = model_config(parse_args(TINY + ["--num-experts", "4"]), vocab_size=12)
+    block = GPT(cfg).blocks[1]
+    assert GroupedExperts.of(block.mlp.deepspeed_moe.experts.deepspeed_experts) is not None
+    monkeypatch.delenv("DEEPNVME_MOE_EXPERTS", raising=False)
+    curves = {}
+    runs = {"auto": [], "loop": ["--moe-experts", "loop"], "dropless": ["--moe-dropless"]}
+    for name, extra in runs.items():
+        log = tmp_path / f"{name}.json"
+        argv = TINY + "--num-experts 4 --topk 2 --train-iters 4".split() + extra + ["--log-json", str(log)]
+        assert main(argv) == 0
+        monkeypatch.delenv("DEEPNVME_MOE_EXPERTS", raising=False)  # main() sets it for its run
+        curves[name] = [p["val_loss"] for p in json.loads(log.read_text())["curve"]]
+        assert all(math.isfinite(v) for v in curves[name])
+    assert curves["auto"] == pytest.approx(curves["loop"], rel=1e-4)
+    assert GPTConfig(vocab_size=12, seq_length=16, dropless=True).dropless
+    with pytest.raises(TypeError, match="dropless"):
+        GPTConfig(vocab_size=12, seq_length=16, dropless="yes")  # type: ignore[arg-type]

@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--moe-eval-capacity-factor", type=_positive_float, default=1.0)
     e.add_argument("--moe-min-capacity", type=_nonnegative_int, default=4)
     e.add_argument("--disable-moe-token-dropping", action="store_true")
+    e.add_argument("--moe-dropless", action="store_true",
+                   help="keep every route: no capacity, no padding, exactly the routed rows per expert")
+    e.add_argument("--moe-experts", choices=("auto", "grouped_mm", "bmm", "loop"), default="auto",
+                   help="how a layer's experts are multiplied (DEEPNVME_MOE_EXPERTS; auto: grouped where "
+                   "they qualify, see deepnvme.moe.grouped)")
     e.add_argument("--disable-moe-top2-2nd-expert-sampling", action="store_true")
     e.add_argument(
         "--moe-loss-coeff",
@@ -193,6 +198,7 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
         eval_capacity_factor=args.moe_eval_capacity_factor,
         min_capacity=args.moe_min_capacity,
         drop_tokens=not args.disable_moe_token_dropping,
+        dropless=args.moe_dropless,
         top2_2nd_expert_sampling=not args.disable_moe_top2_2nd_expert_sampling,
     )
 
@@ -311,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = settings_from(args)
     from deepnvme.moe.recipe.loop import run_worker
+
+    if args.moe_experts != "auto":  # read by deepnvme.moe.grouped.choose here and in spawned ranks
+        os.environ["DEEPNVME_MOE_EXPERTS"] = args.moe_experts
 
     if "WORLD_SIZE" in os.environ:
         run_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), settings, None)

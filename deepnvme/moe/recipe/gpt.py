@@ -54,6 +54,7 @@ class GPTConfig:
     eval_capacity_factor: float = 1.0
     min_capacity: int = 4
     drop_tokens: bool = True
+    dropless: bool = False  # keep every route, no capacity (deepnvme's, not DeepSpeed's)
     use_rts: bool = True
     top2_2nd_expert_sampling: bool = True
     noisy_gate_policy: str | None = None
@@ -105,6 +106,8 @@ class GPTConfig:
             except ValueError as exc:
                 raise ConfigError(name, str(exc)) from None
         self._int("min_capacity", self.min_capacity, 0)
+        if not isinstance(self.dropless, bool):
+            raise TypeError(f"dropless must be a bool, got {type(self.dropless).__name__}")
 
     @staticmethod
     def _int(name: str, value: Any, minimum: int) -> None:
@@ -142,6 +145,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """GELU MLP over the last dimension (any leading dims, as MoE's experts need)."""
         return self.fc2(F.gelu(self.fc1(x)))
+
+    def grouped_steps(self) -> list[Any]:
+        """What forward computes, for deepnvme.moe to run all experts of a layer at once."""
+        return [self.fc1, F.gelu, self.fc2]
 
 
 class CausalSelfAttention(nn.Module):
@@ -189,6 +196,7 @@ class Block(nn.Module):
             noisy_gate_policy=cfg.noisy_gate_policy,
             drop_tokens=cfg.drop_tokens,
             use_rts=cfg.use_rts,
+            dropless=cfg.dropless,
             top2_2nd_expert_sampling=cfg.top2_2nd_expert_sampling,
         )
 
