@@ -55,7 +55,7 @@ CAPACITY_FACTOR = 1.25
 MIN_CAPACITY = 4
 AUX_COEFF = 0.01
 CONTENDERS = ("deepnvme op", "deepnvme torch", "deepnvme loop", "deepnvme dropless", "DeepSpeed",
-              "dense mask")
+              "DeepSpeed no-drop", "dense mask")
 # What each deepnvme contender changes: the routing implementation, the experts' computation
 # (DEEPNVME_MOE_EXPERTS; unset = the library's choice), dropless routing.
 DEEPNVME_SETTINGS = {
@@ -64,6 +64,8 @@ DEEPNVME_SETTINGS = {
     "deepnvme loop": {"impl": "op", "experts": "loop", "dropless": False},
     "deepnvme dropless": {"impl": "op", "experts": "", "dropless": True},
 }
+# DeepSpeed's drop_tokens=False: every route kept, each expert padded to the largest one's count (C agreed
+# over the group), which is the assignment dropless computes without the padding: the same outputs.
 # Memory is measured with elementwise experts, which never run grouped: the loop contender would repeat op's.
 MEMORY_CONTENDERS = ("deepnvme op", "deepnvme torch", "deepnvme dropless", "DeepSpeed", "dense mask")
 SCOPES = {"routing": "routing alone (gate, dispatch, combine; the buffer goes from dispatch to combine)",
@@ -207,6 +209,8 @@ def build_layer(family: str, cfg: Config, expert_kind: str, ffn: int, dropless: 
     else:
         if family == "deepspeed":
             from deepspeed.moe.layer import MoE
+
+            kwargs["drop_tokens"] = not dropless
         else:
             from deepnvme.moe import MoE
 
@@ -389,12 +393,13 @@ def request_for(contender: str, cfg: Config, args: argparse.Namespace, cmd: str,
     if contender.startswith("deepnvme"):
         req.update(layer="deepnvme", **DEEPNVME_SETTINGS[contender])
     else:
-        req["layer"] = "deepspeed" if contender == "DeepSpeed" else "dense"
+        req["layer"] = "deepspeed" if contender.startswith("DeepSpeed") else "dense"
+        req["dropless"] = contender == "DeepSpeed no-drop"
     return req
 
 
 def side_of(contender: str) -> str:
-    return "deepspeed" if contender == "DeepSpeed" else "local"
+    return "deepspeed" if contender.startswith("DeepSpeed") else "local"
 
 
 def dense_allowed(cfg: Config, args: argparse.Namespace) -> bool:
@@ -528,6 +533,12 @@ def measure_a2a(args: argparse.Namespace, configs: list[Config]) -> tuple[dict[s
 
 
 # --------------------------------------------------------------------------------------------- report
+def versus(contender: str) -> str:
+    """The DeepSpeed layer a deepnvme contender is compared with: the no-drop one for dropless (the same
+    assignment, there padded to the largest expert), the capacity one otherwise."""
+    return "DeepSpeed no-drop" if contender == "deepnvme dropless" else "DeepSpeed"
+
+
 def med(samples: list[list[float]], i: int) -> float:
     return statistics.median(s[i] for s in samples)
 
@@ -541,17 +552,20 @@ def render(args: argparse.Namespace, configs: list[Config], res: dict[str, Any],
              "", f"host: {platform.node()} {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
              f"versions: {json.dumps(res['versions'])}", "",
              "Step time: median wall s (median CPU s); ratio = DeepSpeed's wall time / this one's "
-             "(>1: faster). The dense mask is timed in the first round only, its memory for the routing "
-             "alone.",
+             "(>1: faster), dropless against DeepSpeed's drop_tokens=False (the same routes, padded to the "
+             "largest expert). op = the library's defaults (routing op, experts grouped where they qualify); "
+             "loop = experts one by one. The dense mask is timed in the first round only, its memory for "
+             "the routing alone.",
              ""]
     shown = [c for c in CONTENDERS if c in args.contenders]
     ours = [c for c in shown if c.startswith("deepnvme")]
-    lines += ["| config | C | " + " | ".join(shown) + " | " + " | ".join(f"DS/{c.split()[1]}" for c in ours)
+    lines += ["| config | C | " + " | ".join(shown) + " | " + " | ".join(
+        f"{'DS no-drop' if versus(c) != 'DeepSpeed' else 'DS'}/{c.split()[1]}" for c in ours)
               + " |", "|---|---|" + "---|" * (len(shown) + len(ours))]
     for cfg in configs:
         t = res["times"][cfg.label]
         cells = [f"{med(t[c], 0):.3f} ({med(t[c], 1):.3f})" if c in t else "—" for c in shown]
-        ratios = [f"{med(t['DeepSpeed'], 0) / med(t[c], 0):.2f}x" if c in t and "DeepSpeed" in t else "—"
+        ratios = [f"{med(t[versus(c)], 0) / med(t[c], 0):.2f}x" if c in t and versus(c) in t else "—"
                   for c in ours]
         lines.append(f"| {cfg.label} | {cfg.capacity} | " + " | ".join(cells + ratios) + " |")
     mem_shown = [c for c in MEMORY_CONTENDERS if c in args.contenders]

@@ -195,6 +195,31 @@ class _DenseGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class _AddGroupBias(torch.autograd.Function):
+    """``h[rows of expert e] += bias[e]`` in place, group by group: no ``[T, out]`` tensor of repeated
+    biases is built. The bias gradient is each group's column sum."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, bias: Tensor, counts: list[int]) -> Tensor:  # type: ignore[override]
+        ctx.counts = counts
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                h[start:start + n].add_(bias[e])
+            start += n
+        ctx.mark_dirty(h)
+        return h
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        sums, start = [], 0
+        width = grad.shape[1:]
+        for n in ctx.counts:
+            sums.append(grad[start:start + n].sum(0) if n else grad.new_zeros(width))
+            start += n
+        return grad, torch.stack(sums), None
+
+
 # ---------------------------------------------------------------------------------------------- the plan
 @dataclass(frozen=True)
 class _Step:
@@ -315,7 +340,6 @@ class GroupedExperts:
         if impl == "bmm" or not self._aligned(x):
             return self._run_padded_rows(x, counts)
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        sizes = torch.tensor(counts, device=x.device)
         mm = _grouped_mm()
         h = x
         for i, step in enumerate(self.steps):
@@ -323,7 +347,7 @@ class GroupedExperts:
                 weight, bias = self._weights(i)
                 h = mm(_DenseGrad.apply(h) if h.requires_grad else h, weight.transpose(-2, -1), offs=offs)  # type: ignore[misc]
                 if bias is not None:
-                    h = h + bias.repeat_interleave(sizes, dim=0, output_size=x.shape[0])
+                    h = _AddGroupBias.apply(h, bias, counts)
             else:
                 h = self._activation(i, h)
         return h
