@@ -71,6 +71,10 @@ class Experts(nn.Module):
         # Called with the indices of the experts about to run, before the first runs (a weight streamer
         # reads exactly those ahead: deepnvme.offload.experts). None: nothing is told.
         self.before_run: Callable[[list[int]], None] | None = None
+        # Set by a weight streamer whose experts' tensors are placeholders: computes rows grouped by expert
+        # (as GroupedExperts.run does) with the experts' tensors it holds, or returns None to leave them to
+        # run_rows (the experts' own forwards then read them one by one).
+        self.run_streamed: Callable[[Tensor, list[int], str], Tensor | None] | None = None
         pack(self.deepspeed_experts)
         for e in self.deepspeed_experts:
             for p in e.parameters():
@@ -92,7 +96,8 @@ class Experts(nn.Module):
         plan = GroupedExperts.of(self.deepspeed_experts)
         return plan if plan is not None and plan.ready(x) else None
 
-    def run_rows(self, rows: Tensor, counts: list[int], active: list[bool] | None = None) -> Tensor:
+    def run_rows(self, rows: Tensor, counts: list[int], active: list[bool] | None = None,
+                 announce: bool = True) -> Tensor:
         """Rows grouped by expert (``counts[e]`` rows of expert e, in order) through each expert module in
         turn: the reference for the grouped computation. Experts whose ``active`` flag is False are not run
         (they must have no rows); with every expert idle the result is ``rows`` itself, empty."""
@@ -102,7 +107,8 @@ class Experts(nn.Module):
         flags = self._check_active(active)
         if any(n and not run for n, run in zip(counts, flags)):
             raise ValueError("active: an expert with rows must run")
-        self._announce(flags)
+        if announce:
+            self._announce(flags)
         outputs = []
         for chunk, expert, run in zip(rows.split(counts), self.deepspeed_experts, flags):
             if run:

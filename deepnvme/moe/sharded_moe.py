@@ -30,8 +30,8 @@ class MOELayer(nn.Module):
     ``l_aux`` and ``exp_counts`` hold the batch's aux loss and per-expert counts.
 
     When the experts qualify (:mod:`deepnvme.moe.grouped`) they are computed together: at ``ep_size == 1``
-    on each expert's kept rows only (:mod:`deepnvme.moe.rows`; the padding up to C is never computed) with
-    torch's grouped mm, or on the padded buffer with one ``baddbmm`` where that is the choice; with
+    on each expert's kept rows only (:mod:`deepnvme.moe.rows`; the padding up to C is never computed), or
+    on the padded buffer with one ``baddbmm`` where that is the choice (``bmm``); with
     ``ep_size > 1`` on the exchanged ``[E_local, ep*C, M]`` rows with ``baddbmm``. A dropless gate
     (``gate.dropless``) sends exactly the kept rows: at ``ep_size > 1`` through a variable all-to-all
     whose row counts are exchanged first. ``last_path`` names the path the last forward took.
@@ -89,7 +89,8 @@ class MOELayer(nn.Module):
         if self.ep_size > 1:
             out = (self._rows_across_ranks(tokens, routes, plan, impl) if dropless
                    else self._padded_across_ranks(tokens, routes, plan))
-        elif dropless or (plan is not None and impl == "grouped_mm"):
+        elif dropless or (plan is not None and impl != "bmm") or (
+                impl != "loop" and getattr(self.experts, "run_streamed", None) is not None):
             out = self._rows(tokens, routes, plan, impl)
         else:
             out = self._padded(tokens, routes, plan)
@@ -101,12 +102,18 @@ class MOELayer(nn.Module):
         rows = expert_rows(routes.expert_idx, routes.slot, routes.num_experts)
         buffer = dispatch(tokens, rows.index, rows.slot, 1, rows.total)
         flat = buffer.view(rows.total, tokens.shape[1])
+        self.experts._announce([n > 0 for n in rows.counts])
+        streamed = getattr(self.experts, "run_streamed", None)
+        out = None
         if plan is not None:
-            self.experts._announce([n > 0 for n in rows.counts])
             out = plan.run(flat, rows.counts, impl)
             self.last_path = f"rows, {impl}"
-        else:
-            out = self.experts.run_rows(flat, rows.counts, self._active_rows(tokens, rows.counts))
+        elif streamed is not None and impl != "loop":
+            out = streamed(flat, rows.counts, impl)
+            self.last_path = f"rows, streamed {impl}"
+        if out is None:
+            out = self.experts.run_rows(flat, rows.counts, self._active_rows(tokens, rows.counts),
+                                        announce=False)
             self.last_path = "rows, loop"
         return combine(out.view(1, rows.total, out.shape[-1]), rows.index, rows.slot, routes.weight)
 
@@ -170,7 +177,7 @@ class MOELayer(nn.Module):
         local = regroup.to_experts(arrived)
         if plan is not None:
             self.experts._announce([True] * self.num_local_experts)
-            out = plan.run(local, regroup.counts, impl if impl == "grouped_mm" else "bmm")
+            out = plan.run(local, regroup.counts, impl)
             self.last_path = f"rows across ranks, {impl}"
         else:
             out = self.experts.run_rows(local, regroup.counts)

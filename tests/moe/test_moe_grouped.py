@@ -78,12 +78,13 @@ def test_grouped_paths_equal_the_loop(monkeypatch: pytest.MonkeyPatch, dtype: to
     bmm = _step(monkeypatch, "bmm", dtype=dtype, k=k, drop_tokens=drop)
     assert bmm["path"] == "padded, bmm"
     _same(bmm, ref, exact=True, dtype=dtype)  # one baddbmm per Linear: the loop's bits
-    grouped = _step(monkeypatch, "grouped_mm", dtype=dtype, k=k, drop_tokens=drop)
-    assert grouped["path"] == "rows, grouped_mm"
-    _same(grouped, ref, exact=False, dtype=dtype)
+    for impl in ("segments", "grouped_mm"):  # the kept rows only: other row counts, so within rounding
+        got = _step(monkeypatch, impl, dtype=dtype, k=k, drop_tokens=drop)
+        assert got["path"] == f"rows, {impl}"
+        _same(got, ref, exact=False, dtype=dtype)
 
 
-@pytest.mark.parametrize("impl", ["loop", "bmm", "grouped_mm"])
+@pytest.mark.parametrize("impl", ["loop", "segments", "bmm", "grouped_mm"])
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_dropless_keeps_every_route_and_equals_the_padded_no_drop_layer(monkeypatch: pytest.MonkeyPatch,
                                                                         impl: str, k: int) -> None:
@@ -96,6 +97,16 @@ def test_dropless_keeps_every_route_and_equals_the_padded_no_drop_layer(monkeypa
     _same(got, ref, exact=False, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 2])
+def test_segments_are_the_loop_over_the_same_rows_bit_for_bit(monkeypatch: pytest.MonkeyPatch,
+                                                              dtype: torch.dtype, k: int) -> None:
+    """Dropless through segments makes the same BLAS calls on the same rows as each expert's Linear."""
+    ref = _step(monkeypatch, "loop", dtype=dtype, k=k, dropless=True)
+    got = _step(monkeypatch, "segments", dtype=dtype, k=k, dropless=True)
+    _same(got, ref, exact=True, dtype=dtype)
+
+
 def test_dropless_ignores_capacity_and_drop_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DEEPNVME_MOE_EXPERTS", raising=False)
     moe = _moe(num_experts=4, k=2, capacity_factor=0.1, min_capacity=0, drop_tokens=True, dropless=True)
@@ -106,7 +117,7 @@ def test_dropless_ignores_capacity_and_drop_tokens(monkeypatch: pytest.MonkeyPat
 
 
 def test_empty_batch_and_idle_experts(monkeypatch: pytest.MonkeyPatch) -> None:
-    for impl in ("grouped_mm", "bmm", "loop"):
+    for impl in ("segments", "grouped_mm", "bmm", "loop"):
         monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", impl)
         for dropless in (False, True):
             moe = _moe(dropless=dropless)
@@ -162,7 +173,7 @@ def test_what_is_not_grouped_runs_through_the_loop(monkeypatch: pytest.MonkeyPat
 
 def test_pr_moe_residual_grouped_equals_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     ref = _step(monkeypatch, "loop", k=2, use_residual=True)
-    got = _step(monkeypatch, "grouped_mm", k=2, use_residual=True)
+    got = _step(monkeypatch, "segments", k=2, use_residual=True)
     _same(got, ref, exact=False, dtype=torch.float32)
 
 
@@ -214,7 +225,7 @@ def test_pack_refuses_what_it_cannot_stack() -> None:
 def test_unpacked_experts_are_stacked_by_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """A user who replaces a parameter breaks the pack: the grouped path copies, and stays correct."""
     ref = _step(monkeypatch, "loop", k=2)
-    monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "grouped_mm")
+    monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "segments")
     moe = _moe(k=2)
     with torch.no_grad():
         first = moe.deepspeed_moe.experts.deepspeed_experts[0][0]
@@ -231,12 +242,12 @@ def test_unpacked_experts_are_stacked_by_copy(monkeypatch: pytest.MonkeyPatch) -
 
 def test_choice_is_reported_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DEEPNVME_MOE_EXPERTS", raising=False)
-    ok, line = describe()
-    assert line.startswith("cpu: float32 ")
-    assert ok == (choose(torch.device("cpu"), torch.float32) == "grouped_mm")
+    line = describe()
+    assert line.startswith("cpu: float32 segments, bfloat16 segments, float16 segments, torch grouped mm ")
+    assert choose(torch.device("cpu"), torch.float32) == "segments"
     monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "bmm")
     assert choose(torch.device("cpu"), torch.float32) == "bmm"
-    assert "forced" in describe()[1]
+    assert "forced" in describe()
     monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "fast")
     with pytest.raises(ValueError, match="DEEPNVME_MOE_EXPERTS"):
         choose(torch.device("cpu"), torch.float32)

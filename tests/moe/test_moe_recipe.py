@@ -6,6 +6,7 @@ import json
 import math
 import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -269,10 +270,11 @@ def test_grouped_experts_and_dropless_flags(tmp_path: Path, monkeypatch: pytest.
     for name, extra in runs.items():
         log = tmp_path / f"{name}.json"
         argv = TINY + "--num-experts 4 --topk 2 --train-iters 4".split() + extra + ["--log-json", str(log)]
-        assert main(argv) == 0
-        monkeypatch.delenv("DEEPNVME_MOE_EXPERTS", raising=False)  # main() sets it for its run
+        with mock.patch.dict(os.environ):  # main() sets DEEPNVME_MOE_EXPERTS for its run: undone after
+            assert main(argv) == 0
         curves[name] = [p["val_loss"] for p in json.loads(log.read_text())["curve"]]
         assert all(math.isfinite(v) for v in curves[name])
+    assert "DEEPNVME_MOE_EXPERTS" not in os.environ
     assert curves["auto"] == pytest.approx(curves["loop"], rel=1e-4)
     assert GPTConfig(vocab_size=12, seq_length=16, dropless=True).dropless
     with pytest.raises(TypeError, match="dropless"):

@@ -469,7 +469,7 @@ def test_views_at_one_stride_stack_without_a_copy() -> None:
     """What a fused experts module is handed when its experts lie one stride apart in the cache's pool:
     one 3-D view of the same bytes (equal to the stacked slices); any other layout is refused (None) and
     the caller copies."""
-    from deepnvme.offload.experts.fused import stack_views
+    from deepnvme.moe.grouped import stack_views
 
     pool = torch.arange(64 * 6, dtype=torch.float32)
     a, b, c = (pool[i * 64:i * 64 + 32].view(4, 8) for i in (0, 2, 4))  # 128 floats apart

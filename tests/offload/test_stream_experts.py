@@ -447,6 +447,9 @@ def test_deepnvme_moe_gpt_same_tokens_and_logits(gpt_ref: dict, where: str) -> N
     tokens, logits = gpt_generate(model)
     assert torch.equal(tokens, gpt_ref["tokens"])
     assert all(torch.equal(a, b) for a, b in zip(logits, gpt_ref["logits"]))
+    # The cache holds fewer experts than a layer routes to: each runs by its own forward, on the rows the
+    # layer in memory gives it as a group (the same products, so the same bits).
+    assert model.blocks[1].mlp.deepspeed_moe.last_path == "rows, loop"
     e = stats(model)["experts"]
     assert e["experts"] == 8 and e["capacity_bytes"] < 8 * expert
     # Without a KV cache every step routes the whole sequence: nearly every expert of each layer runs, in
@@ -464,6 +467,22 @@ def test_deepnvme_moe_gpt_same_tokens_and_logits(gpt_ref: dict, where: str) -> N
     assert all(torch.equal(a, b) for a, b in zip(gpt_generate(model)[1], gpt_ref["logits"]))
     for a, b in zip(model.state_dict().values(), gpt_ref["model"].state_dict().values()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("where", ["safetensors", "own"])
+def test_deepnvme_moe_gpt_experts_computed_together_when_they_fit(gpt_ref: dict, where: str) -> None:
+    """A cache that holds a layer's routed experts at once: they are computed as one group on views of the
+    cached bytes, as the layer in memory computes them. deepnvme's store gives every expert the same pool
+    bytes, so holding several at once cannot fragment the pool; from safetensors their sizes differ and
+    they run one by one."""
+    expert = sum(p.numel() * 4 for p in find_expert_sets(gpt_ref["model"])[0].module.deepspeed_experts[0]
+                 .parameters())
+    model = stream_weights(gpt(), gpt_ref[where], 40 * expert)
+    tokens, logits = gpt_generate(model)
+    assert torch.equal(tokens, gpt_ref["tokens"])
+    assert all(torch.equal(a, b) for a, b in zip(logits, gpt_ref["logits"]))
+    want = "rows, streamed segments" if where == "own" else "rows, loop"
+    assert model.blocks[1].mlp.deepspeed_moe.last_path == want
 
 
 def test_damaged_moe_expert_fails_its_crc_then_recovers(gpt_ref: dict, tmp_path: Path) -> None:

@@ -42,9 +42,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepnvme.offload._doors import GroupedExperts, stack_views
 from deepnvme.offload.experts.budget import FULL_USE, expected_share
 from deepnvme.offload.experts.cache import ExpertCache
-from deepnvme.offload.experts.fused import FewExperts, hooked_inside, stack_views
+from deepnvme.offload.experts.fused import FewExperts, hooked_inside
 from deepnvme.offload.experts.sets import FUSED, ExpertSet, Part, expert_parts, find_expert_sets
 from deepnvme.offload.model import Placeholder
 from deepnvme.offload.stores import Blob, Store, check, lease_bytes, runs, tensor_in
@@ -145,6 +146,8 @@ class ExpertStreamer:
                                                        _device(t))
                     self._wrap(expert, "forward", self._expert_forward(si, e, expert))
                 self._wrap(s.module, "before_run", self._before_run(si))
+                if GroupedExperts.of(s.module.deepspeed_experts) is not None:
+                    self._wrap(s.module, "run_streamed", self._grouped_rows(si, s))
             self._wrap(s.module, "_apply", self._apply(s))
             del real
         self._hook = self.model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
@@ -153,8 +156,8 @@ class ExpertStreamer:
 
     def _wrap(self, mod: nn.Module, attr: str, value: Any) -> None:
         self._saved.append((mod, attr, mod.__dict__.get(attr, _MISSING)))
-        if attr == "before_run":
-            mod.before_run = value
+        if attr in ("before_run", "run_streamed"):
+            setattr(mod, attr, value)
         else:
             mod.__dict__[attr] = value
 
@@ -213,7 +216,6 @@ class ExpertStreamer:
 
     def _expert_forward(self, si: int, e: int, expert: nn.Module) -> Any:
         s, x = self.sets[si], self.experts[(si, e)]
-        slots = s.slots(e)
         orig = type(expert).forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -226,15 +228,7 @@ class ExpertStreamer:
             lease = None
             try:
                 lease = cache.acquire(x.key, checked=not unchecked)  # type: ignore[union-attr]
-                views = self._tensors(x, lease)
-                for slot in slots:
-                    table = slot.module._parameters if slot.param else slot.module._buffers
-                    placeholder = table[slot.attr]
-                    placeholders.append((table, slot.attr, placeholder))
-                    v = views[slot.name][0][1]
-                    if v.dtype != placeholder.dtype or v.device != placeholder.device:
-                        v = v.to(placeholder.device, placeholder.dtype)
-                    table[slot.attr] = v
+                self._put_views(s, x, lease, placeholders)
                 out = orig(expert, *args, **kwargs)
                 if unchecked:
                     cache.confirm(x.key, lease)  # type: ignore[union-attr]
@@ -245,6 +239,57 @@ class ExpertStreamer:
                 if lease is not None:
                     cache.release(x.key)  # type: ignore[union-attr]
         return forward
+
+    def _put_views(self, s: ExpertSet, x: _Expert, lease: Lease, placed: list[tuple[dict, str, Any]]) -> None:
+        """Expert x's tensors (views of `lease`, converted where the model's dtype or device differs) in
+        place of its placeholders; each replaced entry is appended to `placed`, for the caller to put
+        back."""
+        views = self._tensors(x, lease)
+        for slot in s.slots(x.key[1]):
+            table = slot.module._parameters if slot.param else slot.module._buffers
+            placeholder = table[slot.attr]
+            placed.append((table, slot.attr, placeholder))
+            v = views[slot.name][0][1]
+            if v.dtype != placeholder.dtype or v.device != placeholder.device:
+                v = v.to(placeholder.device, placeholder.dtype)
+            table[slot.attr] = v
+
+    def _grouped_rows(self, si: int, s: ExpertSet) -> Any:
+        """A deepnvme.moe set's experts computed together (Experts.run_streamed): the routed experts' leases
+        held at once, their views put in place of the placeholders, one GroupedExperts over them; the same
+        per-expert arithmetic as the in-memory layer's grouped path, which runs every expert with its rows
+        (an expert without rows adds nothing). None (the experts then run one by one through their own
+        forwards) when they do not fit the cache together or a hook or autocast asks for the loop."""
+
+        def run(rows: torch.Tensor, counts: list[int], impl: str) -> torch.Tensor | None:
+            active = [e for e, n in enumerate(counts) if n]
+            modules = [s.module.deepspeed_experts[e] for e in active]
+            plan = GroupedExperts.of(modules) if active and self._fit_together(len(active)) else None
+            if plan is None:
+                return None
+            cache = self.cache
+            unchecked = not any(hooked_inside(m) for m in modules)
+            held: list[tuple[tuple[int, int], Any]] = []
+            placed: list[tuple[dict, str, Any]] = []
+            try:
+                for e in active:
+                    key = (si, e)
+                    lease = cache.acquire(key, checked=not unchecked)  # type: ignore[union-attr]
+                    held.append((key, lease))
+                    self._put_views(s, self.experts[key], lease, placed)
+                if not plan.ready(rows, streamed=True):
+                    return None
+                out = plan.run(rows, [counts[e] for e in active], impl)
+                if unchecked:
+                    for key, lease in held:
+                        cache.confirm(key, lease)  # type: ignore[union-attr]
+                return out
+            finally:
+                for table, attr, placeholder in placed:
+                    table[attr] = placeholder
+                for key, _ in held:
+                    cache.release(key)  # type: ignore[union-attr]
+        return run
 
     def _fused_forward(self, si: int, s: ExpertSet) -> Any:
         orig = type(s.module).forward

@@ -190,21 +190,15 @@ def check_plain_tensors() -> Finding:
 
 def check_moe_experts() -> Finding:
     """How deepnvme.moe multiplies a layer's experts here (deepnvme.moe.grouped.choose, per device and
-    dtype): torch's grouped mm where it runs, else one bmm over padded rows."""
+    dtype), and whether torch's grouped mm runs."""
     key, label = "moe_experts", "MoE experts"
     try:
         from deepnvme.moe.grouped import describe
 
-        grouped, detail = describe()
+        return Finding(key, label, True, describe())
     except Exception as exc:  # noqa: BLE001 - the report must still explain a broken install
         return Finding(key, label, False, "unknown", f"{type(exc).__name__}: {exc}",
                        "reinstall deepnvme with a working torch")
-    if grouped:
-        return Finding(key, label, True, detail)
-    return Finding(key, label, True, detail,
-                   "no grouped mm in this torch for these dtypes: experts are multiplied with one bmm over "
-                   "rows padded to the largest expert's",
-                   "torch 2.9 or later has a grouped mm (CPU and CUDA)")
 
 
 def shm_size() -> tuple[str, int | None]:
