@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from deepnvme._core.checks import check_int, check_type
-from deepnvme.moe.grouped import GroupedExperts, pack
+from deepnvme.moe.grouped import GroupedExperts, is_packed, pack
 
 # DeepSpeed's state_dict naming of a rank-local expert inside an MoE layer.
 EXPERT_KEY = re.compile(
@@ -76,25 +76,35 @@ class Experts(nn.Module):
         # run_rows (the experts' own forwards then read them one by one).
         self.run_streamed: Callable[[Tensor, list[int], str], Tensor | None] | None = None
         pack(self.deepspeed_experts)
+        self._plan: tuple[tuple, GroupedExperts | None] | None = None  # (GroupedExperts.key, plan)
         for e in self.deepspeed_experts:
             for p in e.parameters():
                 p.allreduce = False
                 p.group_name = expert_group_name
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
-        """``nn.Module._apply`` (``.to()``, ``.half()``, ...), then the parameters packed again: a conversion
-        gives every tensor storage of its own."""
+        """``nn.Module._apply`` (``.to()``, ``.half()``, ...), then the parameters packed again where the
+        conversion gave every tensor storage of its own (not after one that kept them in place, such as
+        ``share_memory()``)."""
         out = super()._apply(fn, recurse)
-        pack(self.deepspeed_experts)
+        if not is_packed(self.deepspeed_experts):
+            pack(self.deepspeed_experts)
         return out
 
-    def grouped(self, x: Tensor) -> GroupedExperts | None:
+    def grouped(self, x: Tensor, streamed: bool = False) -> GroupedExperts | None:
         """The experts as one :class:`~deepnvme.moe.grouped.GroupedExperts` when computing them together on
-        rows like ``x`` gives what calling each would (see its ``ready``), else None."""
+        rows like ``x`` gives what calling each would (see its ``ready``; ``streamed`` as there), else
+        None. The plan is kept from call to call while the expert modules stay the same."""
         if not self.runs_each_as_forward():
             return None
-        plan = GroupedExperts.of(self.deepspeed_experts)
-        return plan if plan is not None and plan.ready(x) else None
+        key = GroupedExperts.key(self.deepspeed_experts)
+        if self._plan is None or self._plan[0] != key:
+            plan = GroupedExperts.of(self.deepspeed_experts)
+            if plan is not None:
+                plan.repack = lambda: pack(self.deepspeed_experts)
+            self._plan = (key, plan)
+        plan = self._plan[1]
+        return plan if plan is not None and plan.ready(x, streamed) else None
 
     def run_rows(self, rows: Tensor, counts: list[int], active: list[bool] | None = None,
                  announce: bool = True) -> Tensor:

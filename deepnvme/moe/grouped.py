@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 IMPL_ENV = "DEEPNVME_MOE_EXPERTS"
 IMPLS = {
@@ -58,6 +59,11 @@ _ACTIVATIONS: dict[type, Callable[[nn.Module, Tensor], Tensor]] = {
     nn.Identity: lambda m, x: x,
     nn.Dropout: lambda m, x: x,  # only while it is a no-op (p = 0 or eval): see GroupedExperts.ready
 }
+# Those whose result for an element does not depend on where it lies in the tensor (comparisons and one
+# multiplication). The others (exp-, erf- or tanh-based) take a vector path for most elements and a scalar
+# one at the end of a CPU tensor, whose last bits differ: they are applied expert by expert, on the same
+# rows as each expert's own call, so that the results are the loop's bits.
+_ANYWHERE = (nn.ReLU, nn.LeakyReLU, nn.Identity, nn.Dropout)
 
 
 def _grouped_mm() -> Callable[..., Tensor] | None:
@@ -73,13 +79,19 @@ def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> tuple[bool, str]:
     if fn is None:
         return False, f"torch {torch.__version__} has no grouped mm"
     try:
-        x = torch.ones(3, 8, dtype=dtype, device=device_type, requires_grad=True)
-        w = torch.ones(2, 8, 8, dtype=dtype, device=device_type, requires_grad=True)
-        offs = torch.tensor([2, 2], dtype=torch.int32, device=device_type)
-        y = fn(x[:2], w, offs=offs)
-        y.backward(torch.ones_like(y))
+        with torch.inference_mode(False), torch.enable_grad():  # the first forward may be an eval's
+            return _try_grouped_mm(fn, device_type, dtype)
     except Exception as exc:  # noqa: BLE001 - any failure means: use the fallback on this device and dtype
         return False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _try_grouped_mm(fn: Callable[..., Tensor], device_type: str, dtype: torch.dtype) -> tuple[bool, str]:
+    """A tiny forward and backward with an empty group."""
+    x = torch.ones(3, 8, dtype=dtype, device=device_type, requires_grad=True)
+    w = torch.ones(2, 8, 8, dtype=dtype, device=device_type, requires_grad=True)
+    offs = torch.tensor([2, 2], dtype=torch.int32, device=device_type)
+    y = fn(x[:2], w, offs=offs)
+    y.backward(torch.ones_like(y))
     return True, ""
 
 
@@ -142,48 +154,67 @@ def pack(experts: Sequence[nn.Module]) -> bool:
     return True
 
 
+def is_packed(experts: Sequence[nn.Module]) -> bool:
+    """Whether every parameter name's tensors of ``experts`` lie as :func:`pack` leaves them."""
+    named = [dict(e.named_parameters()) for e in experts]
+    if len(named) < 2 or any(n.keys() != named[0].keys() for n in named):
+        return False
+    return all(stack_views([n[name].detach() for n in named]) is not None for name in named[0])
+
+
 def stack_views(views: Sequence[Tensor | None]) -> Tensor | None:
     """One tensor with dim 0 over ``views`` (same shape, dtype and strides, at increasing addresses one
-    stride apart in one storage) without copying, or None when they do not lie so."""
+    stride apart within the first one's storage) without copying, or None when they do not lie so."""
     tensors = [v for v in views if v is not None]
     if not tensors or len(tensors) != len(views):
         return None
     first = tensors[0]
     if len(tensors) == 1:
         return first.unsqueeze(0)
-    ptrs = [v.data_ptr() for v in tensors]
-    step = ptrs[1] - ptrs[0]
     size = first.element_size()
-    base = first.untyped_storage().data_ptr()
-    if (step <= 0 or step % size or any(b - a != step for a, b in zip(ptrs, ptrs[1:]))
-            or any(v.shape != first.shape or v.dtype != first.dtype or v.stride() != first.stride()
-                   or v.untyped_storage().data_ptr() != base for v in tensors)):
+    start = first.data_ptr()
+    step = tensors[1].data_ptr() - start
+    if step <= 0 or step % size:
+        return None
+    for i, v in enumerate(tensors):
+        if (v.data_ptr() != start + i * step or v.shape != first.shape or v.dtype != first.dtype
+                or v.stride() != first.stride() or v.device != first.device):
+            return None
+    storage = first.untyped_storage()
+    # The others' memory lies inside the first's storage (the view below could not reach past it), so
+    # they are its slices: two live storages never share addresses.
+    last_byte = start + (len(tensors) - 1) * step + _extent(first) * size
+    if last_byte > storage.data_ptr() + storage.nbytes():
         return None
     return torch.as_strided(first, (len(tensors), *first.shape), (step // size, *first.stride()),
                             first.storage_offset())
 
 
+def _extent(t: Tensor) -> int:
+    """Elements from t's first to one past its last, in its storage."""
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+
+
 class _Stacked(torch.autograd.Function):
-    """The experts' tensors of one name as one ``[E, ...]`` view of their packed storage; the gradient of
-    the view goes back to each tensor as its slice."""
+    """The experts' tensors of one name as one ``[E, ...]`` view of their packed storage (``view``, made by
+    stack_views); the gradient of the view goes back to each tensor as its slice."""
 
     @staticmethod
-    def forward(ctx: Any, *tensors: Tensor) -> Tensor:  # type: ignore[override]
-        view = stack_views([t.detach() for t in tensors])
-        if view is None:  # callers check first (GroupedExperts._stack); kept as a safe fallback
-            return torch.stack([t.detach() for t in tensors])
-        return view
+    def forward(ctx: Any, view: Tensor, *tensors: Tensor) -> Tensor:  # type: ignore[override]
+        return view.view_as(view)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
-        return tuple(grad.unbind(0))
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        return (None, *grad.unbind(0))
 
 
 def _stack(tensors: list[Tensor]) -> Tensor:
     """``torch.stack(tensors)`` for autograd, without the copy when they lie packed."""
-    if stack_views([t.detach() for t in tensors]) is not None:
-        return _Stacked.apply(*tensors)
-    return torch.stack(tensors)
+    view = stack_views([t.detach() for t in tensors])
+    if view is None:
+        return torch.stack(tensors)
+    return _Stacked.apply(view, *tensors) if torch.is_grad_enabled() and any(
+        t.requires_grad for t in tensors) else view
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -199,10 +230,31 @@ class _DenseGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+# Where a BLAS operand starts decides the kernel's path through its first elements: each expert's own call
+# gets fresh (64-byte aligned) tensors, so a group's slice that starts elsewhere (rows of a width that is not
+# a multiple of 64 bytes) is copied to fresh memory first, and a product meant for such a slice is made in
+# fresh memory and copied in. With the usual widths (multiples of 16 floats) no slice is copied.
+_ALIGN = 64
+
+
+def _fresh(t: Tensor) -> Tensor:
+    """``t``, or a copy of it in fresh memory when it does not start on an _ALIGN boundary."""
+    return t if t.data_ptr() % _ALIGN == 0 else t.clone()
+
+
+def _into(out: Tensor, op: Callable[..., Tensor], *args: Tensor) -> None:
+    """``op(*args, out=out)``, through fresh memory when ``out`` does not start on an _ALIGN boundary."""
+    if out.data_ptr() % _ALIGN == 0:
+        op(*args, out=out)
+    else:
+        out.copy_(op(*args))
+
+
 class _SegmentLinear(torch.autograd.Function):
     """``F.linear`` of each expert's rows with its weight and bias, the products written straight into one
-    output (``addmm`` / ``mm`` with ``out=``), and the backward's products likewise: the same BLAS calls, so
-    the same bits, as each expert's Linear on its rows, without an autograd node per expert."""
+    output (``addmm`` / ``mm`` with ``out=``), and the backward's products likewise: the same BLAS calls on
+    operands placed alike, so the same bits, as each expert's Linear on its rows, without an autograd node
+    per expert."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None,  # type: ignore[override]
@@ -213,9 +265,9 @@ class _SegmentLinear(torch.autograd.Function):
             if n:
                 rows = slice(start, start + n)
                 if bias is None:
-                    torch.mm(x[rows], weight[e].t(), out=out[rows])
+                    _into(out[rows], torch.mm, _fresh(x[rows]), weight[e].t())
                 else:
-                    torch.addmm(bias[e], x[rows], weight[e].t(), out=out[rows])
+                    _into(out[rows], torch.addmm, bias[e], _fresh(x[rows]), weight[e].t())
             start += n
         ctx.counts = counts
         ctx.has_bias = bias is not None
@@ -223,6 +275,7 @@ class _SegmentLinear(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         x, weight = ctx.saved_tensors
         grad = grad.contiguous()
@@ -234,12 +287,13 @@ class _SegmentLinear(torch.autograd.Function):
         for e, n in enumerate(ctx.counts):
             if n:
                 rows = slice(start, start + n)
+                g = _fresh(grad[rows])
                 if gx is not None:
-                    torch.mm(grad[rows], weight[e], out=gx[rows])
+                    _into(gx[rows], torch.mm, g, weight[e])
                 if gw is not None:
-                    torch.mm(grad[rows].t(), x[rows], out=gw[e])
+                    _into(gw[e], torch.mm, g.t(), _fresh(x[rows]))
                 if gb is not None:
-                    gb[e] = grad[rows].sum(0)
+                    gb[e] = g.sum(0)
             start += n
         return gx, gw, gb, None
 
@@ -330,6 +384,9 @@ class GroupedExperts:
         self.experts = experts
         self.steps = steps
         self.modules = modules  # modules[i][e]: step i of expert e
+        # Called when the experts' parameters no longer lie packed (a deepcopy, load_state_dict(assign=True)):
+        # packs them again, once, instead of stacking copies on every forward. None: copy.
+        self.repack: Callable[[], bool] | None = None
 
     @classmethod
     def of(cls, experts: Sequence[nn.Module]) -> GroupedExperts | None:
@@ -348,9 +405,10 @@ class GroupedExperts:
 
     def ready(self, x: Tensor, streamed: bool = False) -> bool:
         """Whether the grouped computation equals calling the modules on ``x``'s rows now: no hook or
-        replaced forward anywhere in the experts (``streamed``: the experts' own forwards are a weight
-        streamer's, which only bring the tensors in place), dropout inactive, no autocast, and parameters
-        that are plain tensors of ``x``'s dtype on its device."""
+        replaced forward anywhere in the experts, dropout inactive, no autocast, and parameters that are
+        plain tensors of ``x``'s dtype on its device. ``streamed``: the experts' own forwards and their
+        tensors are a weight streamer's (its forwards only bring the tensors in place; its placeholders
+        stand for plain tensors of their dtype and device)."""
         from torch.nn.modules import module as nn_module
 
         if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
@@ -369,8 +427,8 @@ class GroupedExperts:
                     return False
                 for p in m._parameters.values():
                     # type(), not .data: a streamer's placeholder refuses to be read outside its forward
-                    if p is None or type(p) not in (nn.Parameter, torch.Tensor) or p.dtype != x.dtype \
-                            or p.device != x.device:
+                    if p is None or (not streamed and type(p) not in (nn.Parameter, torch.Tensor)) \
+                            or p.dtype != x.dtype or p.device != x.device:
                         return False
         return not any((not streamed and "forward" in e.__dict__) or e._forward_hooks or e._forward_pre_hooks
                        or e._backward_hooks or e._backward_pre_hooks for e in self.experts)
@@ -378,9 +436,19 @@ class GroupedExperts:
     def _weights(self, i: int) -> tuple[Tensor, Tensor | None]:
         """Step i's stacked weight ``[E, out, in]`` and bias ``[E, out]`` (or None)."""
         mods = self.modules[i]
+        if self.repack is not None and stack_views([m.weight.detach() for m in mods]) is None:
+            self.repack()
+            self.repack = None
         weight = _stack([m.weight for m in mods])
         bias = _stack([m.bias for m in mods]) if mods[0].bias is not None else None
         return weight, bias
+
+    @staticmethod
+    def key(experts: Sequence[nn.Module]) -> tuple:
+        """What a plan depends on, cheap to compute on every forward: the expert modules and their
+        children (a child replaced, an expert replaced: another key). Changing a module's settings in
+        place (an activation's ``approximate``) is not seen."""
+        return tuple((id(e), tuple(map(id, e._modules.values()))) for e in experts)
 
     def run(self, x: Tensor, counts: list[int], impl: str) -> Tensor:
         """Rows ``x`` ``[T, M]`` grouped by expert (``counts[e]`` rows of expert e, in order) through every
@@ -398,7 +466,7 @@ class GroupedExperts:
                     weight, bias = self._weights(i)
                     h = _SegmentLinear.apply(h, weight, bias, counts)
                 else:
-                    h = self._activation(i, h)
+                    h = self._activation(i, h, counts)
             return h
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         mm = _grouped_mm()
@@ -410,15 +478,21 @@ class GroupedExperts:
                 if bias is not None:
                     h = _AddGroupBias.apply(h, bias, counts)
             else:
-                h = self._activation(i, h)
+                h = self._activation(i, h, counts)
         return h
 
-    def _activation(self, i: int, h: Tensor) -> Tensor:
-        """Step i (element-wise) on all rows: the module's call, or the declared function."""
+    def _activation(self, i: int, h: Tensor, counts: list[int] | None = None) -> Tensor:
+        """Step i (element-wise): the module's call or the declared function, on all rows at once when the
+        result cannot depend on a row's place (see _ANYWHERE), else on each expert's rows (``counts``; in
+        ``[E, C, M]`` form each ``h[e]``) as each expert's own call would see them."""
         step = self.steps[i]
-        if step.kind is _Function:
-            return step.settings[0](h)
-        return _ACTIVATIONS[step.kind](self.modules[i][0], h)
+        fn = step.settings[0] if step.kind is _Function else functools.partial(
+            _ACTIVATIONS[step.kind], self.modules[i][0])
+        if step.kind in _ANYWHERE:
+            return fn(h)
+        if counts is None:
+            return torch.stack([fn(p) for p in h.unbind(0)])
+        return torch.cat([fn(p) for p in h.split(counts)])
 
     def run_padded(self, x: Tensor) -> Tensor:
         """``[E, C, M]`` (expert e's rows in ``x[e]``) through every expert's chain, one ``baddbmm`` per
@@ -455,4 +529,4 @@ class GroupedExperts:
         return x.data_ptr() % 16 == 0 and (x.stride(0) * size) % 16 == 0
 
 
-__all__ = ["IMPLS", "IMPL_ENV", "GroupedExperts", "choose", "describe", "pack", "stack_views"]
+__all__ = ["IMPLS", "IMPL_ENV", "GroupedExperts", "choose", "describe", "is_packed", "pack", "stack_views"]

@@ -85,35 +85,45 @@ class MOELayer(nn.Module):
             raise TypeError(f"a dropless gate needs deepnvme.moe.Experts as experts, got "
                             f"{type(self.experts).__name__}")
         impl = choose(tokens.device, tokens.dtype)
-        plan = self.experts.grouped(tokens) if impl != "loop" and isinstance(self.experts, Experts) else None
+        plan, streamed = self._plan(tokens, impl)
         if self.ep_size > 1:
             out = (self._rows_across_ranks(tokens, routes, plan, impl) if dropless
-                   else self._padded_across_ranks(tokens, routes, plan))
-        elif dropless or (plan is not None and impl != "bmm") or (
-                impl != "loop" and getattr(self.experts, "run_streamed", None) is not None):
-            out = self._rows(tokens, routes, plan, impl)
+                   else self._padded_across_ranks(tokens, routes, plan, impl))
+        elif dropless or streamed or (plan is not None and impl != "bmm"):
+            out = self._rows(tokens, routes, plan, impl, streamed)
         else:
             out = self._padded(tokens, routes, plan)
         return out.reshape(x.shape[:-1] + out.shape[-1:])
 
-    def _rows(self, tokens: Tensor, routes: Any, plan: GroupedExperts | None, impl: str) -> Tensor:
+    def _plan(self, tokens: Tensor, impl: str) -> tuple[GroupedExperts | None, bool]:
+        """(the experts' grouped plan, or None; whether a weight streamer computes them grouped instead).
+        A streamed layer takes the path the same layer in memory would: the streamer's placeholders stand
+        for its tensors when deciding, and where memory would run the loop over padded blocks (a hook,
+        autocast, the bmm choice) the streamed layer does too."""
+        if impl == "loop" or not isinstance(self.experts, Experts):
+            return None, False
+        if getattr(self.experts, "run_streamed", None) is not None:
+            return None, impl != "bmm" and self.experts.grouped(tokens, streamed=True) is not None
+        return self.experts.grouped(tokens), False
+
+    def _rows(self, tokens: Tensor, routes: Any, plan: GroupedExperts | None, impl: str,
+              streamed: bool = False) -> Tensor:
         """ep_size 1: every kept route's token in a row of its own, grouped by expert (no padding), the
         experts on those rows, the weighted combine."""
         rows = expert_rows(routes.expert_idx, routes.slot, routes.num_experts)
         buffer = dispatch(tokens, rows.index, rows.slot, 1, rows.total)
         flat = buffer.view(rows.total, tokens.shape[1])
         self.experts._announce([n > 0 for n in rows.counts])
-        streamed = getattr(self.experts, "run_streamed", None)
         out = None
         if plan is not None:
             out = plan.run(flat, rows.counts, impl)
             self.last_path = f"rows, {impl}"
-        elif streamed is not None and impl != "loop":
-            out = streamed(flat, rows.counts, impl)
+        elif streamed:
+            out = self.experts.run_streamed(flat, rows.counts, impl)
             self.last_path = f"rows, streamed {impl}"
         if out is None:
-            out = self.experts.run_rows(flat, rows.counts, self._active_rows(tokens, rows.counts),
-                                        announce=False)
+            active = [n > 0 for n in rows.counts] if self._inference(tokens) else None
+            out = self.experts.run_rows(flat, rows.counts, active, announce=False)
             self.last_path = "rows, loop"
         return combine(out.view(1, rows.total, out.shape[-1]), rows.index, rows.slot, routes.weight)
 
@@ -142,9 +152,11 @@ class MOELayer(nn.Module):
         self.last_path = "padded, loop"
         return combine(out, routes.expert_idx, routes.slot, routes.weight)
 
-    def _padded_across_ranks(self, tokens: Tensor, routes: Any, plan: GroupedExperts | None) -> Tensor:
+    def _padded_across_ranks(self, tokens: Tensor, routes: Any, plan: GroupedExperts | None,
+                             impl: str) -> Tensor:
         """ep_size > 1: the capacity buffer exchanged over the group (equal chunks), the local experts on
-        ``[ep, E_local, C, M]``, exchanged back, combined."""
+        ``[ep, E_local, C, M]`` (grouped: each local expert's ep*C rows, as the loop gives them to it),
+        exchanged back, combined."""
         c, d_model = routes.capacity, tokens.shape[1]
         buffer = dispatch(tokens, routes.expert_idx, routes.slot, routes.num_experts, c)
         buffer = all_to_all(buffer, self.ep_group)
@@ -152,9 +164,13 @@ class MOELayer(nn.Module):
         if plan is not None:
             self.experts._announce([True] * self.num_local_experts)
             local = buffer.transpose(0, 1).reshape(self.num_local_experts, self.ep_size * c, d_model)
-            out = plan.run_padded(local)
+            if impl == "bmm":
+                out = plan.run_padded(local)
+            else:
+                rows = self.ep_size * c
+                out = plan.run(local.reshape(-1, d_model), [rows] * self.num_local_experts, impl)
             out = out.reshape(self.num_local_experts, self.ep_size, c, -1).transpose(0, 1)
-            self.last_path = "padded across ranks, bmm"
+            self.last_path = f"padded across ranks, {impl}"
         else:
             out = self.experts(buffer)
             self.last_path = "padded across ranks, loop"
@@ -185,14 +201,11 @@ class MOELayer(nn.Module):
         back = all_to_all_rows(regroup.to_ranks(out), recv, send, self.ep_group)
         return combine(back.view(1, rows.total, back.shape[-1]), rows.index, rows.slot, routes.weight)
 
-    def _active_rows(self, tokens: Tensor, counts: list[int]) -> list[bool] | None:
-        """At inference (as :meth:`_active_experts` means it), the experts that have rows; else None."""
-        if type(self.experts).forward is not Experts.forward:
-            return None
-        if torch.is_grad_enabled() and (tokens.requires_grad
-                                        or any(p.requires_grad for p in self.experts.parameters())):
-            return None
-        return [n > 0 for n in counts]
+    def _inference(self, tokens: Tensor) -> bool:
+        """No autograd graph is recorded through the experts: grad disabled, or neither the tokens nor any
+        expert parameter needs a gradient (see :meth:`_active_experts`)."""
+        return not (torch.is_grad_enabled() and (tokens.requires_grad
+                                                 or any(p.requires_grad for p in self.experts.parameters())))
 
     def _active_experts(self, tokens: Tensor, routes: Any) -> list[bool] | None:
         """At inference, which experts keep at least one route (None: run them all).
@@ -205,8 +218,7 @@ class MOELayer(nn.Module):
         """
         if not isinstance(self.experts, Experts) or type(self.experts).forward is not Experts.forward:
             return None
-        if torch.is_grad_enabled() and (tokens.requires_grad
-                                        or any(p.requires_grad for p in self.experts.parameters())):
+        if not self._inference(tokens):
             return None
         kept = routes.expert_idx[routes.slot >= 0]
         counts = torch.bincount(kept.reshape(-1).long(), minlength=routes.num_experts)

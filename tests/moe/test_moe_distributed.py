@@ -186,7 +186,7 @@ def test_two_processes(tmp_path: Path) -> None:
         _sc("ep2-k2-dropless-empty-rank", 2, 2, False, [0, 20], dropless=True, path="rows across ranks"),
         _sc("ep2-k2-dropless-loop", 2, 2, True, [9, 30], dropless=True, loop_expert=True,
             path="rows across ranks, loop"),
-        _sc("ep2-k2-drop-grouped", 2, 2, True, [24, 24], path="padded across ranks, bmm"),
+        _sc("ep2-k2-drop-grouped", 2, 2, True, [24, 24], path="padded across ranks, segments"),
     ]
     groups = {sc["name"]: sc["ep"] for sc in scenarios}
     _check(_launch(2, scenarios, tmp_path), groups)

@@ -77,7 +77,9 @@ def test_grouped_paths_equal_the_loop(monkeypatch: pytest.MonkeyPatch, dtype: to
     assert "loop" in ref["path"]
     bmm = _step(monkeypatch, "bmm", dtype=dtype, k=k, drop_tokens=drop)
     assert bmm["path"] == "padded, bmm"
-    _same(bmm, ref, exact=True, dtype=dtype)  # one baddbmm per Linear: the loop's bits
+    # One baddbmm per Linear: the loop's bits for shapes like these (torch takes other kernels for tiny
+    # matrices, so it is not promised).
+    _same(bmm, ref, exact=dtype == torch.float32, dtype=dtype)
     for impl in ("segments", "grouped_mm"):  # the kept rows only: other row counts, so within rounding
         got = _step(monkeypatch, impl, dtype=dtype, k=k, drop_tokens=drop)
         assert got["path"] == f"rows, {impl}"
@@ -97,13 +99,25 @@ def test_dropless_keeps_every_route_and_equals_the_padded_no_drop_layer(monkeypa
     _same(got, ref, exact=False, dtype=torch.float32)
 
 
+ACTIVATIONS = {"gelu": nn.GELU(), "gelu-tanh": nn.GELU(approximate="tanh"), "silu": nn.SiLU(),
+               "sigmoid": nn.Sigmoid(), "tanh": nn.Tanh(), "relu": nn.ReLU(), "leaky": nn.LeakyReLU(0.1)}
+
+
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k", [1, 2])
-def test_segments_are_the_loop_over_the_same_rows_bit_for_bit(monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("k", [1, 3])
+def test_segments_are_the_loop_over_the_same_rows_bit_for_bit(monkeypatch: pytest.MonkeyPatch, act: str,
                                                               dtype: torch.dtype, k: int) -> None:
-    """Dropless through segments makes the same BLAS calls on the same rows as each expert's Linear."""
-    ref = _step(monkeypatch, "loop", dtype=dtype, k=k, dropless=True)
-    got = _step(monkeypatch, "segments", dtype=dtype, k=k, dropless=True)
+    """Dropless through segments makes the same BLAS calls on the same rows as each expert's Linear, and
+    applies an activation whose last bits depend on an element's place (SiLU, sigmoid, GELU...) to each
+    expert's rows on their own, as the expert's own call does. Widths 21 and 13: vector tails everywhere."""
+
+    def expert() -> nn.Module:
+        return nn.Sequential(nn.Linear(M, 21), ACTIVATIONS[act], nn.Linear(21, M))
+
+    ref = _step(monkeypatch, "loop", dtype=dtype, k=k, dropless=True, tokens=37, expert=expert())
+    got = _step(monkeypatch, "segments", dtype=dtype, k=k, dropless=True, tokens=37, expert=expert())
+    assert got["path"] == "rows, segments"
     _same(got, ref, exact=True, dtype=dtype)
 
 
@@ -209,6 +223,33 @@ def test_parameters_are_packed_and_stay_packed() -> None:
     unpacked = io.BytesIO()
     torch.save(state, unpacked)
     assert size <= unpacked.tell() * 1.05
+
+
+def test_packing_survives_share_memory_and_comes_back_after_deepcopy() -> None:
+    import copy
+
+    from deepnvme.moe.grouped import is_packed
+
+    moe = _moe()
+    experts = moe.deepspeed_moe.experts
+    moe.share_memory()
+    assert is_packed(experts.deepspeed_experts)
+    assert all(p.is_shared() for p in experts.parameters())  # not re-packed into private memory
+    twin = copy.deepcopy(moe)
+    assert not is_packed(twin.deepspeed_moe.experts.deepspeed_experts)  # torch's deepcopy clones each
+    x = torch.randn(20, M)
+    assert torch.equal(twin(x)[0], moe(x)[0])
+    assert is_packed(twin.deepspeed_moe.experts.deepspeed_experts)  # packed again by its first forward
+
+
+def test_grouped_mm_probe_runs_under_no_grad() -> None:
+    from deepnvme.moe import grouped
+
+    grouped._grouped_mm_works.cache_clear()
+    with torch.inference_mode():
+        works = grouped._grouped_mm_works("cpu", torch.float32)
+    assert works == grouped._grouped_mm_works.__wrapped__("cpu", torch.float32)
+    assert works[0] == (grouped._grouped_mm() is not None)
 
 
 def test_pack_refuses_what_it_cannot_stack() -> None:

@@ -485,6 +485,30 @@ def test_deepnvme_moe_gpt_experts_computed_together_when_they_fit(gpt_ref: dict,
     assert model.blocks[1].mlp.deepspeed_moe.last_path == want
 
 
+def test_deepnvme_moe_gpt_with_a_hook_takes_the_in_memory_path(gpt_ref: dict) -> None:
+    """A hook inside an expert sends the layer in memory through the loop over padded blocks; the streamed
+    layer goes the same way (not the grouped rows), so its outputs are still the same bits and the hook
+    sees the same inputs."""
+    seen: dict[str, list[tuple[int, ...]]] = {"memory": [], "streamed": []}
+
+    def hooked(model: torch.nn.Module, where: str) -> torch.nn.Module:
+        fc1 = model.blocks[1].mlp.deepspeed_moe.experts.deepspeed_experts[0].fc1
+        fc1.register_forward_hook(lambda _m, args, _out: seen[where].append(tuple(args[0].shape)))
+        return model
+
+    ref = hooked(gpt(), "memory")
+    want_tokens, want_logits = gpt_generate(ref)
+    expert = sum(p.numel() * 4 for p in find_expert_sets(gpt_ref["model"])[0].module.deepspeed_experts[0]
+                 .parameters())
+    model = stream_weights(hooked(gpt(), "streamed"), gpt_ref["own"], 40 * expert)
+    tokens, logits = gpt_generate(model)
+    assert torch.equal(tokens, want_tokens)
+    assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
+    assert ref.blocks[1].mlp.deepspeed_moe.last_path == model.blocks[1].mlp.deepspeed_moe.last_path
+    assert model.blocks[1].mlp.deepspeed_moe.last_path.startswith("padded")
+    assert seen["memory"] == seen["streamed"] and seen["memory"]
+
+
 def test_damaged_moe_expert_fails_its_crc_then_recovers(gpt_ref: dict, tmp_path: Path) -> None:
     """A deepnvme.moe expert damaged on the drive: the expert computes while its CRC-32 is checked, and
     the layer fails naming the file before any output leaves it; the model keeps its placeholders, and
