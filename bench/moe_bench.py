@@ -299,13 +299,14 @@ def serve(family: str, threads: int) -> int:
             req = json.loads(line)
             cfg = Config(**req["config"])
             dropless = bool(req.get("dropless"))
-            key = (req["layer"], dropless, cfg, req["expert"], req["ffn"])
+            dtype = getattr(torch, req.get("dtype", "float32"))
+            key = (req["layer"], dropless, cfg, req["expert"], req["ffn"], dtype)
             if key not in layers:
                 if any(k[2:] != key[2:] for k in layers):
                     layers.clear()
                     warm.clear()
-                layers[key] = (build_layer(req["layer"], cfg, req["expert"], req["ffn"], dropless),
-                               make_inputs(cfg))
+                layer = build_layer(req["layer"], cfg, req["expert"], req["ffn"], dropless).to(dtype)
+                layers[key] = (layer, tuple(t.to(dtype) for t in make_inputs(cfg)))
             if "impl" in req:
                 os.environ["DEEPNVME_MOE_IMPL"] = req["impl"]
                 os.environ["DEEPNVME_MOE_EXPERTS"] = req["experts"]
@@ -389,7 +390,7 @@ def child_env() -> dict[str, str]:
 def request_for(contender: str, cfg: Config, args: argparse.Namespace, cmd: str,
                 expert: str) -> dict[str, Any]:
     req: dict[str, Any] = {"cmd": cmd, "config": asdict(cfg), "expert": expert, "ffn": args.ffn,
-                           "steps": args.steps}
+                           "steps": args.steps, "dtype": args.dtype if cmd == "time" else "float32"}
     if contender.startswith("deepnvme"):
         req.update(layer="deepnvme", **DEEPNVME_SETTINGS[contender])
     else:
@@ -546,7 +547,7 @@ def med(samples: list[list[float]], i: int) -> float:
 def render(args: argparse.Namespace, configs: list[Config], res: dict[str, Any], a2a: dict[str, Any],
            a2a_note: str | None) -> str:
     lines = [f"# MoE layer forward+backward ({args.expert} experts"
-             + (f", ffn {args.ffn}" if args.expert == "ffn" else "")
+             + (f", ffn {args.ffn}" if args.expert == "ffn" else "") + f", {args.dtype}"
              + f", hidden {HIDDEN}, cf {CAPACITY_FACTOR}, {args.threads} thread(s) per process,"
              f" {args.repeats} interleaved repeats x {args.steps} step(s))",
              "", f"host: {platform.node()} {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
@@ -617,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--tokens x --experts x --k grid")
     p.add_argument("--expert", choices=("scale", "ffn"), default="scale", help="expert module (see above)")
     p.add_argument("--ffn", type=int, default=1024, help="inner width of --expert ffn")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype of the layers and their inputs in the timed steps (memory: float32)")
     p.add_argument("--contenders", default=",".join(CONTENDERS),
                    help=f"comma-separated subset of: {', '.join(CONTENDERS)}")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds over every case")

@@ -281,7 +281,7 @@ class _SegmentLinear(torch.autograd.Function):
         grad = grad.contiguous()
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gx = torch.empty_like(x) if need_x else None
-        gw = torch.zeros_like(weight) if need_w else None  # an expert without rows gets zeros, as in the loop
+        gw = torch.empty_like(weight) if need_w else None
         gb = grad.new_zeros((weight.shape[0], weight.shape[1])) if need_b and ctx.has_bias else None
         start = 0
         for e, n in enumerate(ctx.counts):
@@ -294,6 +294,8 @@ class _SegmentLinear(torch.autograd.Function):
                     _into(gw[e], torch.mm, g.t(), _fresh(x[rows]))
                 if gb is not None:
                     gb[e] = g.sum(0)
+            elif gw is not None:
+                gw[e].zero_()  # an expert without rows gets zeros, as in the loop
             start += n
         return gx, gw, gb, None
 
