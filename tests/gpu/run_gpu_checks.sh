@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU check for a CUDA machine (built for the lent H200: fresh, offline, 15 min of device time).
-# Builds async_io and gds, runs tests/gpu (the gds handle; weights streamed to the GPU: test_stream_cuda.py),
+# Builds async_io and gds, runs tests/gpu (the gds handle; weights streamed to the GPU: test_stream_cuda.py;
+# MoE experts grouped on the GPU with their step time per path: test_moe_grouped_cuda.py),
 # measures GPU<->file throughput, prints a compact summary.
 # Installs nothing: such a machine cannot reach a registry; it needs a CUDA torch, nvcc and nvidia-cufile
 # (the device image has all three). Usage: bash tests/gpu/run_gpu_checks.sh [bench MiB, default 1024]
