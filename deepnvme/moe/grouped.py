@@ -146,7 +146,9 @@ def pack(experts: Sequence[nn.Module]) -> bool:
     if any(type(p) is not nn.Parameter or type(p.data) is not torch.Tensor or p.device.type == "meta"
            for params in named for p in params.values()):
         return False
-    with torch.no_grad():
+    # Normal tensors even when the forward that re-packs runs under inference_mode (an inference tensor
+    # as a parameter's data would refuse training afterwards).
+    with torch.inference_mode(False), torch.no_grad():
         for name in first:
             stacked = torch.stack([params[name].detach() for params in named])
             for i, params in enumerate(named):
@@ -230,10 +232,12 @@ class _DenseGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-# Where a BLAS operand starts decides the kernel's path through its first elements: each expert's own call
-# gets fresh (64-byte aligned) tensors, so a group's slice that starts elsewhere (rows of a width that is not
-# a multiple of 64 bytes) is copied to fresh memory first, and a product meant for such a slice is made in
-# fresh memory and copied in. With the usual widths (multiples of 16 floats) no slice is copied.
+# Where a BLAS operand starts decides the kernel's path through its first elements, and so the last bits of
+# the products. The loop hands each expert's first Linear a slice of the rows buffer and its last Linear's
+# backward a slice of the output's gradient, and everything else fresh (64-byte aligned) tensors; segments
+# does the same: those two as slices, any other operand that starts elsewhere (rows of a width that is not
+# a multiple of 64 bytes) copied to fresh memory, and a product meant for such a slice made in fresh memory
+# and copied in. With the usual widths (multiples of 16 floats) nothing is copied.
 _ALIGN = 64
 
 
@@ -258,18 +262,21 @@ class _SegmentLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None,  # type: ignore[override]
-                counts: list[int]) -> Tensor:
+                counts: list[int], first: bool, last: bool) -> Tensor:
+        """``first``: x is the experts' input (its slices go to the products as they are); ``last``: this
+        Linear's output is the experts' output (its gradient's slices likewise)."""
         out = x.new_empty((x.shape[0], weight.shape[1]))
+        place = (lambda t: t) if first else _fresh
         start = 0
         for e, n in enumerate(counts):
             if n:
                 rows = slice(start, start + n)
                 if bias is None:
-                    _into(out[rows], torch.mm, _fresh(x[rows]), weight[e].t())
+                    _into(out[rows], torch.mm, place(x[rows]), weight[e].t())
                 else:
-                    _into(out[rows], torch.addmm, bias[e], _fresh(x[rows]), weight[e].t())
+                    _into(out[rows], torch.addmm, bias[e], place(x[rows]), weight[e].t())
             start += n
-        ctx.counts = counts
+        ctx.counts, ctx.first, ctx.last = counts, first, last
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
         return out
@@ -283,21 +290,23 @@ class _SegmentLinear(torch.autograd.Function):
         gx = torch.empty_like(x) if need_x else None
         gw = torch.empty_like(weight) if need_w else None
         gb = grad.new_zeros((weight.shape[0], weight.shape[1])) if need_b and ctx.has_bias else None
+        place_x = (lambda t: t) if ctx.first else _fresh
+        place_g = (lambda t: t) if ctx.last else _fresh
         start = 0
         for e, n in enumerate(ctx.counts):
             if n:
                 rows = slice(start, start + n)
-                g = _fresh(grad[rows])
+                g = place_g(grad[rows])
                 if gx is not None:
                     _into(gx[rows], torch.mm, g, weight[e])
                 if gw is not None:
-                    _into(gw[e], torch.mm, g.t(), _fresh(x[rows]))
+                    _into(gw[e], torch.mm, g.t(), place_x(x[rows]))
                 if gb is not None:
                     gb[e] = g.sum(0)
             elif gw is not None:
                 gw[e].zero_()  # an expert without rows gets zeros, as in the loop
             start += n
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None, None
 
 
 class _AddGroupBias(torch.autograd.Function):
@@ -354,19 +363,34 @@ def _chain(expert: nn.Module) -> list[Any] | None:
     return None
 
 
+def _settings(m: nn.Module) -> tuple:
+    """What a step module computes with: a Linear's shapes and whether it has a bias (read from its
+    tensors, which a user may replace), an activation's public attributes."""
+    if type(m) is nn.Linear:
+        w, b = m._parameters.get("weight"), m._parameters.get("bias")
+        return (None if w is None else tuple(w.shape), None if b is None else tuple(b.shape))
+    return tuple(sorted((k, v) for k, v in vars(m).items()
+                        if not k.startswith("_") and k not in ("training", "inplace")))
+
+
 def _steps(expert: nn.Module) -> list[tuple[_Step, Any]] | None:
-    """The expert as steps, or None when it is not a chain of Linears and element-wise activations."""
+    """The expert as steps, or None when it is not a chain of Linears and element-wise activations (a
+    declared module must be the expert's own: a shared one would get every expert's gradient)."""
     chain = _chain(expert)
     if not chain:
         return None
+    own = {id(m) for m in expert.modules()}
     out: list[tuple[_Step, Any]] = []
     for m in chain:
+        if isinstance(m, nn.Module) and id(m) not in own:
+            return None
         if type(m) is nn.Linear:
-            out.append((_Step(nn.Linear, (m.in_features, m.out_features, m.bias is not None)), m))
+            settings = _settings(m)
+            if settings[0] is None or (settings[1] is not None and settings[1] != settings[0][:1]):
+                return None
+            out.append((_Step(nn.Linear, settings), m))
         elif type(m) in _ACTIVATIONS:
-            settings = tuple(sorted((k, v) for k, v in vars(m).items()
-                                    if not k.startswith("_") and k not in ("training", "inplace")))
-            out.append((_Step(type(m), settings), m))
+            out.append((_Step(type(m), _settings(m)), m))
         elif callable(m) and not isinstance(m, nn.Module):
             out.append((_Step(_Function, (m,)), m))
         else:
@@ -387,7 +411,7 @@ class GroupedExperts:
         self.steps = steps
         self.modules = modules  # modules[i][e]: step i of expert e
         # Called when the experts' parameters no longer lie packed (a deepcopy, load_state_dict(assign=True)):
-        # packs them again, once, instead of stacking copies on every forward. None: copy.
+        # packs them again instead of stacking copies on every forward. None: copy.
         self.repack: Callable[[], bool] | None = None
 
     @classmethod
@@ -423,14 +447,14 @@ class GroupedExperts:
                 continue
             for m in mods:
                 if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                        or "forward" in m.__dict__):
-                    return False
+                        or "forward" in m.__dict__ or _settings(m) != step.settings):
+                    return False  # hooked, or changed in place since the plan was made: the loop
                 if step.kind is nn.Dropout and m.training and m.p > 0:
                     return False
                 for p in m._parameters.values():
                     # type(), not .data: a streamer's placeholder refuses to be read outside its forward
-                    if p is None or (not streamed and type(p) not in (nn.Parameter, torch.Tensor)) \
-                            or p.dtype != x.dtype or p.device != x.device:
+                    if p is not None and ((not streamed and type(p) not in (nn.Parameter, torch.Tensor))
+                                          or p.dtype != x.dtype or p.device != x.device):
                         return False
         return not any((not streamed and "forward" in e.__dict__) or e._forward_hooks or e._forward_pre_hooks
                        or e._backward_hooks or e._backward_pre_hooks for e in self.experts)
@@ -440,7 +464,6 @@ class GroupedExperts:
         mods = self.modules[i]
         if self.repack is not None and stack_views([m.weight.detach() for m in mods]) is None:
             self.repack()
-            self.repack = None
         weight = _stack([m.weight for m in mods])
         bias = _stack([m.bias for m in mods]) if mods[0].bias is not None else None
         return weight, bias
@@ -466,7 +489,7 @@ class GroupedExperts:
             for i, step in enumerate(self.steps):
                 if step.kind is nn.Linear:
                     weight, bias = self._weights(i)
-                    h = _SegmentLinear.apply(h, weight, bias, counts)
+                    h = _SegmentLinear.apply(h, weight, bias, counts, i == 0, i == len(self.steps) - 1)
                 else:
                     h = self._activation(i, h, counts)
             return h
@@ -525,7 +548,7 @@ class GroupedExperts:
         size = x.element_size()
         for step in self.steps:
             if step.kind is nn.Linear:
-                fan_in, fan_out, _ = step.settings
+                (fan_out, fan_in), _ = step.settings
                 if (fan_in * size) % 16 or (fan_out * size) % 16:
                     return False
         return x.data_ptr() % 16 == 0 and (x.stride(0) * size) % 16 == 0

@@ -309,3 +309,79 @@ def test_unaligned_widths_fall_back_to_bmm_rows(monkeypatch: pytest.MonkeyPatch)
     got = _step(monkeypatch, "grouped_mm", k=2,
                 expert=nn.Sequential(nn.Linear(M, 5), nn.ReLU(), nn.Linear(5, M)))
     _same(got, ref, exact=False, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("hidden", [5, 7, 21])
+@pytest.mark.parametrize("bias", [True, False])
+def test_segments_are_the_loop_for_odd_widths_and_without_bias(monkeypatch: pytest.MonkeyPatch, hidden: int,
+                                                                bias: bool) -> None:
+    """Rows of 5, 7 or 21 floats start off a 64-byte boundary: segments passes the slices the loop passes
+    as they are and copies the rest to fresh memory, as the loop's own tensors are; experts without biases
+    are grouped too."""
+
+    def run(impl: str) -> tuple[Any, ...]:
+        monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", impl)
+        torch.manual_seed(3)
+        expert = nn.Sequential(nn.Linear(hidden, 9, bias=bias), nn.SiLU(), nn.Linear(9, hidden, bias=bias))
+        moe = MoE(hidden, expert, num_experts=3, k=2, dropless=True, top2_2nd_expert_sampling=False)
+        x = torch.randn(11, hidden, generator=torch.Generator().manual_seed(4), requires_grad=True)
+        out, l_aux, _ = moe(x)
+        (out.square().sum() + l_aux).backward()
+        return moe.deepspeed_moe.last_path, out.detach(), x.grad, [p.grad for p in moe.parameters()]
+
+    ref, got = run("loop"), run("segments")
+    assert got[0] == "rows, segments" and ref[0] == "rows, loop"
+    assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])
+    assert all(torch.equal(a, b) for a, b in zip(got[3], ref[3]))
+
+
+def test_changed_experts_fall_back_or_follow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a user changes after construction is seen: an activation's setting or a parameter's shape
+    changed in place sends the layer through the loop (the same numbers as the loop), a module declared by
+    grouped_steps that is not the expert's own is refused, a state dict assigned twice is packed again."""
+    monkeypatch.delenv("DEEPNVME_MOE_EXPERTS", raising=False)
+    from deepnvme.moe.grouped import is_packed
+
+    x = torch.randn(20, M)
+    moe = _moe(expert=nn.Sequential(nn.Linear(M, FFN), nn.LeakyReLU(0.1), nn.Linear(FFN, M)))
+    with torch.no_grad():
+        moe(x)
+    assert moe.deepspeed_moe.last_path == "rows, segments"
+    moe.deepspeed_moe.experts.deepspeed_experts[1][1].negative_slope = 0.5
+    with torch.no_grad():
+        moe(x)
+    assert "loop" in moe.deepspeed_moe.last_path
+    wide = _moe()
+    with torch.no_grad():
+        wide.deepspeed_moe.experts.deepspeed_experts[1][0].weight = nn.Parameter(torch.randn(FFN + 8, M))
+    with pytest.raises(RuntimeError, match="size"):  # the expert itself no longer fits its next Linear
+        wide(x)
+    assert "segments" not in wide.deepspeed_moe.last_path
+
+    shared = nn.Linear(M, M)
+
+    class Borrowing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(M, M)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.fc(t)
+
+        def grouped_steps(self) -> list[Any]:
+            return [shared]  # not the expert's own Linear: grouping it would be wrong
+
+    borrowing = _moe(expert=Borrowing())
+    borrowing(x)
+    assert "loop" in borrowing.deepspeed_moe.last_path
+
+    moe = _moe()
+    for _ in range(2):
+        moe.load_state_dict({k: v.clone() for k, v in moe.state_dict().items()}, assign=True)
+        assert not is_packed(moe.deepspeed_moe.experts.deepspeed_experts)
+        with torch.inference_mode():  # packed again inside an inference forward: still trainable
+            moe(x)
+        assert is_packed(moe.deepspeed_moe.experts.deepspeed_experts)
+        assert not any(p.is_inference() for p in moe.parameters())
+        out, l_aux, _ = moe(x.requires_grad_())
+        (out.sum() + l_aux).backward()
