@@ -10,14 +10,18 @@ names the same object) in order, e.g. ``return [self.fc1, F.gelu, self.fc2]``.
 Anything else (PR-MoE's differently shaped experts, custom modules, hooks inside an expert, a streamer's
 forwards, dropout in training) runs through the per-expert loop, which stays the reference.
 
-How the multiply is done (``IMPLS``) is chosen once per device type and dtype by running a tiny forward and
-backward (``choose``), or forced with ``DEEPNVME_MOE_EXPERTS``:
+How the multiply is done (``IMPLS``) is chosen per device type and dtype (``choose``: torch's grouped mm on
+CUDA where a tiny forward and backward runs, ``segments`` elsewhere), or forced with
+``DEEPNVME_MOE_EXPERTS``:
 
+* ``segments``: each expert's rows through the BLAS products its own ``nn.Linear`` would make, written into
+  one output, forward and backward in one autograd node, activations applied as the expert's own call
+  would: the loop's bits on the same rows (see _SegmentLinear), nothing padded.
 * ``grouped_mm``: torch's grouped matrix multiply over each expert's own rows, groups of any size, nothing
   padded. The bias is added after the product, so results may differ from the loop's fused ``addmm`` in the
   last bit (fp32: ~1e-7 relative; bf16: one rounding).
-* ``bmm``: one batched multiply (``baddbmm``) over rows padded to the largest group: the same bits as the loop
-  for the rows it computes, at the cost of the padded rows.
+* ``bmm``: one batched multiply (``baddbmm``) over rows padded to the largest group, at the cost of the
+  padded rows; usually the loop's bits (torch takes other kernels for tiny or odd-width matrices).
 * ``loop``: each expert module called on its rows.
 
 The experts' parameters are packed at construction (:func:`pack`): every expert's tensor of one name is a
@@ -521,7 +525,7 @@ class GroupedExperts:
 
     def run_padded(self, x: Tensor) -> Tensor:
         """``[E, C, M]`` (expert e's rows in ``x[e]``) through every expert's chain, one ``baddbmm`` per
-        Linear: the same bits as each expert's ``F.linear`` on its rows."""
+        Linear (usually the bits of each expert's ``F.linear`` on its rows; see the module docstring)."""
         h = x
         for i, step in enumerate(self.steps):
             if step.kind is nn.Linear:
