@@ -25,7 +25,8 @@ CUDA where a tiny forward and backward runs, ``segments`` elsewhere), or forced 
 * ``loop``: each expert module called on its rows.
 
 The experts' parameters are packed at construction (:func:`pack`): every expert's tensor of one name is a
-slice of one ``[E, ...]`` storage, so the stacked weights the multiply needs are a view, not a copy. Saving
+slice of one ``[E, ...]`` storage, so the stacked weights ``grouped_mm`` and ``bmm`` multiply are a view,
+not a copy (``segments`` takes each expert's tensors as they are). Saving
 one expert's tensors alone with ``torch.save`` would therefore write the whole pack; ``state_dict()`` of the
 model (its storage is written once) and deepnvme's MoE checkpoints (each expert's tensors are cloned) are
 unaffected.
@@ -259,58 +260,65 @@ def _into(out: Tensor, op: Callable[..., Tensor], *args: Tensor) -> None:
 
 
 class _SegmentLinear(torch.autograd.Function):
-    """``F.linear`` of each expert's rows with its weight and bias, the products written straight into one
-    output (``addmm`` / ``mm`` with ``out=``), and the backward's products likewise: the same BLAS calls on
-    operands placed alike, so the same bits, as each expert's Linear on its rows, without an autograd node
-    per expert."""
+    """``F.linear`` of each expert's rows with its own weight and bias, the products written straight into
+    one output (``addmm`` / ``mm`` with ``out=``): the same BLAS calls on operands placed alike, so the same
+    bits, as each expert's Linear on its rows, without an autograd node per expert. The experts' tensors
+    come one by one (no stacked copy, packed or not), and each gets a gradient of its own, as in the loop:
+    one ``[E, out, in]`` gradient would be fresh memory the size of all the weights every backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None,  # type: ignore[override]
-                counts: list[int], first: bool, last: bool) -> Tensor:
-        """``first``: x is the experts' input (its slices go to the products as they are); ``last``: this
-        Linear's output is the experts' output (its gradient's slices likewise)."""
-        out = x.new_empty((x.shape[0], weight.shape[1]))
+    def forward(ctx: Any, x: Tensor, counts: list[int], first: bool, last: bool,  # type: ignore[override]
+                has_bias: bool, *tensors: Tensor) -> Tensor:
+        """``tensors``: every expert's weight, then (``has_bias``) every expert's bias. ``first``: x is the
+        experts' input (its slices go to the products as they are); ``last``: this Linear's output is the
+        experts' output (its gradient's slices likewise)."""
+        e_count = len(counts)
+        weights, biases = tensors[:e_count], (tensors[e_count:] if has_bias else None)
+        out = x.new_empty((x.shape[0], weights[0].shape[0]))
         place = (lambda t: t) if first else _fresh
         start = 0
         for e, n in enumerate(counts):
             if n:
                 rows = slice(start, start + n)
-                if bias is None:
-                    _into(out[rows], torch.mm, place(x[rows]), weight[e].t())
+                if biases is None:
+                    _into(out[rows], torch.mm, place(x[rows]), weights[e].t())
                 else:
-                    _into(out[rows], torch.addmm, bias[e], place(x[rows]), weight[e].t())
+                    _into(out[rows], torch.addmm, biases[e], place(x[rows]), weights[e].t())
             start += n
-        ctx.counts, ctx.first, ctx.last = counts, first, last
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, weight)
+        ctx.counts, ctx.first, ctx.last, ctx.has_bias = counts, first, last, has_bias
+        ctx.save_for_backward(x, *weights)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        x, weight = ctx.saved_tensors
+        x, *weights = ctx.saved_tensors
+        e_count = len(ctx.counts)
         grad = grad.contiguous()
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        gx = torch.empty_like(x) if need_x else None
-        gw = torch.empty_like(weight) if need_w else None
-        gb = grad.new_zeros((weight.shape[0], weight.shape[1])) if need_b and ctx.has_bias else None
+        need = ctx.needs_input_grad
+        gx = torch.empty_like(x) if need[0] else None
+        gws: list[Tensor | None] = [None] * e_count
+        gbs: list[Tensor | None] = [None] * (e_count if ctx.has_bias else 0)
         place_x = (lambda t: t) if ctx.first else _fresh
         place_g = (lambda t: t) if ctx.last else _fresh
         start = 0
         for e, n in enumerate(ctx.counts):
+            want_w, want_b = need[5 + e], ctx.has_bias and need[5 + e_count + e]
             if n:
                 rows = slice(start, start + n)
                 g = place_g(grad[rows])
                 if gx is not None:
-                    _into(gx[rows], torch.mm, g, weight[e])
-                if gw is not None:
-                    _into(gw[e], torch.mm, g.t(), place_x(x[rows]))
-                if gb is not None:
-                    gb[e] = g.sum(0)
-            elif gw is not None:
-                gw[e].zero_()  # an expert without rows gets zeros, as in the loop
+                    _into(gx[rows], torch.mm, g, weights[e])
+                if want_w:
+                    gws[e] = torch.mm(g.t(), place_x(x[rows]))
+                if want_b:
+                    gbs[e] = g.sum(0)
+            else:  # an expert without rows gets zeros, as in the loop
+                gws[e] = torch.zeros_like(weights[e]) if want_w else None
+                if want_b:
+                    gbs[e] = grad.new_zeros(weights[e].shape[0])
             start += n
-        return gx, gw, gb, None, None, None
+        return (gx, None, None, None, None, *gws, *gbs)
 
 
 class _AddGroupBias(torch.autograd.Function):
@@ -492,8 +500,10 @@ class GroupedExperts:
             h = x
             for i, step in enumerate(self.steps):
                 if step.kind is nn.Linear:
-                    weight, bias = self._weights(i)
-                    h = _SegmentLinear.apply(h, weight, bias, counts, i == 0, i == len(self.steps) - 1)
+                    mods = self.modules[i]
+                    has_bias = mods[0].bias is not None
+                    tensors = [m.weight for m in mods] + ([m.bias for m in mods] if has_bias else [])
+                    h = _SegmentLinear.apply(h, counts, i == 0, i == len(self.steps) - 1, has_bias, *tensors)
                 else:
                     h = self._activation(i, h, counts)
             return h

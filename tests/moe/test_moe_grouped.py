@@ -225,11 +225,13 @@ def test_parameters_are_packed_and_stay_packed() -> None:
     assert size <= unpacked.tell() * 1.05
 
 
-def test_packing_survives_share_memory_and_comes_back_after_deepcopy() -> None:
+def test_packing_survives_share_memory_and_comes_back_after_deepcopy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packing serves the paths that multiply stacked weights (bmm, torch's grouped mm)."""
     import copy
 
     from deepnvme.moe.grouped import is_packed
 
+    monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "bmm")
     moe = _moe()
     experts = moe.deepspeed_moe.experts
     moe.share_memory()
@@ -375,6 +377,7 @@ def test_changed_experts_fall_back_or_follow(monkeypatch: pytest.MonkeyPatch) ->
     borrowing(x)
     assert "loop" in borrowing.deepspeed_moe.last_path
 
+    monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "grouped_mm")  # a path that multiplies stacked weights
     moe = _moe()
     for _ in range(2):
         moe.load_state_dict({k: v.clone() for k, v in moe.state_dict().items()}, assign=True)
