@@ -289,6 +289,9 @@ def test_json_agrees_with_probes_and_builders(
             cap.fix,
         )
     assert doc["ninja"] == probe.ninja().ok
+    from deepnvme.moe.grouped import describe
+
+    assert caps["moe_experts"]["ok"] and caps["moe_experts"]["detail"] == describe()  # how experts multiply
     for op in doc["ops"]:
         assert op["compatible"] == bool(all_ops[op["name"]].is_compatible(verbose=False)), op
     aio = next(op for op in doc["ops"] if op["name"] == "async_io")
