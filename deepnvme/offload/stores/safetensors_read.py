@@ -32,12 +32,19 @@ SINGLE = "model.safetensors"
 # A header bigger than this is not a header (safetensors itself refuses 100 MB).
 MAX_HEADER = 100 << 20
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+# Every dtype safetensors defines (its format's names), with the torch dtype it is read as: None where this
+# torch has none (an error names the dtype and the torch version).
+_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16",
+    "U32": "uint32", "U64": "uint64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2": "float8_e5m2", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2",
 }
+DTYPES: dict[str, torch.dtype | None] = {k: getattr(torch, v, None) for k, v in _NAMES.items()}
+# Header elements per element of the torch dtype: F4 counts 4-bit values, torch packs two in a byte (the
+# last dimension is halved).
+PACKED = {"F4": 2}
 
 
 def read_header(path: str) -> dict[str, TensorInfo]:
@@ -88,12 +95,22 @@ def _entry(path: str, name: str, entry: Any, base: int, size: int) -> TensorInfo
     where = f"tensor {name!r} in {path}"
     if not isinstance(entry, dict):
         raise StoreError(f"{where}: header entry is not an object")
-    dtype = DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
+    name_of = entry.get("dtype")
+    if not isinstance(name_of, str) or name_of not in DTYPES:
+        raise StoreError(f"{where}: unknown dtype {name_of!r}")
+    dtype = DTYPES[name_of]
     if dtype is None:
-        raise StoreError(f"{where}: unknown dtype {entry.get('dtype')!r}")
+        raise StoreError(f"{where}: dtype {name_of} has no torch dtype in torch {torch.__version__} "
+                         f"(torch.{_NAMES[name_of]} is missing)")
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise StoreError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    pack = PACKED.get(name_of, 1)
+    if pack > 1:
+        if not shape or shape[-1] % pack:
+            raise StoreError(f"{where}: {name_of} packs {pack} values in a byte, but the last dimension of "
+                             f"{shape} is not a multiple of {pack}")
+        shape = [*shape[:-1], shape[-1] // pack]
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1]):
         raise StoreError(f"{where}: data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end")
@@ -102,7 +119,7 @@ def _entry(path: str, name: str, entry: Any, base: int, size: int) -> TensorInfo
         numel *= d
     nbytes = offsets[1] - offsets[0]
     if nbytes != numel * dtype.itemsize:
-        raise StoreError(f"{where}: data_offsets span {nbytes} bytes but {entry['dtype']} {tuple(shape)} "
+        raise StoreError(f"{where}: data_offsets span {nbytes} bytes but {name_of} {entry['shape']} "
                          f"takes {numel * dtype.itemsize}: the header lies about offsets or dtype")
     if base + offsets[1] > size:
         raise StoreError(f"{where}: its data ends at byte {base + offsets[1]} but the file has {size}: "
