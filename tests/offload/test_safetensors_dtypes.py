@@ -77,3 +77,19 @@ def test_packed_and_missing_dtypes_are_named(tmp_path: Path, monkeypatch: pytest
         load_safetensors(_file_with(tmp_path, "F8_E8M0", [4], 4))
     with pytest.raises(StoreError, match="unknown dtype 'F12'"):
         load_safetensors(_file_with(tmp_path, "F12", [4], 4))
+
+
+def test_deepnvme_store_keeps_the_same_dtypes_and_refuses_others_before_writing(tmp_path: Path) -> None:
+    from deepnvme.offload import write_store
+    from deepnvme.offload.infer.load import read_store
+    from deepnvme.offload.stores import open_store
+
+    tensors = {name.replace("_", "-"): t for name, t in _written().items()}
+    store = open_store(write_store(tensors, tmp_path / "own"))
+    got = read_store(store, list(store.tensors()), torch.device("cpu"), 1 << 20)
+    for name, want in tensors.items():
+        assert got[name].dtype == want.dtype, name
+        assert torch.equal(got[name].view(torch.uint8), want.view(torch.uint8)), name
+    with pytest.raises(TypeError, match="complex32 cannot be kept in a deepnvme store"):
+        write_store({"c": torch.zeros(2, dtype=torch.complex32)}, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())

@@ -22,13 +22,20 @@ MANIFEST = "manifest.json"
 FORMAT = "deepnvme-weights"
 VERSION = 1
 TENSOR_ALIGN = 64
-# The dtypes a manifest may name, by their name in it (torch's, without "torch.").
+# The dtypes a manifest may name, by their name in it (torch's, without "torch."); the float8 and float4
+# kinds of newer torch versions (which safetensors holds too) where this torch has them.
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn,
-    torch.float8_e5m2, torch.complex64, torch.complex128)}
+    torch.float8_e5m2, torch.complex64, torch.complex128,
+    *(getattr(torch, n) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+      if hasattr(torch, n)))}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The name a manifest gives `dtype` (a key of DTYPES)."""
-    return str(dtype).removeprefix("torch.")
+    """The name a manifest gives `dtype` (a key of DTYPES); TypeError for a dtype a store cannot keep (it
+    could not be read back), before anything is written."""
+    name = str(dtype).removeprefix("torch.")
+    if DTYPES.get(name) is not dtype:
+        raise TypeError(f"dtype {dtype} cannot be kept in a deepnvme store; it keeps {sorted(DTYPES)}")
+    return name

@@ -24,6 +24,9 @@ def write_units(directory: str | os.PathLike,
     """Write a deepnvme store in `directory` (created if needed; a store there is replaced atomically):
     each group (unit name -> its tensors, each with all its names) one blob, in the order given; unit ""
     holds the tensors of no unit. Empty groups write nothing. Returns the directory, absolute."""
+    for members in groups.values():  # a dtype no store keeps is refused before anything is written
+        for _, t in members:
+            dtype_name(t.dtype)
     directory = os.path.abspath(os.fspath(directory))
     os.makedirs(directory, exist_ok=True)
     old = _old_weights(directory)
