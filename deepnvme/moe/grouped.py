@@ -224,17 +224,10 @@ def _stack(tensors: list[Tensor]) -> Tensor:
         t.requires_grad for t in tensors) else view
 
 
-class _DenseGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient dense: torch's CPU grouped mm rejects an expanded
-    (stride-0) gradient, as a ``sum()`` loss produces."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
-        return grad.contiguous()
+def _dense(grad: Tensor) -> Tensor:
+    """A gradient hook for a grouped mm's output: torch's CPU grouped mm rejects an expanded (stride-0)
+    gradient, as a ``sum()`` loss makes it."""
+    return grad.contiguous()
 
 
 # Where a BLAS operand starts decides the kernel's path through its first elements, and so the last bits of
@@ -483,8 +476,8 @@ class GroupedExperts:
     @staticmethod
     def key(experts: Sequence[nn.Module]) -> tuple:
         """What a plan depends on, cheap to compute on every forward: the expert modules and their
-        children (a child replaced, an expert replaced: another key). Changing a module's settings in
-        place (an activation's ``approximate``) is not seen."""
+        children (a child replaced, an expert replaced: another key). What changes in place (an
+        activation's setting, a Linear's tensors) is checked by :meth:`ready` instead."""
         return tuple((id(e), tuple(map(id, e._modules.values()))) for e in experts)
 
     def run(self, x: Tensor, counts: list[int], impl: str) -> Tensor:
@@ -513,9 +506,11 @@ class GroupedExperts:
         for i, step in enumerate(self.steps):
             if step.kind is nn.Linear:
                 weight, bias = self._weights(i)
-                h = mm(_DenseGrad.apply(h) if h.requires_grad else h, weight.transpose(-2, -1), offs=offs)  # type: ignore[misc]
+                h = mm(h, weight.transpose(-2, -1), offs=offs)  # type: ignore[misc]
                 if bias is not None:
                     h = _AddGroupBias.apply(h, bias, counts)
+                if h.requires_grad:
+                    h.register_hook(_dense)  # reaches the product through the bias's identity backward
             else:
                 h = self._activation(i, h, counts)
         return h

@@ -305,6 +305,25 @@ def test_run_checks_counts() -> None:
     assert GroupedExperts.of([nn.Sequential(nn.ReLU())]) is None  # no Linear: nothing to group
 
 
+def test_grouped_mm_backward_takes_an_expanded_gradient() -> None:
+    """A sum() loss hands the product an expanded (stride-0) gradient, which torch's CPU grouped mm
+    refuses; the plan makes it dense first. The same gradients as the loop."""
+    torch.manual_seed(0)
+    experts = [nn.Linear(16, 16) for _ in range(3)]
+    plan = GroupedExperts.of(experts)
+    assert plan is not None
+    x = torch.randn(10, 16, requires_grad=True)
+    plan.run(x, [3, 4, 3], "grouped_mm").sum().backward()
+    got = [x.grad.clone(), *(p.grad.clone() for e in experts for p in e.parameters())]
+    x.grad = None
+    for e in experts:
+        e.zero_grad(set_to_none=True)
+    torch.cat([e(part) for e, part in zip(experts, x.split([3, 4, 3]))]).sum().backward()
+    want = [x.grad, *(p.grad for e in experts for p in e.parameters())]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_unaligned_widths_fall_back_to_bmm_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's grouped mm wants 16-byte row strides: a width of 5 floats takes the padded-rows route."""
     ref = _step(monkeypatch, "loop", k=2, expert=nn.Sequential(nn.Linear(M, 5), nn.ReLU(), nn.Linear(5, M)))
