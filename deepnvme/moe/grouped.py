@@ -30,6 +30,10 @@ not a copy (``segments`` takes each expert's tensors as they are). Saving
 one expert's tensors alone with ``torch.save`` would therefore write the whole pack; ``state_dict()`` of the
 model (its storage is written once) and deepnvme's MoE checkpoints (each expert's tensors are cloned) are
 unaffected.
+
+Threads: a plan (:class:`GroupedExperts`) changes nothing of its own once made, so threads running the same
+layer share it; a re-pack inside one thread's forward re-points the parameters' ``.data`` at equal values,
+and a forward already running in another thread keeps the memory it took.
 """
 
 from __future__ import annotations

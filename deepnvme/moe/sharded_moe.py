@@ -32,7 +32,7 @@ class MOELayer(nn.Module):
     When the experts qualify (:mod:`deepnvme.moe.grouped`) they are computed together: at ``ep_size == 1``
     on each expert's kept rows only (:mod:`deepnvme.moe.rows`; the padding up to C is never computed), or
     on the padded buffer with one ``baddbmm`` where that is the choice (``bmm``); with
-    ``ep_size > 1`` on the exchanged ``[E_local, ep*C, M]`` rows with ``baddbmm``. A dropless gate
+    ``ep_size > 1`` on each local expert's exchanged ``ep*C`` rows. A dropless gate
     (``gate.dropless``) sends exactly the kept rows: at ``ep_size > 1`` through a variable all-to-all
     whose row counts are exchanged first. ``last_path`` names the path the last forward took.
     """
@@ -102,7 +102,7 @@ class MOELayer(nn.Module):
         autocast, the bmm choice) the streamed layer does too."""
         if impl == "loop" or not isinstance(self.experts, Experts):
             return None, False
-        if getattr(self.experts, "run_streamed", None) is not None:
+        if self.experts.run_streamed is not None:
             return None, impl != "bmm" and self.experts.grouped(tokens, streamed=True) is not None
         return self.experts.grouped(tokens), False
 

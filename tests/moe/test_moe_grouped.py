@@ -407,3 +407,47 @@ def test_changed_experts_fall_back_or_follow(monkeypatch: pytest.MonkeyPatch) ->
         assert not any(p.is_inference() for p in moe.parameters())
         out, l_aux, _ = moe(x.requires_grad_())
         (out.sum() + l_aux).backward()
+
+
+def test_threads_share_a_grouped_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four threads run the same layer at once (its plan made by whichever comes first, one after a
+    deepcopy that re-packs inside a forward): every output is the one a single thread computes."""
+    import copy
+    import threading
+
+    monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "grouped_mm")  # the path that re-packs
+    moe = copy.deepcopy(_moe(k=2)).eval()
+    xs = [torch.randn(25, M, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    with torch.no_grad():
+        want = [copy.deepcopy(moe)(x)[0] for x in xs]
+    got: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            with torch.no_grad():
+                for j in range(i, len(xs), 4):
+                    got[j] = moe(xs[j])[0]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert all(torch.equal(got[j], want[j]) for j in range(len(xs)))
+
+
+def test_row_exchange_checks_its_counts() -> None:
+    from deepnvme.moe.comm import all_to_all_rows, exchange_counts
+
+    x = torch.randn(5, 4)
+    assert all_to_all_rows(x, [5], [5], None) is x
+    with pytest.raises(ValueError, match="send/recv must give 1 row counts"):
+        all_to_all_rows(x, [4], [5], None)
+    with pytest.raises(ValueError, match="send/recv"):
+        all_to_all_rows(x, [3, 2], [5], None)
+    counts = torch.tensor([[2, 3]])
+    assert exchange_counts(counts, None) is counts
