@@ -8,6 +8,7 @@ after the product; rows that skip the padding are multiplied in other blocks).
 
 from __future__ import annotations
 
+import functools
 import io
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from deepnvme.moe import MoE
 from deepnvme.moe.grouped import GroupedExperts, choose, describe, pack, stack_views
+from tests.support.thread_helpers import run_threads
 
 M, FFN = 32, 48
 
@@ -413,7 +415,6 @@ def test_threads_share_a_grouped_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Four threads run the same layer at once (its plan made by whichever comes first, one after a
     deepcopy that re-packs inside a forward): every output is the one a single thread computes."""
     import copy
-    import threading
 
     monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "grouped_mm")  # the path that re-packs
     moe = copy.deepcopy(_moe(k=2)).eval()
@@ -421,22 +422,13 @@ def test_threads_share_a_grouped_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     with torch.no_grad():
         want = [copy.deepcopy(moe)(x)[0] for x in xs]
     got: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
 
     def work(i: int) -> None:
-        try:
-            with torch.no_grad():
-                for j in range(i, len(xs), 4):
-                    got[j] = moe(xs[j])[0]
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        with torch.no_grad():
+            for j in range(i, len(xs), 4):
+                got[j] = moe(xs[j])[0]
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors and not any(t.is_alive() for t in threads)
+    run_threads([functools.partial(work, i) for i in range(4)], timeout=60)
     assert all(torch.equal(got[j], want[j]) for j in range(len(xs)))
 
 
