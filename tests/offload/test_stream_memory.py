@@ -85,3 +85,22 @@ def test_model_4x_the_budget_runs_in_a_cgroup_of_budget_plus_overhead(group: Pat
     print(f"streamed {block_bytes >> 20} MiB of blocks through a {BUDGET >> 20} MiB budget in a cgroup of "
           f"{(BUDGET + OVERHEAD) >> 20} MiB: group peak {r['group_peak'] >> 20} MiB, process peak RSS "
           f"{r['peak_rss'] >> 20} MiB (interpreter and libraries included, loaded before joining)")
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "mixtral", "moe_gpt"])
+def test_streaming_a_model_in_memory_frees_its_blocks_and_experts(kind: str, tmp_path: Path) -> None:
+    """stream_weights on a model loaded in memory (real weights, not meta) gives back the memory of every
+    block and every expert: RSS after is RSS before less what streams, plus the budget (the locked pool)
+    and a little slack. Measured in a child process so that the RSS is the model's alone."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "tests.offload.stream_freed_child", kind, str(tmp_path),
+                           str(16 << 20)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    assert r["equal"]
+    assert r["streamed"] >= 0.9 * r["total"] and r["streamed"] + r["resident"] >= r["total"]
+    assert r["streamed"] >= 100 << 20  # large enough for the allocator to give it back to the system
+    slack = 24 << 20  # the streamer's own structures, allocator rounding
+    assert r["after"] <= r["before"] - r["streamed"] + r["budget"] + slack, (
+        f"RSS {r['before'] >> 20} MiB before streaming, {r['after'] >> 20} MiB after; {r['streamed'] >> 20} "
+        f"MiB streamed, budget {r['budget'] >> 20} MiB")

@@ -100,7 +100,9 @@ class ExpertStreamer:
         self._scratch_mem: dict[tuple, torch.Tensor] = {}  # copies' memory, kept (see _scratch)
         self.cache: ExpertCache | None = None
         self._saved: list[tuple[nn.Module, str, Any]] = []  # (module, attr in __dict__, previous or None)
-        self._placed: list[tuple[nn.Module, str, bool, Any]] = []  # (module, attr, param, real tensor)
+        # (module, attr, param, requires_grad): what restore() puts back; never the tensor itself, whose
+        # memory streaming exists to free (a model loaded in memory, then streamed).
+        self._placed: list[tuple[nn.Module, str, bool, bool]] = []
         self._hook: Any = None
 
     @staticmethod
@@ -128,11 +130,10 @@ class ExpertStreamer:
             self.cache.close()
             raise
         for si, s in enumerate(self.sets):
-            real = s.tensors()
             if s.kind == FUSED:
                 for p in s.params:
                     t = s.module._parameters[p]
-                    self._placed.append((s.module, p, True, t))
+                    self._placed.append((s.module, p, True, t.requires_grad))
                     s.module._parameters[p] = Placeholder(f"{s.name}.{p}", f"{s.name} (its experts)",
                                                           t.shape, t.dtype, _device(t))
                 self._wrap(s.module, "forward", self._fused_forward(si, s))
@@ -141,7 +142,7 @@ class ExpertStreamer:
                     for slot in s.slots(e):
                         table = slot.module._parameters if slot.param else slot.module._buffers
                         t = table[slot.attr]
-                        self._placed.append((slot.module, slot.attr, slot.param, t))
+                        self._placed.append((slot.module, slot.attr, slot.param, t.requires_grad))
                         table[slot.attr] = Placeholder(slot.name, s.unit_name(e), t.shape, t.dtype,
                                                        _device(t))
                     self._wrap(expert, "forward", self._expert_forward(si, e, expert))
@@ -149,7 +150,6 @@ class ExpertStreamer:
                 if GroupedExperts.of(s.module.deepspeed_experts) is not None:
                     self._wrap(s.module, "run_streamed", self._grouped_rows(si, s))
             self._wrap(s.module, "_apply", self._apply(s))
-            del real
         self._hook = self.model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
         if self.lookahead:
             self._find_routers()
@@ -525,13 +525,13 @@ class ExpertStreamer:
                 for e in range(s.num_experts):
                     for slot in s.slots(e):
                         names[(id(slot.module), slot.attr)] = (si, slot.name)
-        for mod, attr, param, real in self._placed:
+        for mod, attr, param, grad in self._placed:
             si, key = names[(id(mod), attr)]
             table = mod._parameters if param else mod._buffers
             ph = table[attr]
             value = fused[(si, key)] if self.sets[si].kind == FUSED else values[(si, key)]
             value = value.to(ph.device, ph.dtype)
-            table[attr] = nn.Parameter(value, requires_grad=real.requires_grad) if param else value
+            table[attr] = nn.Parameter(value, requires_grad=grad) if param else value
         self._placed = []
         self._unhook()
 
