@@ -19,9 +19,10 @@ package reaches the rest of deepnvme through one door, _doors.py, into deepnvme.
 - train/: :class:`OffloadedOptimizer`, any torch.optim optimizer with its state on the drive, and
   :func:`offload_parameters` (:class:`OffloadedParameters`), a model's parameters and gradients on the drive
   between uses: training a model larger than memory (on the lower floors' public names only).
-- infer/: :func:`stream_weights` / :func:`unstream` / :func:`stats` (inference with the weights on the
-  drive, each block read in just before it runs), :func:`load_safetensors` (whole tensors through the
-  pool), :func:`write_store` (deepnvme's own store from a model or a state dict).
+- infer/: :func:`from_pretrained` (a Hugging Face model folder to a streamed model ready for
+  `generate()` in one call), :func:`stream_weights` / :func:`unstream` / :func:`stats` (inference with
+  the weights on the drive, each block read in just before it runs), :func:`load_safetensors` (whole
+  tensors through the pool), :func:`write_store` (deepnvme's own store from a model or a state dict).
 
 The module paths of before the floors (deepnvme.offload.store, .stream, .optimizer, ...) still import,
 with a DeprecationWarning naming the new path (_moved.py).
@@ -33,7 +34,14 @@ from types import ModuleType
 
 from deepnvme.offload import _moved
 from deepnvme.offload.experts import ExpertCache
-from deepnvme.offload.infer import load_safetensors, stats, stream_weights, unstream, write_store
+from deepnvme.offload.infer import (
+    from_pretrained,
+    load_safetensors,
+    stats,
+    stream_weights,
+    unstream,
+    write_store,
+)
 from deepnvme.offload.model import StreamedWeightError
 from deepnvme.offload.stores import (
     Blob,
@@ -59,5 +67,5 @@ def __getattr__(name: str) -> ModuleType:
 
 __all__ = ["Blob", "ExpertCache", "Lease", "OffloadedOptimizer", "OffloadedParameters", "OwnStore",
            "ReadAhead", "SafetensorsStore", "Store", "StoreError", "StreamedWeightError", "SwapSpace",
-           "TensorInfo", "Unit", "load_safetensors", "offload_parameters", "open_store", "stats",
-           "stream_weights", "unstream", "write_store"]
+           "TensorInfo", "Unit", "from_pretrained", "load_safetensors", "offload_parameters", "open_store",
+           "stats", "stream_weights", "unstream", "write_store"]

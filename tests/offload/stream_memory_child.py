@@ -1,6 +1,8 @@
 """Child of test_stream_memory: joins a memory cgroup, then streams a model bigger than its limit.
 
-argv: store directory, budget bytes, cgroup directory (whose memory.limit_in_bytes the parent set).
+argv: store directory, budget bytes, cgroup directory (whose memory.limit_in_bytes the parent set), and
+how the model is made: "meta" (built with init_empty_weights, then stream_weights) or "one_call"
+(deepnvme.offload.from_pretrained, config and all read inside the group).
 Prints one JSON line: the generated tokens, peak RSS, the group's peak usage and limit.
 """
 
@@ -15,11 +17,11 @@ import torch
 
 
 def main() -> None:
-    store, budget, group = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    store, budget, group, how = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from deepnvme.offload import stats, stream_weights
+    from deepnvme.offload import from_pretrained, stats, stream_weights
     from tests.offload.stream_models import PROMPT
 
     with init_empty_weights():
@@ -29,7 +31,11 @@ def main() -> None:
     # pages it already had where they were): the pool, the tensors outside units, activations, page cache.
     with open(os.path.join(group, "cgroup.procs"), "w") as f:
         f.write(str(os.getpid()))
-    stream_weights(model, store, budget)
+    if how == "one_call":
+        del model
+        model = from_pretrained(store, budget)
+    else:
+        stream_weights(model, store, budget)
     with torch.inference_mode():
         tokens = model.generate(PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     with open(os.path.join(group, "memory.max_usage_in_bytes")) as f:

@@ -59,7 +59,9 @@ def group() -> Path:
         path.rmdir()
 
 
-def test_model_4x_the_budget_runs_in_a_cgroup_of_budget_plus_overhead(group: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["meta", "one_call"])
+def test_model_4x_the_budget_runs_in_a_cgroup_of_budget_plus_overhead(group: Path, tmp_path: Path,
+                                                                      how: str) -> None:
     import transformers as tf
 
     torch.manual_seed(0)
@@ -74,7 +76,7 @@ def test_model_4x_the_budget_runs_in_a_cgroup_of_budget_plus_overhead(group: Pat
     assert block_bytes >= 4 * BUDGET and block_bytes > BUDGET + OVERHEAD
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "tests.offload.stream_memory_child", str(tmp_path / "model"),
-                           str(BUDGET), str(group)], capture_output=True, text=True, env=env, cwd=ROOT,
+                           str(BUDGET), str(group), how], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=240)
     killed = "killed by the memory cgroup (OOM)" if done.returncode == -9 else ""
     assert done.returncode == 0, f"{killed} rc={done.returncode}\n{done.stderr[-3000:]}"

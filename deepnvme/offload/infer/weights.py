@@ -43,20 +43,25 @@ from deepnvme.offload._doors import PAGE
 from deepnvme.offload.experts import ExpertStreamer, split_budget
 from deepnvme.offload.infer.load import read_into
 from deepnvme.offload.infer.running import STREAM_ATTR, Streamer, UnitRun, streamer_of
-from deepnvme.offload.model import Placeholder, Resident, Slot, match_store, unit_modules
+from deepnvme.offload.model import Placeholder, Resident, Slot, match_store, table_units, unit_modules
 from deepnvme.offload.stores import Store, TensorInfo, lease_bytes, open_store
 from deepnvme.offload.swap import SwapSpace, budget_arg
 
 
 def stream_weights(model: nn.Module, store: Store | str | os.PathLike, budget_bytes: int, *,
-                   units: Any = None, prefetch: bool = True, expert_lookahead: int = 0) -> nn.Module:
+                   units: Any = None, prefetch: bool = True, expert_lookahead: int = 0,
+                   embeddings: bool | None = None) -> nn.Module:
     """Make `model` run with the weights of its units on the drive (see the module docstring).
 
     `store`: a Store (deepnvme.offload.stores) or the path of one (a safetensors file or checkpoint
     directory, sharded or not, or a directory written by write_store). `budget_bytes`: the locked memory
     units are read into; it must hold the largest unit, and what is left runs reads ahead. `units`: None
     for the model's repeated blocks, the name of a module whose children are the units, or a list of
-    modules or module names.
+    modules or module names. `embeddings`: whether the input embeddings and the output head (Hugging
+    Face's `get_input_embeddings()` / `get_output_embeddings()`) are units too, each table read whole
+    just before it runs (tied ones from their one tensor in the store, by each in turn) rather than kept
+    in memory: True, False, or None (the default) for each table larger than the largest block that fits
+    the budget (deepnvme.offload.model.table_units).
     `prefetch=False` reads each unit only when it runs, and each expert only when routed to (by default
     the next layers' experts are read ahead when a layer's tokens are expected to use nearly all of its
     own: deepnvme.offload.experts.FULL_USE). `expert_lookahead`: for Mixture-of-Experts models
@@ -81,7 +86,8 @@ def stream_weights(model: nn.Module, store: Store | str | os.PathLike, budget_by
             raise TypeError(f"store must be a Store or a path, got {type(store).__name__}")
         store = open_store(store)
     try:
-        return _stream(model, store, owns, budget_bytes, units, prefetch, expert_lookahead if prefetch else 0)
+        return _stream(model, store, owns, budget_bytes, units, prefetch, expert_lookahead if prefetch else 0,
+                       embeddings)
     except BaseException:
         if owns:
             store.close()
@@ -106,13 +112,14 @@ def _warn_unused(store: Store, used: list[TensorInfo]) -> None:
 
 
 def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any, prefetch: bool,
-            lookahead: int) -> nn.Module:
+            lookahead: int, embeddings: bool | None) -> nn.Module:
     """stream_weights once its arguments are checked and the store is open: match the model to the store,
     plan the units within the budget, read the residents, then put placeholders and wrappers in place."""
     tie = getattr(model, "tie_weights", None)
     if callable(tie):
         tie()  # a model built with init_empty_weights has its tied parameters apart until tied
     chosen = unit_modules(model, units)
+    chosen += table_units(model, chosen, embeddings, budget)
     # Experts are units of their own (deepnvme.offload.experts).
     experts = ExpertStreamer.for_model(model, store, lookahead, read_ahead=prefetch)
     slots, residents = match_store(model, store.path, store.tensors(), chosen,

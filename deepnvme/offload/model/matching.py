@@ -38,8 +38,8 @@ class Slot:
 
 @dataclass
 class Resident:
-    """A tensor of no unit (or of several): read once into memory of its own and put in every `places`
-    (module, attribute, is_param) that holds it."""
+    """A tensor held outside every unit (by at least one of its names): read once into memory of its own and
+    put in every `places` (module, attribute, is_param) that holds it."""
 
     tensor: torch.Tensor
     info: TensorInfo
@@ -64,10 +64,8 @@ def match_store(model: nn.Module, store_path: str, store_tensors: Mapping[str, T
         t = (mod0._parameters if is_param else mod0._buffers)[attr0]
         if id(t) in skip:
             continue
-        homes = set()
-        for _, mname, *_ in aliases:
-            home = next((k for p, k in unit_of.items() if mname == p or mname.startswith(p + ".")), None)
-            homes.add(home)
+        homes = [next((k for p, k in unit_of.items() if mname == p or mname.startswith(p + ".")), None)
+                 for _, mname, *_ in aliases]
         info = find_tensor(store_tensors, model, full)
         if info is None:
             if is_param or t.is_meta:
@@ -82,9 +80,8 @@ def match_store(model: nn.Module, store_path: str, store_tensors: Mapping[str, T
                              f"{tuple(t.shape)} in the model (a store for another model?)")
         check_kind(info, t.dtype, full[0])
         device = torch.device("cpu") if t.is_meta else t.device
-        if len(homes) == 1 and None not in homes:
-            k = homes.pop()
-            for _, _, mod, attr, p in aliases:
+        if None not in homes:  # tied across units (embeddings and head both streamed): read by each
+            for k, (_, _, mod, attr, p) in zip(homes, aliases):
                 slots[k].append(Slot(mod, attr, p, bool(t.requires_grad), info, t.dtype, device))
         else:
             residents.append(Resident(t, info, [(a[2], a[3], a[4]) for a in aliases]))

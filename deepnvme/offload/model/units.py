@@ -69,6 +69,46 @@ def unit_modules(model: nn.Module, units: Any) -> list[tuple[str, nn.Module]]:
     return out
 
 
+def _table_bytes(mod: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in mod.parameters())
+
+
+def table_units(model: nn.Module, chosen: list[tuple[str, nn.Module]], embeddings: bool | None,
+                budget: int) -> list[tuple[str, nn.Module]]:
+    """The input embeddings and the output head (what Hugging Face's `get_input_embeddings()` and
+    `get_output_embeddings()` give) to stream as units of their own beside `chosen`: both when
+    `embeddings` is True, none when False. None (auto) picks each table that holds more bytes than the
+    largest of `chosen` (kept in memory it would outweigh a block the budget must hold anyway) and fits
+    `budget`; a vocabulary of 128 K rows or more makes such tables in every large model. A table inside a
+    chosen unit, or the same module twice (an encoder-decoder's shared table), is taken once or not at
+    all. ValueError when True and the model has neither method."""
+    if embeddings is False:
+        return []
+    if embeddings is not None and not isinstance(embeddings, bool):
+        raise TypeError(f"embeddings must be True, False or None (auto), got {embeddings!r}")
+    names = {id(m): n for n, m in model.named_modules()}
+    found = []
+    for method in ("get_input_embeddings", "get_output_embeddings"):
+        get = getattr(model, method, None)
+        mod = get() if callable(get) else None
+        if isinstance(mod, nn.Module) and id(mod) in names and mod is not model:
+            found.append((names[id(mod)], mod))
+    if embeddings and not found:
+        raise ValueError(f"embeddings=True: {type(model).__name__} has no get_input_embeddings() or "
+                         "get_output_embeddings(); list the tables in units= instead")
+    taken = {n for n, _ in chosen}
+    largest = max((_table_bytes(m) for _, m in chosen), default=0)
+    out = []
+    for name, mod in found:
+        inside = any(name == t or name.startswith(t + ".") for t in taken)
+        if inside or not _table_bytes(mod):
+            continue
+        if embeddings or largest < _table_bytes(mod) <= budget:
+            out.append((name, mod))
+            taken.add(name)
+    return out
+
+
 def unit_names(model: nn.Module, units: Any = None) -> list[str]:
     """The qualified names of the modules stream_weights makes units of (same `units` argument)."""
     return [n for n, _ in unit_modules(model, units)]

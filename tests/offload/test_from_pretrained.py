@@ -1,0 +1,205 @@
+"""deepnvme.offload.from_pretrained: a model folder as save_pretrained writes it, to generate() in one call,
+with the same tokens as transformers' own from_pretrained in memory (greedy and sampled, KV cache on), on
+tiny GPT-2, Llama, Mixtral and Qwen2-MoE (shared expert) configurations; embeddings and head streamed as
+units; the folder left as it was; bad folders named."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.offload.stream_models import PROMPT, require_hf
+
+require_hf()
+
+from deepnvme.offload import StoreError, from_pretrained, stats, stream_weights, unstream  # noqa: E402
+
+NEW = 24
+
+
+def config(kind: str) -> Any:
+    import transformers as tf
+
+    common = dict(vocab_size=96, max_position_embeddings=96, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                  num_attention_heads=4, num_key_value_heads=2)
+    if kind == "gpt2":
+        return tf.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=96, n_positions=96, bos_token_id=0,
+                             eos_token_id=0)
+    if kind == "llama":
+        return tf.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=160, **common)
+    if kind == "mixtral":
+        return tf.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                num_local_experts=8, num_experts_per_tok=2, **common)
+    return tf.Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                             shared_expert_intermediate_size=96, num_hidden_layers=3, num_experts=8,
+                             num_experts_per_tok=2, decoder_sparse_step=1, **common)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """folders(kind, dtype): a save_pretrained folder of that model (sharded for Llama and Qwen2-MoE)."""
+    import transformers as tf
+
+    made: dict[tuple[str, torch.dtype], Path] = {}
+
+    def get(kind: str, dtype: torch.dtype = torch.float32) -> Path:
+        if (kind, dtype) not in made:
+            torch.manual_seed(0)
+            model = tf.AutoModelForCausalLM.from_config(config(kind)).to(dtype).eval()
+            root = tmp_path_factory.mktemp(f"{kind}-{str(dtype)[6:]}")
+            shard = {"max_shard_size": "200KB"} if kind in ("llama", "qwen2_moe") else {}
+            model.save_pretrained(root, safe_serialization=True, **shard)
+            made[(kind, dtype)] = root
+        return made[(kind, dtype)]
+    return get
+
+
+def generate(model: torch.nn.Module, sample: bool) -> torch.Tensor:
+    torch.manual_seed(1234)
+    kw = dict(do_sample=True, top_k=20, temperature=0.9) if sample else dict(do_sample=False)
+    with torch.inference_mode():
+        return model.generate(PROMPT, max_new_tokens=NEW, min_new_tokens=NEW, use_cache=True, **kw)
+
+
+def in_memory(folder: Path) -> torch.nn.Module:
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+
+
+def listing(folder: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral", "qwen2_moe"])
+def test_one_call_gives_the_tokens_of_the_model_in_memory(folders: Any, kind: str) -> None:
+    folder = folders(kind)
+    ref = in_memory(folder)
+    before = listing(folder)
+    total = sum(p.numel() * 4 for p in ref.parameters())
+    budget = total // 3
+    model = from_pretrained(folder, budget)
+    assert type(model) is type(ref) and not model.training
+    for sample in (False, True):
+        assert torch.equal(generate(model, sample), generate(ref, sample)), f"sample={sample}"
+    s = stats(model)
+    assert s["budget_bytes"] <= budget and s["unit_reads"] > 0
+    streamed = s["streamed_bytes"] + s.get("experts", {}).get("expert_bytes", 0)
+    assert streamed + s["resident_bytes"] >= 0.95 * total - 2 * 96 * 64 * 4  # a tied head counted once
+    assert listing(folder) == before  # read in place: nothing written beside the checkpoint
+    assert not any(folder.rglob("*offload*"))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_embeddings_and_head_streamed_as_units(folders: Any, kind: str) -> None:
+    folder = folders(kind)
+    ref = in_memory(folder)
+    model = from_pretrained(folder, 1 << 20, embeddings=True)
+    for sample in (False, True):
+        assert torch.equal(generate(model, sample), generate(ref, sample))
+    s = stats(model)
+    assert s["units"] == 6  # four blocks, the input table and the head
+    # What stays in memory is the small rest: the final norm (and GPT-2's position table, 96 x 64).
+    assert s["resident_bytes"] <= (96 * 64 * 4 if kind == "gpt2" else 0) + 1024
+    with pytest.raises(RuntimeError, match="streamed from the drive"):
+        model.get_input_embeddings().weight + 1
+    unstream(model)
+    assert torch.equal(generate(model, False), generate(ref, False))
+    if kind == "gpt2":  # tied again once back in memory
+        assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_embeddings_auto_streams_tables_larger_than_a_block(tmp_path: Path) -> None:
+    """A vocabulary whose table outweighs a block (the case of every large model, 128 K rows and more) is
+    streamed by default; one smaller than a block stays in memory (test above: units == 4 without it)."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=4096, max_position_embeddings=64, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    ref = tf.LlamaForCausalLM(cfg).eval()
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    model = from_pretrained(tmp_path, 2 << 20)
+    s = stats(model)
+    assert s["units"] == 4 and s["resident_bytes"] < 4096 * 32 * 4
+    assert torch.equal(generate(model, False), generate(ref, False))
+    small = from_pretrained(tmp_path, 400 << 10)  # each table (512 KiB) must fit the budget to stream
+    assert stats(small)["units"] == 2
+    assert stats(from_pretrained(tmp_path, 2 << 20, embeddings=False))["units"] == 2
+    with pytest.raises(ValueError, match="budget_bytes"):
+        from_pretrained(tmp_path, 300 << 10, embeddings=True)
+    with pytest.raises(TypeError, match="embeddings"):
+        from_pretrained(tmp_path, 2 << 20, embeddings="yes")
+
+
+def test_bf16_checkpoint_loads_in_its_dtype(folders: Any) -> None:
+    folder = folders("llama", torch.bfloat16)
+    ref = in_memory(folder)
+    assert ref.dtype == torch.bfloat16
+    model = from_pretrained(folder, 200_000)
+    assert model.dtype == torch.bfloat16
+    assert torch.equal(generate(model, False), generate(ref, False))
+    as_fp32 = from_pretrained(folder, 400_000, dtype="float32")
+    assert as_fp32.dtype == torch.float32
+    with pytest.raises(ValueError, match="dtype"):
+        from_pretrained(folder, 400_000, dtype="float99")
+
+
+def test_generation_config_is_the_folders(folders: Any, tmp_path: Path) -> None:
+    import shutil
+
+    import transformers as tf
+
+    folder = tmp_path / "gen"
+    shutil.copytree(folders("llama"), folder)
+    tf.GenerationConfig(max_new_tokens=5, do_sample=False, bos_token_id=0, eos_token_id=0,
+                        pad_token_id=0).save_pretrained(folder)
+    model = from_pretrained(folder, 200_000)
+    assert model.generation_config.max_new_tokens == 5
+    with torch.inference_mode():
+        out = model.generate(PROMPT)
+    assert out.shape[1] == PROMPT.shape[1] + 5
+
+
+def test_bad_folders_are_named(folders: Any, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError) as err:
+        from_pretrained(tmp_path / "nowhere", 1 << 20)
+    assert err.value.errno == errno.ENOENT and err.value.filename == str(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError) as err:
+        from_pretrained(tmp_path / "empty", 1 << 20)
+    assert err.value.filename.endswith("config.json")
+    import shutil
+
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(folders("llama") / "config.json", no_weights)
+    with pytest.raises(FileNotFoundError) as err:
+        from_pretrained(no_weights, 1 << 20)
+    assert err.value.filename == str(no_weights) and "model.safetensors" in str(err.value)
+    other = tmp_path / "other"
+    shutil.copytree(folders("llama"), other)
+    shutil.copy(folders("gpt2") / "config.json", other)  # a config for another model
+    with pytest.raises(StoreError, match="not in the store"):
+        from_pretrained(other, 1 << 20)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        from_pretrained(folders("llama"), 1000)
+    with pytest.raises(TypeError, match="folder"):
+        from_pretrained(123, 1 << 20)  # type: ignore[arg-type]
+    # A failed call leaves no descriptor open on the folder's files.
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ValueError):
+        from_pretrained(folders("llama"), 1000)
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_the_same_model_streamed_twice_is_refused(folders: Any) -> None:
+    model = from_pretrained(folders("gpt2"), 1 << 20)
+    with pytest.raises(RuntimeError, match="streamed already"):
+        stream_weights(model, folders("gpt2"), 1 << 20)
