@@ -10,14 +10,17 @@ under ``--workdir`` and reused while their configuration is unchanged):
 
 - dense: GPT-2-medium-sized (``GPT2LMHeadModel``, n_embd 1024, 24 layers, 16 heads), 1.42 GB of fp32;
 - moe: Mixtral-style (``MixtralForCausalLM``, hidden 1024, expert width 2048, 8 experts of which 2 per token,
-  6 layers), 1.55 GB of fp32, 1.21 GB of it experts.
+  6 layers), 1.55 GB of fp32, 1.21 GB of it experts;
+- llama: Llama-style (``LlamaForCausalLM``, hidden 1536, MLP width 4096, 13 layers, 12 heads of which 4 for
+  keys and values, vocabulary 16000, head untied), 1.51 GB of fp32; its tables (98 MB each) are smaller
+  than a block (101 MB), so deepnvme keeps them in memory, as accelerate does.
 
 Contenders, each a process of its own (bench/stream_child.py) in a fresh memory cgroup v1 whose limit is
 ``--budget`` + ``--overhead`` (page cache counted; created, used, removed), the page cache of every data file
 dropped before each, and again in the child before each batch size:
 
-- deepnvme-safetensors: ``deepnvme.offload.stream_weights(model, <the HF directory>, budget)`` on a model
-  built on the meta device;
+- deepnvme-one-call: ``deepnvme.offload.from_pretrained(<the HF directory>, budget)``: the model built on
+  the meta device from its config.json and its weights streamed from the directory's safetensors in place;
 - deepnvme-store: the same from deepnvme's own store (``write_store``, written before any timing; rewritten
   when the model or deepnvme.offload's sources change);
 - accelerate: ``from_pretrained(dir, device_map="auto", max_memory={"cpu": M}, offload_folder=...)`` with
@@ -37,8 +40,9 @@ dropped before each, and again in the child before each batch size:
 Decode: greedy, a fixed 16-token prompt; the prefill yields the warm-up token; then ``--tokens`` steps are
 timed one by one (tokens/s = batch x steps / their seconds), at batch 1 and 16, in one child per contender;
 every contender must decode the same tokens as the in-memory model. Reported per contender: tokens/s median
-(min–max), bytes read from the drive per step (/proc/<pid>/io), deepnvme's stats() (bytes read, expert cache
-hit rate), the process's peak RSS and the cgroup's peak (page cache included), load seconds.
+(min–max), the first token's seconds (the prefill from a cold cache, after the load), bytes read from the
+drive per step (/proc/<pid>/io), deepnvme's stats() (bytes read, expert cache hit rate), the process's peak
+RSS and the cgroup's peak (page cache included), load seconds.
 
 Also: ``deepnvme.offload.load_safetensors`` of the dense checkpoint beside the raw handle reading the same
 bytes in one request per file at each setting of a small grid (into fresh page-aligned memory, the target's
@@ -77,11 +81,13 @@ GB = 1e9
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 BATCHES = (1, 16)
 #: the processes each model's heat runs (bench/stream_child.py), in their order of the first repeat
-CONTENDERS = ("deepnvme-store", "deepnvme-safetensors", "accelerate", "memory")
+CONTENDERS = ("deepnvme-store", "deepnvme-one-call", "accelerate", "memory")
 PROMPT = 16
 #: the issue's targets (issue 20, point 6), checked in the report
-TARGETS = {"dense_store_vs_bound": 0.85, "dense_safetensors_vs_bound": 0.75, "dense_vs_accelerate_b1": 1.35,
+TARGETS = {"dense_store_vs_bound": 0.85, "dense_one_call_vs_bound": 0.75, "dense_vs_accelerate_b1": 1.35,
            "moe_vs_accelerate_b1": 2.5, "moe_vs_own_bound": 0.8, "load_vs_raw": 0.9}
+#: issue 38's targets for the one call, at every batch: against accelerate's disk offload
+ONE_CALL_TARGETS = {"llama": 2.0, "moe": 5.0}
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -91,7 +97,7 @@ class ModelSpec:
     transformer blocks (the units deepnvme streams; the rest stays resident)."""
 
     name: str
-    arch: str  # "gpt2" | "mixtral"
+    arch: str  # "gpt2" | "mixtral" | "llama"
     config: dict[str, Any]
     blocks: str
 
@@ -103,6 +109,7 @@ class ModelSpec:
 
 GPT2 = dict(n_positions=1024, vocab_size=50257)
 MIXTRAL = dict(num_experts_per_tok=2, max_position_embeddings=4096, tie_word_embeddings=False)
+LLAMA = dict(max_position_embeddings=4096, tie_word_embeddings=False)
 FULL = {
     "dense": ModelSpec("dense", "gpt2", {**GPT2, "n_embd": 1024, "n_layer": 24, "n_head": 16},
                        "transformer.h."),
@@ -110,6 +117,10 @@ FULL = {
                                         "intermediate_size": 2048, "num_hidden_layers": 6,
                                         "num_attention_heads": 16, "num_key_value_heads": 8,
                                         "num_local_experts": 8}, "model.layers."),
+    "llama": ModelSpec("llama", "llama", {**LLAMA, "vocab_size": 16000, "hidden_size": 1536,
+                                          "intermediate_size": 4096, "num_hidden_layers": 13,
+                                          "num_attention_heads": 12, "num_key_value_heads": 4},
+                       "model.layers."),
 }
 TINY = {
     "dense": ModelSpec("dense", "gpt2", {"n_positions": 64, "vocab_size": 512, "n_embd": 64, "n_layer": 2,
@@ -120,6 +131,10 @@ TINY = {
                                         "num_attention_heads": 4, "num_key_value_heads": 2,
                                         "num_local_experts": 4, "max_position_embeddings": 64},
                      "model.layers."),
+    "llama": ModelSpec("llama", "llama", {**LLAMA, "vocab_size": 512, "hidden_size": 64,
+                                          "intermediate_size": 128, "num_hidden_layers": 2,
+                                          "num_attention_heads": 4, "num_key_value_heads": 2,
+                                          "max_position_embeddings": 64}, "model.layers."),
 }
 
 
@@ -154,10 +169,17 @@ def build_model(spec: ModelSpec, workdir: Path, log: Callable[[str], None]) -> P
         return out
     log(f"building the {spec.name} model ({spec.arch}) in {out}")
     t0 = time.time()
-    from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+    )
 
     torch.manual_seed(0)
-    config_cls, model_cls = {"gpt2": (GPT2Config, GPT2LMHeadModel),
+    config_cls, model_cls = {"gpt2": (GPT2Config, GPT2LMHeadModel), "llama": (LlamaConfig, LlamaForCausalLM),
                              "mixtral": (MixtralConfig, MixtralForCausalLM)}[spec.arch]
     model = model_cls(config_cls(**spec.config)).eval()
     tmp = out.with_name(out.name + ".partial")
@@ -551,6 +573,7 @@ def analyse(model: Model, bound_gbps: float) -> dict:
                          "peak_rss": max((s["peak_rss"] for s in samples if "peak_rss" in s), default=None),
                          "cgroup_peak": max((s["cgroup_peak"] for s in samples if "cgroup_peak" in s),
                                             default=None),
+                         "first_token_s": per_step(samples, b, lambda r: r["warmup_s"]),
                          "load_s": spread([s["load_s"] for s in samples if "load_s" in s])["median"]
                          if any("load_s" in s for s in samples) else None,
                          "errors": [s["error"] for s in samples if "error" in s]}
@@ -561,13 +584,13 @@ def analyse(model: Model, bound_gbps: float) -> dict:
 
         # What a step must read: every block for the dense model; for the MoE what deepnvme-store read
         # (routed experts only, after its cache), else every block.
-        own = {n: row[n]["bytes_per_step"] for n in ("deepnvme-store", "deepnvme-safetensors") if n in row}
+        own = {n: row[n]["bytes_per_step"] for n in ("deepnvme-store", "deepnvme-one-call") if n in row}
         need = model.block_bytes if model.spec.arch != "mixtral" else (own.get("deepnvme-store")
                                                                          or model.block_bytes)
         bound = b * bound_gbps * GB / need if need else None
         ceiling = min(x for x in (bound, med("memory")) if x) if bound or med("memory") else None
         ratios: dict[str, float | None] = {}
-        for n in ("deepnvme-store", "deepnvme-safetensors"):
+        for n in ("deepnvme-store", "deepnvme-one-call"):
             if med(n) is None:
                 continue
             ratios[f"{n} / min(bound, memory)"] = med(n) / ceiling if ceiling else None
@@ -622,23 +645,27 @@ def verdicts(analyses: list[dict], load: dict | None) -> list[str]:
             if a["model"] == "dense":
                 check(f"dense, batch {b}, deepnvme-store / min(I/O bound, memory)",
                       r.get("deepnvme-store / min(bound, memory)"), TARGETS["dense_store_vs_bound"])
-                check(f"dense, batch {b}, deepnvme-safetensors / min(I/O bound, memory)",
-                      r.get("deepnvme-safetensors / min(bound, memory)"),
-                      TARGETS["dense_safetensors_vs_bound"])
+                check(f"dense, batch {b}, deepnvme-one-call / min(I/O bound, memory)",
+                      r.get("deepnvme-one-call / min(bound, memory)"),
+                      TARGETS["dense_one_call_vs_bound"])
                 if b == 1:
-                    for n in ("deepnvme-store", "deepnvme-safetensors"):
+                    for n in ("deepnvme-store", "deepnvme-one-call"):
                         check(f"dense, batch 1, {n} / accelerate", r.get(f"{n} / accelerate"),
                               TARGETS["dense_vs_accelerate_b1"])
-            else:
-                for n in ("deepnvme-store", "deepnvme-safetensors"):
+            elif a["model"] == "moe":
+                for n in ("deepnvme-store", "deepnvme-one-call"):
                     if b == 1:
                         check(f"moe, batch 1, {n} / accelerate", r.get(f"{n} / accelerate"),
                               TARGETS["moe_vs_accelerate_b1"])
                     check(f"moe, batch {b}, {n} / its own I/O bound", r.get(f"{n} / own bound"),
                           TARGETS["moe_vs_own_bound"])
+            if a["model"] in ONE_CALL_TARGETS:
+                check(f"{a['model']}, batch {b}, deepnvme-one-call / accelerate (issue 38)",
+                      r.get("deepnvme-one-call / accelerate"), ONE_CALL_TARGETS[a["model"]])
+            if a["model"] == "moe":
                 for what in cell.get("limits", {}):
-                    lines.append(f"- moe, batch {b}, limit of reading routed experts on demand, {what} / own "
-                                 f"I/O bound (no target): {r[f'{what} / own bound']:.2f}")
+                    lines.append(f"- moe, batch {b}, limit of reading routed experts on demand, {what} / "
+                                 f"own I/O bound (no target): {r[f'{what} / own bound']:.2f}")
     if load:
         check("load_safetensors / raw read of the same bytes into fresh memory (best setting)",
               load["vs_raw"], TARGETS["load_vs_raw"])
@@ -687,8 +714,9 @@ def render(analyses: list[dict], models: dict[str, Model], bound: DriveBound | N
         lines += [f"## {a['model']}: {m.spec.arch}, {a['total_bytes'] / 1e6:,.0f} MB "
                   f"({a['block_bytes'] / 1e6:,.0f} MB in transformer blocks)", "",
                   "| batch | contender | tokens/s | ratio to min(bound, memory) | MB read/step (stats) | "
-                  "MB from drive/step | expert cache hits | peak RSS MiB | cgroup peak MiB | load s |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "MB from drive/step | expert cache hits | peak RSS MiB | cgroup peak MiB | load s | "
+                  "first token s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for b, cell in a["batches"].items():
             for name, r in cell["rows"].items():
                 t = r["tokens_per_s"]
@@ -699,13 +727,14 @@ def render(analyses: list[dict], models: dict[str, Model], bound: DriveBound | N
                          mb(r["bytes_per_step"]), mb(r["drive_bytes_per_step"]),
                          f"{r['hit_rate']:.2f}" if r["hit_rate"] is not None else "—",
                          mib(r["peak_rss"]), mib(r["cgroup_peak"]),
-                         f"{r['load_s']:.1f}" if r["load_s"] is not None else "—"]
+                         f"{r['load_s']:.1f}" if r["load_s"] is not None else "—",
+                         f"{r['first_token_s']:.2f}" if r["first_token_s"] is not None else "—"]
                 lines.append("| " + " | ".join(cells) + " |")
             if cell["bound"]:
                 lines.append(f"| {b} | I/O bound ({mb(cell['bound_bytes_per_step'])} MB/step) | "
-                             f"{cell['bound']:.2f} | | | | | | | |")
+                             f"{cell['bound']:.2f} | | | | | | | | |")
             for what, tps in cell.get("limits", {}).items():
-                lines.append(f"| {b} | limit: {what} | {tps:.2f} | | | | | | | |")
+                lines.append(f"| {b} | limit: {what} | {tps:.2f} | | | | | | | | |")
         lines.append("")
         for b, cell in a["batches"].items():
             bad = [n for n, ok in cell["tokens_match"].items() if not ok]
@@ -719,7 +748,7 @@ def render(analyses: list[dict], models: dict[str, Model], bound: DriveBound | N
                   "| contender | GB/s |", "|---|---|"]
         lines += [f"| {k} | {median_range(v)} |" for k, v in load["gbps"].items()]
         lines.append("")
-    lines += ["## Targets (issue 20)", "", *verdicts(analyses, load), "", "## Notes", ""]
+    lines += ["## Targets (issues 20 and 38)", "", *verdicts(analyses, load), "", "## Notes", ""]
     lines += [f"- {n}" for n in meta["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -729,7 +758,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default="/work/benchtmp/stream",
                    help="models, stores and scratch, on the drive under test (kept for the next run)")
-    p.add_argument("--models", default="dense,moe", help="comma list of dense, moe")
+    p.add_argument("--models", default="dense,moe", help="comma list of dense, moe, llama")
     p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3; --quick 1)")
     p.add_argument("--tokens", type=int, default=None,
                    help="timed decode steps per batch (default 6; --quick 4)")

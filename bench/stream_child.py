@@ -32,7 +32,7 @@ from typing import Any
 
 from _harness import evict_tree, status_bytes  # first: puts this checkout on sys.path
 
-CONTENDERS = ("memory", "accelerate", "deepnvme-safetensors", "deepnvme-store")
+CONTENDERS = ("memory", "accelerate", "deepnvme-one-call", "deepnvme-store")
 
 
 def drive_read_bytes() -> int:
@@ -67,7 +67,12 @@ def load(spec: dict[str, Any]) -> Any:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, device_map="auto", max_memory={"cpu": spec["max_memory"]},
             offload_folder=spec["offload_dir"])
-    elif kind in ("deepnvme-safetensors", "deepnvme-store"):
+    elif kind == "deepnvme-one-call":
+        from deepnvme.offload import from_pretrained
+
+        model = from_pretrained(model_dir, spec["budget"], dtype=torch.float32,
+                                expert_lookahead=spec.get("expert_lookahead", 0))
+    elif kind == "deepnvme-store":
         from accelerate import init_empty_weights
 
         from deepnvme.offload import stream_weights
@@ -75,8 +80,8 @@ def load(spec: dict[str, Any]) -> Any:
         config = AutoConfig.from_pretrained(model_dir)
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        store = model_dir if kind == "deepnvme-safetensors" else spec["store_dir"]
-        model = stream_weights(model, store, spec["budget"], expert_lookahead=spec.get("expert_lookahead", 0))
+        model = stream_weights(model, spec["store_dir"], spec["budget"],
+                               expert_lookahead=spec.get("expert_lookahead", 0))
     else:
         raise ValueError(f"contender {kind!r} is not one of {', '.join(CONTENDERS)}")
     return model.eval()

@@ -1,5 +1,5 @@
-"""bench/stream_bench.py end to end at its smallest (--tiny: two tiny models, a 1 MiB budget, one repeat, two
-tokens): every contender runs in its own process and cgroup, decodes the in-memory model's tokens, and the
+"""bench/stream_bench.py end to end at its smallest (--tiny: three tiny models, a 1 MiB budget, one repeat,
+two tokens): every contender runs in its own process and cgroup, decodes the in-memory model's tokens, and the
 report holds every row the issue asks for. Nothing here is timed: the figures of a tiny run mean nothing."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import stream_bench  # noqa: E402
 
-CONTENDERS = {"deepnvme-store", "deepnvme-safetensors", "accelerate", "memory"}
+CONTENDERS = {"deepnvme-store", "deepnvme-one-call", "accelerate", "memory"}
 
 
 def our_cgroups() -> set[str]:
@@ -35,11 +35,12 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
     before = our_cgroups()
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, str(ROOT / "bench" / "stream_bench.py"), "--tiny", "--workdir",
-           str(tmp_path / "wd"), "--rest", "0", "--out", str(out), *([] if use_cgroup else ["--no_cgroup"])]
+           str(tmp_path / "wd"), "--rest", "0", "--out", str(out), "--models", "dense,moe,llama",
+           *([] if use_cgroup else ["--no_cgroup"])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(out.with_suffix(".json").read_text())
-    assert {a["model"] for a in data["analyses"]} == {"dense", "moe"}
+    assert {a["model"] for a in data["analyses"]} == {"dense", "moe", "llama"}
     for name, per in data["samples"].items():
         assert set(per) == CONTENDERS, name
         for contender, samples in per.items():
@@ -57,7 +58,8 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
         for b, cell in a["batches"].items():
             assert cell["tokens_match"] == dict.fromkeys(CONTENDERS - {"memory"}, True), (a["model"], b)
             assert cell["bound"] > 0 and cell["ceiling"] > 0
-            for n in ("deepnvme-store", "deepnvme-safetensors"):
+            assert all(r["first_token_s"] > 0 for r in cell["rows"].values())
+            for n in ("deepnvme-store", "deepnvme-one-call"):
                 assert cell["rows"][n]["bytes_per_step"] > 0
                 assert f"{n} / accelerate" in cell["ratios"]
             if a["model"] == "moe":
@@ -73,11 +75,14 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
             assert replay["bytes"] == run["stats"]["experts.bytes_read"] > 0 and replay["seconds"] > 0
         else:
             assert replay is None
-    assert data["samples"]["moe"]["deepnvme-safetensors"][0]["runs"][0]["routed_replay"] is None
+    assert data["samples"]["moe"]["deepnvme-one-call"][0]["runs"][0]["routed_replay"] is None
     assert data["load"]["vs_raw"] > 0 and data["load"]["vs_load_file"] > 0
-    assert data["drive"] and all(len(v) == 2 for v in data["drive"].values())  # one per model heat
+    assert data["drive"] and all(len(v) == 3 for v in data["drive"].values())  # one per model heat
     report = out.with_suffix(".md").read_text()
-    assert "## Targets (issue 20)" in report and "load_safetensors / raw read of the same bytes" in report
+    assert "## Targets (issues 20 and 38)" in report
+    assert "llama, batch 1, deepnvme-one-call / accelerate (issue 38)" in report
+    assert "moe, batch 16, deepnvme-one-call / accelerate (issue 38)" in report
+    assert "load_safetensors / raw read of the same bytes" in report
     assert "I/O bound" in report and "DIFFER" not in report and "limit: routed reads alone" in report
     assert our_cgroups() == before  # every cgroup it made is gone
     assert not (tmp_path / "wd" / "bound.bin").exists()
