@@ -18,6 +18,7 @@ from tests.offload.stream_models import PROMPT, require_hf
 require_hf()
 
 from deepnvme.offload import StoreError, from_pretrained, stats, stream_weights, unstream  # noqa: E402
+from deepnvme.offload.infer.rows import ROWS_FROM  # noqa: E402
 
 NEW = 24
 
@@ -96,16 +97,26 @@ def test_one_call_gives_the_tokens_of_the_model_in_memory(folders: Any, kind: st
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_embeddings_and_head_streamed_as_units(folders: Any, kind: str) -> None:
+def test_embeddings_and_head_streamed(folders: Any, kind: str) -> None:
+    """embeddings=True: Llama's input table (untied, a plain nn.Embedding) is read by rows, its head is a
+    unit; GPT-2's tied table is one tensor read by two units (the input table and the head)."""
     folder = folders(kind)
     ref = in_memory(folder)
     model = from_pretrained(folder, 1 << 20, embeddings=True)
     for sample in (False, True):
         assert torch.equal(generate(model, sample), generate(ref, sample))
     s = stats(model)
-    assert s["units"] == 6  # four blocks, the input table and the head
+    table = 96 * 64 * 4
+    if kind == "gpt2":
+        assert s["units"] == 6 and "row_lookups" not in s  # four blocks, the input table and the head
+    else:
+        assert s["units"] == 5 and s["row_table_bytes"] == table  # four blocks and the head
+        # each lookup reads only the rows it names: the prompt's distinct ids once, then one per step
+        assert s["row_lookups"] == 2 * NEW  # two generate() calls, one forward per new token
+        assert s["rows_read"] <= 2 * (len(set(PROMPT[0].tolist())) + NEW)
+        assert s["row_bytes_read"] == s["rows_read"] * 64 * 4
     # What stays in memory is the small rest: the final norm (and GPT-2's position table, 96 x 64).
-    assert s["resident_bytes"] <= (96 * 64 * 4 if kind == "gpt2" else 0) + 1024
+    assert s["resident_bytes"] <= (table if kind == "gpt2" else 0) + 1024
     with pytest.raises(RuntimeError, match="streamed from the drive"):
         model.get_input_embeddings().weight + 1
     unstream(model)
@@ -114,28 +125,82 @@ def test_embeddings_and_head_streamed_as_units(folders: Any, kind: str) -> None:
         assert model.lm_head.weight is model.transformer.wte.weight
 
 
-def test_embeddings_auto_streams_tables_larger_than_a_block(tmp_path: Path) -> None:
-    """A vocabulary whose table outweighs a block (the case of every large model, 128 K rows and more) is
-    streamed by default; one smaller than a block stays in memory (test above: units == 4 without it)."""
+def large_vocab(tmp_path: Path, vocab: int = 8192) -> torch.nn.Module:
     import transformers as tf
 
     cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=4096, max_position_embeddings=64, bos_token_id=0,
+                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=64, bos_token_id=0,
                          eos_token_id=0, pad_token_id=0)
     torch.manual_seed(0)
     ref = tf.LlamaForCausalLM(cfg).eval()
     ref.save_pretrained(tmp_path, safe_serialization=True)
+    return ref
+
+
+def test_embeddings_auto(tmp_path: Path) -> None:
+    """By default an input table of at least rows.ROWS_FROM bytes is read by rows, and a head that
+    outweighs a block (the case of every large model, 128 K rows and more) is a unit when it fits the
+    budget; smaller ones stay in memory (the tiny models above: four units, no row reads)."""
+    ref = large_vocab(tmp_path)  # each table 1 MiB, a block about 33 KB
+    table = 8192 * 32 * 4
+    assert table >= ROWS_FROM
     model = from_pretrained(tmp_path, 2 << 20)
     s = stats(model)
-    assert s["units"] == 4 and s["resident_bytes"] < 4096 * 32 * 4
+    assert s["units"] == 3 and s["row_table_bytes"] == table and s["resident_bytes"] < 1024
     assert torch.equal(generate(model, False), generate(ref, False))
-    small = from_pretrained(tmp_path, 400 << 10)  # each table (512 KiB) must fit the budget to stream
-    assert stats(small)["units"] == 2
-    assert stats(from_pretrained(tmp_path, 2 << 20, embeddings=False))["units"] == 2
+    small = stats(from_pretrained(tmp_path, 400 << 10))  # the head must fit the budget to be a unit
+    assert small["units"] == 2 and small["resident_bytes"] >= table and small["row_table_bytes"] == table
+    off = stats(from_pretrained(tmp_path, 2 << 20, embeddings=False))
+    assert off["units"] == 2 and off["resident_bytes"] >= 2 * table and "row_lookups" not in off
     with pytest.raises(ValueError, match="budget_bytes"):
         from_pretrained(tmp_path, 300 << 10, embeddings=True)
     with pytest.raises(TypeError, match="embeddings"):
         from_pretrained(tmp_path, 2 << 20, embeddings="yes")
+
+
+def test_row_reads_are_checked_and_bounded(tmp_path: Path) -> None:
+    """A row changed in the file after streaming started is a StoreError naming the file, the tensor and the
+    row (other rows still read); an id past the table an IndexError; a converted model gets converted
+    rows; fds are closed by unstream."""
+    from safetensors import safe_open
+
+    ref = large_vocab(tmp_path)
+    model = from_pretrained(tmp_path, 2 << 20)
+    path = tmp_path / "model.safetensors"
+    with open(path, "rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+    with safe_open(str(path), "pt") as f:
+        start = f.get_slice("model.embed_tokens.weight")
+    import json
+
+    meta = json.loads(path.read_bytes()[8:8 + header])["model.embed_tokens.weight"]
+    row_at = 8 + header + meta["data_offsets"][0] + 77 * 32 * 4
+    del start
+    ids = torch.tensor([[5, 77, 9]])
+    with torch.inference_mode():
+        want = ref.get_input_embeddings()(ids)
+        assert torch.equal(model.get_input_embeddings()(ids), want)
+        with open(path, "r+b") as f:
+            f.seek(row_at)
+            old = f.read(4)
+            f.seek(row_at)
+            f.write(bytes(b ^ 0xFF for b in old))
+        with pytest.raises(StoreError, match=r"row 77 of tensor 'model.embed_tokens.weight'") as err:
+            model.get_input_embeddings()(ids)
+        assert str(path) in str(err.value)
+        assert torch.equal(model.get_input_embeddings()(torch.tensor([[5, 9]])), want[:, [0, 2]])
+        with pytest.raises(IndexError, match="out of range"):
+            model.get_input_embeddings()(torch.tensor([[8192]]))
+        with open(path, "r+b") as f:  # put it back
+            f.seek(row_at)
+            f.write(old)
+        model.half()
+        got = model.get_input_embeddings()(ids)
+        assert got.dtype == torch.float16 and torch.equal(got, want.half())
+    fds = len(os.listdir("/proc/self/fd"))
+    unstream(model)
+    assert len(os.listdir("/proc/self/fd")) < fds
+    assert model.get_input_embeddings().weight.dtype == torch.float16
 
 
 def test_bf16_checkpoint_loads_in_its_dtype(folders: Any) -> None:
@@ -203,3 +268,28 @@ def test_the_same_model_streamed_twice_is_refused(folders: Any) -> None:
     model = from_pretrained(folders("gpt2"), 1 << 20)
     with pytest.raises(RuntimeError, match="streamed already"):
         stream_weights(model, folders("gpt2"), 1 << 20)
+
+
+def test_row_reads_in_a_forked_child(tmp_path: Path) -> None:
+    """A forked child decodes with the rows read by the descriptor it inherited (pread has no shared file
+    position), the same tokens as the parent."""
+    ref = large_vocab(tmp_path)
+    model = from_pretrained(tmp_path, 2 << 20)
+    want = generate(model, False)
+    assert torch.equal(want, generate(ref, False))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            torch.set_num_threads(1)
+            code = 0 if torch.equal(generate(model, False), want) else 2
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert got == b"\x00"
+    assert torch.equal(generate(model, False), want)  # the parent goes on

@@ -78,6 +78,7 @@ class Streamer:
         self.root_had_forward = False
         self.root_depth = 0  # forwards of the whole model in progress (the order is recorded only there)
         self.experts: ExpertStreamer | None = None
+        self.rows: Any = None  # the input table's RowReads (rows.py), when it is read by rows
         self._blob_of = {x.name: b for u in units for b, x in zip(u.blobs, u.units) if b.crc is not None}
         self.check = self._check_crcs if self._blob_of else None
         self.pid = os.getpid()  # the process whose swap space this is (adopt())
@@ -279,6 +280,8 @@ class Streamer:
             self.reader = None
         if self.experts is not None:
             self.experts.close()
+        if self.rows is not None:
+            self.rows.close()
         if self.registered:
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaHostUnregister(self.registered)

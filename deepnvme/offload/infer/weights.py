@@ -3,9 +3,11 @@ just before its forward and given back right after, through a budget of locked m
 
 How: the tensors of each unit module are replaced by placeholders (tensors without storage that raise a
 clear error when computed with); the unit's `forward` is wrapped so that its tensors are views of pool
-memory while it runs and placeholders again after, whatever way it ends (an exception, Ctrl-C). Tensors
-outside units (embeddings, head, final norm) are read from the store once into tensors of their own, so
-a model built on the meta device runs from the store alone. The first forward of the whole model records
+memory while it runs and placeholders again after, whatever way it ends (an exception, Ctrl-C). The
+embeddings and head are units too when they outweigh a block (`embeddings`); tensors outside units (the
+final norm, position tables) are read from the store once into tensors of their own, so a model built on
+the meta device runs from the store alone. A model loaded in memory gives back its units' and experts'
+memory: nothing keeps the tensors the placeholders replace. The first forward of the whole model records
 the order in which units run (a unit called on its own is not recorded); from then on a cyclic ReadAhead
 keeps reads of the next units (wrapping into the next forward) in flight as far as the budget allows, so
 the drive reads while the CPU or GPU computes. A unit run out of the recorded order (an interrupted
@@ -42,6 +44,7 @@ from torch import nn
 from deepnvme.offload._doors import PAGE
 from deepnvme.offload.experts import ExpertStreamer, split_budget
 from deepnvme.offload.infer.load import read_into
+from deepnvme.offload.infer.rows import RowReads, row_table
 from deepnvme.offload.infer.running import STREAM_ATTR, Streamer, UnitRun, streamer_of
 from deepnvme.offload.model import Placeholder, Resident, Slot, match_store, table_units, unit_modules
 from deepnvme.offload.stores import Store, TensorInfo, lease_bytes, open_store
@@ -58,10 +61,12 @@ def stream_weights(model: nn.Module, store: Store | str | os.PathLike, budget_by
     units are read into; it must hold the largest unit, and what is left runs reads ahead. `units`: None
     for the model's repeated blocks, the name of a module whose children are the units, or a list of
     modules or module names. `embeddings`: whether the input embeddings and the output head (Hugging
-    Face's `get_input_embeddings()` / `get_output_embeddings()`) are units too, each table read whole
-    just before it runs (tied ones from their one tensor in the store, by each in turn) rather than kept
-    in memory: True, False, or None (the default) for each table larger than the largest block that fits
-    the budget (deepnvme.offload.model.table_units).
+    Face's `get_input_embeddings()` / `get_output_embeddings()`) are streamed rather than kept in memory:
+    a plain input table not tied to the head is read by rows, only those each lookup names
+    (deepnvme.offload.infer.rows); the head (and a tied or custom input table) is a unit, read whole just
+    before it runs (tied ones from their one tensor in the store, by each in turn). True, False, or None
+    (the default): an input table by rows from rows.ROWS_FROM bytes on, and each other table larger than
+    the largest block that fits the budget (deepnvme.offload.model.table_units).
     `prefetch=False` reads each unit only when it runs, and each expert only when routed to (by default
     the next layers' experts are read ahead when a layer's tokens are expected to use nearly all of its
     own: deepnvme.offload.experts.FULL_USE). `expert_lookahead`: for Mixture-of-Experts models
@@ -124,7 +129,12 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
     experts = ExpertStreamer.for_model(model, store, lookahead, read_ahead=prefetch)
     slots, residents = match_store(model, store.path, store.tensors(), chosen,
                                    experts.owned if experts is not None else frozenset())
+    table = row_table(model, residents, embeddings)
+    if table is not None:
+        residents.remove(table)
     used = [s.info for unit in slots for s in unit] + [r.info for r in residents]
+    if table is not None:
+        used.append(table.info)
     if experts is not None:
         used += [p.info for x in experts.experts.values() for p in x.parts]
     _warn_unused(store, used)
@@ -134,18 +144,27 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
         budget, expert_bytes = split_budget(budget, [lease_bytes(u.blobs) for u in plan],
                                             experts.largest)
     space = SwapSpace(None, budget)
+    streamer: Streamer | None = None
     try:
         resident_bytes = _read_residents(space, store, residents)
         for u in plan:
             u.units = [space.add_external(f"{u.name}#{j}", b.path, b.offset, b.nbytes)
                        for j, b in enumerate(u.blobs)]
         streamer = Streamer(store, owns, space, plan, prefetch, resident_bytes)
+        if table is not None:
+            names = {id(m): n for n, m in model.named_modules()}
+            streamer.rows = RowReads(store, table, names[id(table.places[0][0])])
+            streamer.rows.prepare()
         if experts is not None:
             experts.install(space, expert_bytes)
             streamer.experts = experts
     except BaseException:
+        if streamer is not None and streamer.rows is not None:
+            streamer.rows.close()
         space.close()
         raise
+    if streamer.rows is not None:
+        streamer.rows.install(streamer.lock, streamer.adopt)
     for i, u in enumerate(plan):
         for s in u.slots:
             s.placeholder = Placeholder(f"{u.name}.{_rel(u, s)}", u.name, s.info.shape, s.dtype,
@@ -271,7 +290,11 @@ def unstream(model: nn.Module) -> nn.Module:
             for s in u.slots:
                 if s.info.name not in dests:
                     dests[s.info.name] = torch.empty(s.info.shape, dtype=s.info.dtype, device=s.device)
+        if st.rows is not None:
+            dests[st.rows.info.name] = torch.empty(st.rows.info.shape, dtype=st.rows.info.dtype)
         read_into(st.space, st.store, dests)
+        if st.rows is not None:
+            st.rows.restore(dests[st.rows.info.name])
         made: dict[tuple[str, torch.dtype, torch.device, bool], Any] = {}
         for u in st.units:
             for s in u.slots:
@@ -304,7 +327,9 @@ def stats(model: nn.Module) -> dict[str, Any]:
     nothing is read again), `wait_s` (seconds forwards waited for reads), `resyncs` (units run out of
     the recorded order), `resident_bytes` (tensors outside units, in memory), `streamed_bytes` (all
     units), `units`, `budget_bytes`, `pool_peak_bytes`, `order_recorded`, `prefetch`; for a model with
-    experts, `experts`: the expert cache's (deepnvme.offload.experts.ExpertStreamer.stats)."""
+    experts, `experts`: the expert cache's (deepnvme.offload.experts.ExpertStreamer.stats); when the input
+    table is read by rows (deepnvme.offload.infer.rows), `row_lookups`, `rows_read`, `row_bytes_read` and
+    `row_table_bytes`."""
     st = streamer_of(model)
     with st.lock:
         out = dict(st.counts)
@@ -316,6 +341,9 @@ def stats(model: nn.Module) -> dict[str, Any]:
         out["prefetch"] = st.prefetch
         if st.experts is not None:
             out["experts"] = st.experts.stats()
+        if st.rows is not None:
+            out.update(st.rows.counts)
+            out["row_table_bytes"] = st.rows.info.nbytes
     return out
 
 

@@ -22,8 +22,8 @@ from deepnvme.offload.model.names import (
     tensor_slots,
 )
 from deepnvme.offload.model.placeholder import Placeholder, StreamedWeightError
-from deepnvme.offload.model.units import table_units, unit_modules, unit_names
+from deepnvme.offload.model.units import row_readable, table_units, unit_modules, unit_names
 
 __all__ = ["Placeholder", "Resident", "Slot", "StreamedWeightError", "checkpoint_names", "conversions",
-           "find_tensor", "match_store", "plain_pattern", "table_units", "tensor_aliases", "tensor_slots",
-           "unit_modules", "unit_names"]
+           "find_tensor", "match_store", "plain_pattern", "row_readable", "table_units", "tensor_aliases",
+           "tensor_slots", "unit_modules", "unit_names"]

@@ -69,6 +69,17 @@ def unit_modules(model: nn.Module, units: Any) -> list[tuple[str, nn.Module]]:
     return out
 
 
+def row_readable(model: nn.Module, mod: Any) -> bool:
+    """Whether `mod`, the model's input embeddings, can be read by rows (deepnvme.offload.infer.rows): a
+    plain nn.Embedding (a subclass's forward may do more than look up) without max_norm (which rewrites
+    the table as it looks up) whose weight no other module holds (a tied head)."""
+    if type(mod) is not nn.Embedding or mod.max_norm is not None:
+        return False
+    w = mod._parameters.get("weight")
+    return w is not None and not any(m is not mod and any(t is w for t in m._parameters.values())
+                                     for m in model.modules())
+
+
 def _table_bytes(mod: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in mod.parameters())
 
@@ -77,7 +88,8 @@ def table_units(model: nn.Module, chosen: list[tuple[str, nn.Module]], embedding
                 budget: int) -> list[tuple[str, nn.Module]]:
     """The input embeddings and the output head (what Hugging Face's `get_input_embeddings()` and
     `get_output_embeddings()` give) to stream as units of their own beside `chosen`: both when
-    `embeddings` is True, none when False. None (auto) picks each table that holds more bytes than the
+    `embeddings` is True, none when False; input embeddings that can be read by rows (row_readable) never
+    are units. None (auto) picks each table that holds more bytes than the
     largest of `chosen` (kept in memory it would outweigh a block the budget must hold anyway) and fits
     `budget`; a vocabulary of 128 K rows or more makes such tables in every large model. A table inside a
     chosen unit, or the same module twice (an encoder-decoder's shared table), is taken once or not at
@@ -91,9 +103,12 @@ def table_units(model: nn.Module, chosen: list[tuple[str, nn.Module]], embedding
     for method in ("get_input_embeddings", "get_output_embeddings"):
         get = getattr(model, method, None)
         mod = get() if callable(get) else None
+        if method == "get_input_embeddings" and row_readable(model, mod):
+            continue  # read by rows instead (deepnvme.offload.infer.rows), or resident
         if isinstance(mod, nn.Module) and id(mod) in names and mod is not model:
             found.append((names[id(mod)], mod))
-    if embeddings and not found:
+    if embeddings and not found and not row_readable(model, getattr(model, "get_input_embeddings",
+                                                                   lambda: None)()):
         raise ValueError(f"embeddings=True: {type(model).__name__} has no get_input_embeddings() or "
                          "get_output_embeddings(); list the tables in units= instead")
     taken = {n for n, _ in chosen}
