@@ -48,7 +48,7 @@ from deepnvme.offload.infer.rows import RowReads, row_table
 from deepnvme.offload.infer.running import STREAM_ATTR, Streamer, UnitRun, streamer_of
 from deepnvme.offload.model import Placeholder, Resident, Slot, match_store, table_units, unit_modules
 from deepnvme.offload.stores import Store, TensorInfo, lease_bytes, open_store
-from deepnvme.offload.swap import SwapSpace, budget_arg
+from deepnvme.offload.swap import SwapSpace, budget_arg, memory_left
 
 
 def stream_weights(model: nn.Module, store: Store | str | os.PathLike, budget_bytes: int, *,
@@ -65,8 +65,10 @@ def stream_weights(model: nn.Module, store: Store | str | os.PathLike, budget_by
     a plain input table not tied to the head is read by rows, only those each lookup names
     (deepnvme.offload.infer.rows); the head (and a tied or custom input table) is a unit, read whole just
     before it runs (tied ones from their one tensor in the store, by each in turn). True, False, or None
-    (the default): an input table by rows from rows.ROWS_FROM bytes on, and each other table larger than
-    the largest block that fits the budget (deepnvme.offload.model.table_units).
+    (the default): an input table by rows from rows.ROWS_FROM bytes on, and the other tables only when
+    the budget and they would not fit in the memory the process has left (its memory cgroup's room, else
+    MemAvailable), each larger than the largest block that fits the budget
+    (deepnvme.offload.model.table_units).
     `prefetch=False` reads each unit only when it runs, and each expert only when routed to (by default
     the next layers' experts are read ahead when a layer's tokens are expected to use nearly all of its
     own: deepnvme.offload.experts.FULL_USE). `expert_lookahead`: for Mixture-of-Experts models
@@ -124,7 +126,7 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
     if callable(tie):
         tie()  # a model built with init_empty_weights has its tied parameters apart until tied
     chosen = unit_modules(model, units)
-    chosen += table_units(model, chosen, embeddings, budget)
+    chosen += table_units(model, chosen, embeddings, budget, memory_left())
     # Experts are units of their own (deepnvme.offload.experts).
     experts = ExpertStreamer.for_model(model, store, lookahead, read_ahead=prefetch)
     slots, residents = match_store(model, store.path, store.tensors(), chosen,

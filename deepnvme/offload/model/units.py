@@ -85,15 +85,17 @@ def _table_bytes(mod: nn.Module) -> int:
 
 
 def table_units(model: nn.Module, chosen: list[tuple[str, nn.Module]], embeddings: bool | None,
-                budget: int) -> list[tuple[str, nn.Module]]:
+                budget: int, room: int | None = None) -> list[tuple[str, nn.Module]]:
     """The input embeddings and the output head (what Hugging Face's `get_input_embeddings()` and
     `get_output_embeddings()` give) to stream as units of their own beside `chosen`: both when
     `embeddings` is True, none when False; input embeddings that can be read by rows (row_readable) never
-    are units. None (auto) picks each table that holds more bytes than the
-    largest of `chosen` (kept in memory it would outweigh a block the budget must hold anyway) and fits
-    `budget`; a vocabulary of 128 K rows or more makes such tables in every large model. A table inside a
-    chosen unit, or the same module twice (an encoder-decoder's shared table), is taken once or not at
-    all. ValueError when True and the model has neither method."""
+    are units. None (auto): only when they do not fit, that is when `budget` plus the tables would take
+    more than `room` (the bytes the process may still take; None: unknown, nothing streamed); then each
+    table that holds more bytes than the largest of `chosen` and fits `budget`, the largest first, until
+    the rest fits. Why not always: a head streamed is read whole for every token, as much as a block,
+    while kept in memory it costs nothing per token. A table inside a chosen unit, or the same module
+    twice (an encoder-decoder's shared table), is taken once or not at all. ValueError when True and the
+    model has neither method."""
     if embeddings is False:
         return []
     if embeddings is not None and not isinstance(embeddings, bool):
@@ -112,15 +114,34 @@ def table_units(model: nn.Module, chosen: list[tuple[str, nn.Module]], embedding
         raise ValueError(f"embeddings=True: {type(model).__name__} has no get_input_embeddings() or "
                          "get_output_embeddings(); list the tables in units= instead")
     taken = {n for n, _ in chosen}
-    largest = max((_table_bytes(m) for _, m in chosen), default=0)
-    out = []
+    tables = []
     for name, mod in found:
-        inside = any(name == t or name.startswith(t + ".") for t in taken)
-        if inside or not _table_bytes(mod):
+        if any(name == t or name.startswith(t + ".") for t in taken) or not _table_bytes(mod):
             continue
-        if embeddings or largest < _table_bytes(mod) <= budget:
-            out.append((name, mod))
+        if all(m is not mod for _, m in tables):
+            tables.append((name, mod))
             taken.add(name)
+    if embeddings:
+        return tables
+    largest = max((_table_bytes(m) for _, m in chosen), default=0)
+    # Tables that share a weight (a head tied to the input table) go together: one of them alone would
+    # leave the weight in memory for the other.
+    groups: list[list[tuple[str, nn.Module]]] = []
+    for t in tables:
+        ids = {id(p) for p in t[1].parameters()}
+        home = next((g for g in groups if any(id(p) in ids for _, m in g for p in m.parameters())), None)
+        if home is None:
+            groups.append([t])
+        else:
+            home.append(t)
+    resident = sum(_table_bytes(g[0][1]) for g in groups)
+    out: list[tuple[str, nn.Module]] = []
+    for g in sorted(groups, key=lambda g: -_table_bytes(g[0][1])):
+        if room is None or budget + resident <= room:
+            break
+        if largest < _table_bytes(g[0][1]) <= budget:
+            out.extend(g)
+            resident -= _table_bytes(g[0][1])
     return out
 
 

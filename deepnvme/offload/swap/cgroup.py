@@ -50,6 +50,22 @@ def memory_room(proc_cgroup: str = "/proc/self/cgroup", root: str = ROOT) -> tup
     return None
 
 
+def memory_left() -> int | None:
+    """Bytes this process may still take: what its memory cgroup has left where it has a limit, else the
+    system's MemAvailable; None when neither can be read."""
+    room = memory_room()
+    if room is not None:
+        return max(0, room[0] - room[1])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def check_memory_room(need: int, what: str) -> None:
     """Refuse, with the numbers, a configuration that needs `need` more bytes than the memory cgroup has
     left (MemoryError: the kernel would kill the process part way through instead)."""
