@@ -118,6 +118,22 @@ class PeakMemory:
         self.extra = status_bytes("VmHWM")["VmHWM"] - self.start
 
 
+def greedy_steps(model: Any, nxt: Any, cache: Any, tokens: int) -> tuple[list[float], list[Any]]:
+    """`tokens` greedy decode steps of a Hugging Face causal LM (transformers 5: `cache=`, `out.cache`)
+    from `nxt`, the last token of each sequence, with its KV cache `cache`, each step timed alone: (seconds
+    of each step, the [batch, 1] tokens chosen, in order). Call under torch.inference_mode()."""
+    steps: list[float] = []
+    made: list[Any] = []
+    for _ in range(tokens):
+        t0 = time.perf_counter()
+        out = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        steps.append(time.perf_counter() - t0)
+        cache = out.cache
+        made.append(nxt)
+    return steps, made
+
+
 def interleave(heats: Sequence[Sequence[T]], repeats: int) -> Iterator[tuple[int, int, T]]:
     """``(repeat, position of its heat in this repeat, contender)`` for every run of an interleaved bench.
 

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _harness import ROOT, interleave, median_range, spread  # first: this checkout on sys.path
+from _harness import ROOT, greedy_steps, interleave, median_range, spread  # first: this checkout on sys.path
 
 BATCHES = (8, 16)
 PATHS = {"hf": ("eager", "grouped_mm"), "moe_gpt": ("loop", "auto")}
@@ -73,20 +73,13 @@ def decode(model: Any, kind: str, batch: int, tokens: int) -> tuple[list[float],
     import torch
 
     ids = torch.randint(0, 512, (batch, 16), generator=torch.Generator().manual_seed(batch))
-    steps = []
+    steps: list[float] = []
     with torch.inference_mode():
         if kind == "hf":
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-            cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            made = [nxt]
-            for _ in range(tokens):
-                t0 = time.perf_counter()
-                out = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-                steps.append(time.perf_counter() - t0)
-                cache = out.past_key_values
-                made.append(nxt)
-            return steps, torch.cat(made, 1).tolist()
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            steps, made = greedy_steps(model, nxt, out.cache, tokens)
+            return steps, torch.cat([nxt, *made], 1).tolist()
         seq = torch.cat([ids, model(ids)[0][:, -1].argmax(-1, keepdim=True)], 1)
         for _ in range(tokens):
             t0 = time.perf_counter()

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _harness import evict_tree, status_bytes  # first: puts this checkout on sys.path
+from _harness import evict_tree, greedy_steps, status_bytes  # first: puts this checkout on sys.path
 
 CONTENDERS = ("memory", "accelerate", "deepnvme-one-call", "deepnvme-store")
 
@@ -209,19 +209,12 @@ def decode(model: Any, batch: int, tokens: int, prompt_len: int, drop: list[str]
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         warm = time.perf_counter() - t0
         cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
-        made = [nxt]
         before = numeric(stats(model)) if stats else {}
         io0 = drive_read_bytes()
-        steps = []
         if routed is not None:
             routed.on = True
-        for _ in range(tokens):
-            t0 = time.perf_counter()
-            out = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1)
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            steps.append(time.perf_counter() - t0)
-            cache = out.cache
-            made.append(nxt)
+        steps, made = greedy_steps(model, nxt, cache, tokens)
+        made.insert(0, nxt)
         io1 = drive_read_bytes()
         after = numeric(stats(model)) if stats else {}
     replay: dict[str, Any] | None = None
