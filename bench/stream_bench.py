@@ -12,8 +12,8 @@ under ``--workdir`` and reused while their configuration is unchanged):
 - moe: Mixtral-style (``MixtralForCausalLM``, hidden 1024, expert width 2048, 8 experts of which 2 per token,
   6 layers), 1.55 GB of fp32, 1.21 GB of it experts;
 - llama: Llama-style (``LlamaForCausalLM``, hidden 1536, MLP width 4096, 13 layers, 12 heads of which 4 for
-  keys and values, vocabulary 16000, head untied), 1.51 GB of fp32; its tables (98 MB each) are smaller
-  than a block (101 MB), so deepnvme keeps them in memory, as accelerate does.
+  keys and values, vocabulary 16000, head untied), 1.51 GB of fp32 (tables of 98 MB each, blocks of 101
+  MB): deepnvme reads its input table by rows and keeps the head in memory.
 
 Contenders, each a process of its own (bench/stream_child.py) in a fresh memory cgroup v1 whose limit is
 ``--budget`` + ``--overhead`` (page cache counted; created, used, removed), the page cache of every data file

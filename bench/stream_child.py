@@ -9,9 +9,10 @@ The spec names the contender and the files:
 - ``memory``: ``AutoModelForCausalLM.from_pretrained(model_dir)``, every weight in memory;
 - ``accelerate``: the same with ``device_map="auto"``, ``max_memory={"cpu": max_memory}`` and
   ``offload_folder``: what transformers and accelerate give a user whose model does not fit;
-- ``deepnvme-safetensors`` / ``deepnvme-store``: the model built on the meta device
-  (``accelerate.init_empty_weights``), then ``deepnvme.offload.stream_weights(model, store, budget)`` with the
-  Hugging Face directory itself or deepnvme's own store as the store.
+- ``deepnvme-one-call``: ``deepnvme.offload.from_pretrained(model_dir, budget)``, the Hugging Face directory
+  read in place;
+- ``deepnvme-store``: the model built on the meta device (``accelerate.init_empty_weights``), then
+  ``deepnvme.offload.stream_weights(model, store, budget)`` with deepnvme's own store.
 
 Then, for each batch size: the page cache of every data file dropped, a greedy prefill of a fixed prompt that
 yields the warm-up token (a streamed model records its execution order there), and ``tokens`` timed decode

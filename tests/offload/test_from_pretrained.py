@@ -219,6 +219,10 @@ def test_row_reads_are_checked_and_bounded(tmp_path: Path) -> None:
         assert torch.equal(model.get_input_embeddings()(torch.tensor([[5, 9]])), want[:, [0, 2]])
         with pytest.raises(IndexError, match="out of range"):
             model.get_input_embeddings()(torch.tensor([[8192]]))
+        with pytest.raises(IndexError, match="out of range"):
+            model.get_input_embeddings()(torch.tensor([[-1]]))
+        with pytest.raises(TypeError, match="must be a tensor"):
+            model.get_input_embeddings()([[5]])
         with open(path, "r+b") as f:  # put it back
             f.seek(row_at)
             f.write(old)
@@ -264,6 +268,10 @@ def test_bad_folders_are_named(folders: Any, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError) as err:
         from_pretrained(tmp_path / "nowhere", 1 << 20)
     assert err.value.errno == errno.ENOENT and err.value.filename == str(tmp_path / "nowhere")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(NotADirectoryError) as notdir:
+        from_pretrained(tmp_path / "a_file", 1 << 20)
+    assert notdir.value.errno == errno.ENOTDIR and notdir.value.filename == str(tmp_path / "a_file")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError) as err:
         from_pretrained(tmp_path / "empty", 1 << 20)
@@ -321,3 +329,113 @@ def test_row_reads_in_a_forked_child(tmp_path: Path) -> None:
     os.waitpid(pid, 0)
     assert got == b"\x00"
     assert torch.equal(generate(model, False), want)  # the parent goes on
+
+
+def test_row_reads_take_the_childs_lock_after_fork(tmp_path: Path) -> None:
+    """A parent thread inside a forward (holding the model's lock) when another forks: the child's lookups
+    take the child's own lock, as its blocks do, instead of waiting for good on the inherited one."""
+    import signal
+    import threading
+
+    from deepnvme.offload.infer.running import streamer_of
+
+    large_vocab(tmp_path)
+    model = from_pretrained(tmp_path, 2 << 20)
+    st = streamer_of(model)
+    assert st.rows is not None
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with st.lock:
+            held.set()
+            release.wait()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            signal.alarm(20)  # a hang ends as a failure, not a stuck test
+            with torch.inference_mode():
+                out = model.get_input_embeddings()(torch.tensor([[1, 2, 3]]))
+            code = 0 if out.shape == (1, 3, 32) else 2
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    release.set()
+    t.join()
+    assert got == b"\x00"
+
+
+def test_fp16_keeps_the_modules_the_model_class_keeps_in_fp32(tmp_path: Path) -> None:
+    """transformers' from_pretrained keeps a model class's `_keep_in_fp32_modules` in fp32 when loading in
+    fp16; the one call does the same, so the logits are the same bits."""
+    import transformers as tf
+
+    cfg = tf.GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                          layer_types=["full_attention"] * 2)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_(1.0, 0.1)  # norms of ones would round to the same fp16 and fp32 values
+    model.save_pretrained(tmp_path)
+    ref = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float16).eval()
+    assert ref.model.layers[0].input_layernorm.weight.dtype == torch.float32
+    ours = from_pretrained(tmp_path, 1 << 20, dtype=torch.float16)
+    dtypes = {n: t.dtype for n, t in ours.named_parameters()}
+    assert dtypes == {n: t.dtype for n, t in ref.named_parameters()}
+    ids = torch.tensor([[1, 5, 9, 13, 22, 40]])
+    with torch.inference_mode():
+        assert torch.equal(ours(ids).logits, ref(ids).logits)
+
+
+def test_auto_weighs_moe_blocks_without_experts_and_never_fails(tmp_path: Path) -> None:
+    """An MoE block's experts are streamed on their own, so the auto rule weighs a block without them (a
+    Mixtral head of 1 MiB outweighs a 51 KB block); a head whose reads would not fit the budget beside the
+    largest expert stays in memory rather than failing the call."""
+    import transformers as tf
+    from accelerate import init_empty_weights
+
+    from deepnvme.offload.experts import ExpertStreamer
+    from deepnvme.offload.infer.weights import _match_units
+    from deepnvme.offload.model import table_units, unit_modules
+    from deepnvme.offload.stores import open_store
+
+    cfg = tf.MixtralConfig(vocab_size=4096, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                           num_local_experts=8, num_experts_per_tok=2, num_attention_heads=4,
+                           num_key_value_heads=2, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                           max_position_embeddings=64)
+    torch.manual_seed(0)
+    tf.MixtralForCausalLM(cfg).save_pretrained(tmp_path)
+    with init_empty_weights():
+        model = tf.MixtralForCausalLM(cfg)
+    store = open_store(tmp_path)
+    try:
+        experts = ExpertStreamer.for_model(model, store)
+        assert experts is not None
+        blocks = unit_modules(model, None)
+        assert [n for n, _ in table_units(model, blocks, None, 8 << 20, 0, experts.owned)] == ["lm_head"]
+        assert table_units(model, blocks, None, 8 << 20, 0) == []  # weighed with experts: none
+        chosen, _, residents = _match_units(model, store, None, None, 8 << 20, experts, room=0)
+        assert chosen[-1][0] == "lm_head"
+        head = 4096 * 64 * 4
+        tight = head + experts.largest - 4096  # the head alone fits, not beside the largest expert
+        chosen, _, residents = _match_units(model, store, None, None, tight, experts, room=0)
+        assert "lm_head" not in [n for n, _ in chosen]
+        assert any(r.info.name == "lm_head.weight" for r in residents)
+    finally:
+        store.close()
+    ref = tf.MixtralForCausalLM.from_pretrained(tmp_path).eval()
+    ours = from_pretrained(tmp_path, 2 << 20)
+    assert torch.equal(generate(ours, False), generate(ref, False))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,8 @@ from deepnvme.offload.stores import open_store
 
 
 def _dtype(dtype: Any, config: Any, folder: Path) -> torch.dtype:
-    """The model's dtype: `dtype` as given, or for "auto" the config's, else the checkpoint's most common
-    floating dtype (transformers' from_pretrained rule)."""
+    """The model's dtype: `dtype` as given, or for "auto" the config's, else the dtype of the checkpoint's
+    first floating tensor, as transformers' from_pretrained picks it."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if isinstance(dtype, str) and dtype != "auto":
@@ -49,13 +50,10 @@ def _dtype(dtype: Any, config: Any, folder: Path) -> torch.dtype:
         return own
     store = open_store(folder)
     try:
-        counts: dict[torch.dtype, int] = {}
-        for info in store.tensors().values():
-            if info.dtype.is_floating_point:
-                counts[info.dtype] = counts.get(info.dtype, 0) + 1
+        first = next((i.dtype for i in store.tensors().values() if i.dtype.is_floating_point), None)
     finally:
         store.close()
-    return max(counts, key=lambda d: counts[d]) if counts else torch.get_default_dtype()
+    return first or torch.get_default_dtype()
 
 
 def _build(model_class: Any, config: Any, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
@@ -70,6 +68,33 @@ def _build(model_class: Any, config: Any, dtype: torch.dtype, trust_remote_code:
         raise TypeError(f"model_class must be a transformers model or Auto class, got {model_class!r}")
 
 
+def _keep_fp32(model: nn.Module, dtype: torch.dtype) -> None:
+    """transformers' rule for the modules a model class keeps in fp32 whatever the dtype asked for:
+    `_keep_in_fp32_modules` when loading in fp16, `_keep_in_fp32_modules_strict` in fp16 and bf16, each a
+    pattern searched in the tensor names (`*` any run of characters). Its `from_pretrained` applies it
+    while loading; building from the config does not, so it is applied here, on the meta model (the reads
+    convert the checkpoint's tensors to it): the same dtypes, so the same bits."""
+    keep: set[str] = set()
+    if dtype == torch.float16:
+        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if dtype in (torch.float16, torch.bfloat16):
+        keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if not keep:
+        return
+    pattern = re.compile("|".join(f"(?:{k.replace('*', '.*')})" for k in sorted(keep)))
+    for mname, mod in model.named_modules():
+        for table in (mod._parameters, mod._buffers):
+            for attr, t in table.items():
+                full = f"{mname}.{attr}" if mname else attr
+                if (t is None or not t.is_floating_point() or t.dtype == torch.float32
+                        or not pattern.search(full)):
+                    continue
+                if table is mod._parameters:
+                    table[attr] = nn.Parameter(t.to(torch.float32), requires_grad=t.requires_grad)
+                elif attr not in mod._non_persistent_buffers_set:
+                    table[attr] = t.to(torch.float32)
+
+
 def from_pretrained(folder: str | os.PathLike, budget_bytes: int, *, model_class: Any = None,
                     dtype: Any = "auto", embeddings: bool | None = None, prefetch: bool = True,
                     expert_lookahead: int = 0, trust_remote_code: bool = False) -> nn.Module:
@@ -82,8 +107,10 @@ def from_pretrained(folder: str | os.PathLike, budget_bytes: int, *, model_class
     config's, else the checkpoint's, as transformers picks), a torch.dtype or its name; the checkpoint's
     tensors are converted as they are read when it differs. `embeddings`, `prefetch`, `expert_lookahead`:
     as in stream_weights. `unstream(model)` reads everything into memory; `stats(model)` tells what was
-    read. FileNotFoundError naming the path when the folder, its config.json or its weights are missing;
-    StoreError when its weights cannot be read or do not match the model."""
+    read. FileNotFoundError naming the path when the folder, its config.json or its weights are missing
+    (NotADirectoryError when `folder` is a file); StoreError when its weights cannot be read or do not
+    match the model. Modules the model class keeps in fp32 (`_keep_in_fp32_modules`) stay fp32 as
+    transformers' from_pretrained keeps them."""
     try:
         import transformers
     except ImportError as exc:
@@ -92,6 +119,9 @@ def from_pretrained(folder: str | os.PathLike, budget_bytes: int, *, model_class
     if not isinstance(folder, (str, os.PathLike)):
         raise TypeError(f"folder must be a path, got {type(folder).__name__}")
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "a model folder (config.json and safetensors) is a "
+                                 "directory, this is not", str(folder))
     if not folder.is_dir():
         raise FileNotFoundError(errno.ENOENT, "no model folder (config.json and safetensors) at", str(folder))
     if not (folder / "config.json").is_file():
@@ -99,8 +129,9 @@ def from_pretrained(folder: str | os.PathLike, budget_bytes: int, *, model_class
                                 str(folder / "config.json"))
     config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True,
                                                      trust_remote_code=trust_remote_code)
-    model = _build(model_class or transformers.AutoModelForCausalLM, config, _dtype(dtype, config, folder),
-                   trust_remote_code).eval()
+    want = _dtype(dtype, config, folder)
+    model = _build(model_class or transformers.AutoModelForCausalLM, config, want, trust_remote_code).eval()
+    _keep_fp32(model, want)
     if (folder / "generation_config.json").is_file() and hasattr(model, "generation_config"):
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder, local_files_only=True)
     return stream_weights(model, folder, budget_bytes, embeddings=embeddings, prefetch=prefetch,

@@ -73,10 +73,19 @@ class RowReads:
 
     # ------------------------------------------------------------------------------------------ reads
     def _pread(self, offset: int, buf: np.ndarray) -> None:
-        got = os.preadv(self.fd, [memoryview(buf)], offset)
-        if got != buf.nbytes:
-            raise StoreError(f"{self.info.path}: {got} of {buf.nbytes} bytes at offset {offset} for tensor "
-                             f"{self.info.name!r} (the file was truncated underneath)")
+        """Fill `buf` from `offset`: a short read goes on where it stopped (one read returns at most about
+        2 GiB); end of file before the end is a StoreError, an OSError names the file."""
+        view, done = memoryview(buf).cast("B"), 0
+        while done < len(view):
+            try:
+                got = os.preadv(self.fd, [view[done:]], offset + done)
+            except OSError as exc:
+                raise OSError(exc.errno, f"reading rows of tensor {self.info.name!r}: {exc.strerror}",
+                              self.info.path) from None
+            if got == 0:
+                raise StoreError(f"{self.info.path}: {done} of {len(view)} bytes at offset {offset} for "
+                                 f"tensor {self.info.name!r} (the file was truncated underneath)")
+            done += got
 
     def prepare(self) -> None:
         """Open the file, read the table's blob once: its CRC-32 checked where the store keeps one, each
@@ -103,13 +112,15 @@ class RowReads:
                 r0 = (lo - first) // self.row_bytes
                 for i in range(rows.shape[0]):
                     self.crcs[r0 + i] = crc32(rows[i])
+            os.posix_fadvise(self.fd, at, n, os.POSIX_FADV_DONTNEED)
             at += n
-        os.posix_fadvise(self.fd, blob.offset, blob.nbytes, os.POSIX_FADV_DONTNEED)
         if blob.crc is not None and crc != blob.crc:
             raise crc_error(blob)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of `ids` (any shape) as `F.embedding(ids, table)` gives them."""
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"{self.name}: token ids must be a tensor, got {type(ids).__name__}")
         if ids.dtype not in (torch.int64, torch.int32):
             raise RuntimeError(f"{self.name}: token ids must be int64 or int32, got {ids.dtype}")
         flat = ids.reshape(-1).to("cpu", torch.int64)
@@ -120,20 +131,18 @@ class RowReads:
         data = np.empty((uniq.numel(), self.row_bytes), dtype=np.uint8)
         ids_np = uniq.numpy()
         start = 0
-        while start < len(ids_np):  # runs of consecutive ids: one read each
+        while start < len(ids_np):  # runs of consecutive ids: one read each, its page cache dropped after
             stop = start + 1
             while stop < len(ids_np) and ids_np[stop] == ids_np[stop - 1] + 1:
                 stop += 1
-            first = int(ids_np[start])
-            self._pread(self.info.offset + first * self.row_bytes, data[start:stop].reshape(-1))
+            at = self.info.offset + int(ids_np[start]) * self.row_bytes
+            self._pread(at, data[start:stop].reshape(-1))
+            os.posix_fadvise(self.fd, at, (stop - start) * self.row_bytes, os.POSIX_FADV_DONTNEED)
             start = stop
         for i, row in enumerate(ids_np):
             if crc32(data[i]) != int(self.crcs[row]):
                 raise StoreError(f"{self.info.path}: row {int(row)} of tensor {self.info.name!r} differs "
                                  "from what was read when streaming started (the file changed underneath)")
-        if data.size:
-            os.posix_fadvise(self.fd, self.info.offset + int(ids_np[0]) * self.row_bytes,
-                             (int(ids_np[-1]) - int(ids_np[0]) + 1) * self.row_bytes, os.POSIX_FADV_DONTNEED)
         self.counts["row_lookups"] += 1
         self.counts["rows_read"] += len(ids_np)
         self.counts["row_bytes_read"] += data.size
@@ -142,9 +151,10 @@ class RowReads:
         return table[inverse.to(self.device)].view(*ids.shape, self.width)
 
     # ------------------------------------------------------------------------------------------ install
-    def install(self, lock: Any, adopt: Any) -> None:
-        """The placeholder in place of the weight; the module's forward reads the rows (under `lock`, after
-        `adopt()`, as every forward of the streamed model)."""
+    def install(self, streamer: Any) -> None:
+        """The placeholder in place of the weight; the module's forward reads the rows (under the
+        `streamer`'s lock, after its `adopt()`, as every forward of the streamed model; the lock is looked
+        up at each call: a forked child has a new one)."""
         mod = self.module
         mod._parameters["weight"] = Placeholder(f"{self.name}.weight", f"{self.name} (read by rows)",
                                                 self.info.shape, self.dtype, self.device)
@@ -152,15 +162,15 @@ class RowReads:
         self.orig_forward = mod.forward
 
         def forward(input: torch.Tensor) -> torch.Tensor:
-            with lock:
-                adopt()
+            with streamer.lock:
+                streamer.adopt()
                 return self.lookup(input)
 
         mod.forward = forward
         self.orig_apply = mod.__dict__.get("_apply")
 
         def _apply(fn: Any, recurse: bool = True) -> nn.Module:
-            with lock:
+            with streamer.lock:
                 probe = fn(torch.empty(0, dtype=self.dtype, device=self.device))
                 self.dtype, self.device = probe.dtype, probe.device
                 mod._parameters["weight"] = Placeholder(f"{self.name}.weight", f"{self.name} (read by rows)",

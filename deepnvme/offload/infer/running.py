@@ -96,7 +96,8 @@ class Streamer:
             raise RuntimeError(f"this model's experts were streamed by process {self.pid}, before fork(): "
                                "a model with streamed experts runs only there; call stream_weights in this "
                                "process (or start it with the 'spawn' method)")
-        if self.registered is not None or any(s.device.type != "cpu" for u in self.units for s in u.slots):
+        if (self.registered is not None or any(s.device.type != "cpu" for u in self.units for s in u.slots)
+                or (self.rows is not None and self.rows.device.type != "cpu")):
             raise RuntimeError(f"this streamed model was on a device in process {self.pid}, before fork(): "
                                "CUDA cannot be used in a forked child; start it with the 'spawn' method")
         for u in self.units:  # a forward the parent's threads had in progress does not go on here

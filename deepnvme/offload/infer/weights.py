@@ -1,17 +1,18 @@
-"""stream_weights: run a model whose weights stay on the drive, each unit (a transformer block) read in
-just before its forward and given back right after, through a budget of locked memory.
+"""stream_weights: run a model whose weights stay on the drive, each unit (a transformer block) read in just
+before its forward and given back right after, through a budget of locked memory.
 
 How: the tensors of each unit module are replaced by placeholders (tensors without storage that raise a
 clear error when computed with); the unit's `forward` is wrapped so that its tensors are views of pool
-memory while it runs and placeholders again after, whatever way it ends (an exception, Ctrl-C). The
-embeddings and head are units too when they outweigh a block (`embeddings`); tensors outside units (the
-final norm, position tables) are read from the store once into tensors of their own, so a model built on
-the meta device runs from the store alone. A model loaded in memory gives back its units' and experts'
-memory: nothing keeps the tensors the placeholders replace. The first forward of the whole model records
-the order in which units run (a unit called on its own is not recorded); from then on a cyclic ReadAhead
-keeps reads of the next units (wrapping into the next forward) in flight as far as the budget allows, so
-the drive reads while the CPU or GPU computes. A unit run out of the recorded order (an interrupted
-forward, a caller running one block) restarts the read ahead from it: never wrong, only slower.
+memory while it runs and placeholders again after, whatever way it ends (an exception, Ctrl-C). The input
+embedding table is read by rows (infer/rows.py) and the head is a unit when it does not fit in memory
+(`embeddings`); tensors outside units (the final norm, position tables) are read from the store once into
+tensors of their own, so a model built on the meta device runs from the store alone. A model loaded in
+memory gives back its units' and experts' memory: nothing keeps the tensors the placeholders replace. The
+first forward of the whole model records the order in which units run (a unit called on its own is not
+recorded); from then on a cyclic ReadAhead keeps reads of the next units (wrapping into the next forward) in
+flight as far as the budget allows, so the drive reads while the CPU or GPU computes. A unit run out of the
+recorded order (an interrupted forward, a caller running one block) restarts the read ahead from it: never
+wrong, only slower.
 
 On CUDA (the model moved with `.to("cuda")`, before or after streaming), each unit's bytes are copied
 from the locked pool to the device on a side stream; the compute stream waits on that copy only.
@@ -65,10 +66,11 @@ def stream_weights(model: nn.Module, store: Store | str | os.PathLike, budget_by
     a plain input table not tied to the head is read by rows, only those each lookup names
     (deepnvme.offload.infer.rows); the head (and a tied or custom input table) is a unit, read whole just
     before it runs (tied ones from their one tensor in the store, by each in turn). True, False, or None
-    (the default): an input table by rows from rows.ROWS_FROM bytes on, and the other tables only when
-    the budget and they would not fit in the memory the process has left (its memory cgroup's room, else
-    MemAvailable), each larger than the largest block that fits the budget
-    (deepnvme.offload.model.table_units).
+    (the default): an input table by rows from rows.ROWS_FROM bytes on, and the head (with a table tied to
+    it) only when the budget and the tables would not fit in the memory the process has left (its memory
+    cgroup's room, or MemAvailable if less), and only a head larger than the largest block (experts not
+    counted) whose reads fit the budget beside the largest expert (deepnvme.offload.model.table_units,
+    _match_units); otherwise it stays in memory, never an error.
     `prefetch=False` reads each unit only when it runs, and each expert only when routed to (by default
     the next layers' experts are read ahead when a layer's tokens are expected to use nearly all of its
     own: deepnvme.offload.experts.FULL_USE). `expert_lookahead`: for Mixture-of-Experts models
@@ -125,12 +127,9 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
     tie = getattr(model, "tie_weights", None)
     if callable(tie):
         tie()  # a model built with init_empty_weights has its tied parameters apart until tied
-    chosen = unit_modules(model, units)
-    chosen += table_units(model, chosen, embeddings, budget, memory_left())
     # Experts are units of their own (deepnvme.offload.experts).
     experts = ExpertStreamer.for_model(model, store, lookahead, read_ahead=prefetch)
-    slots, residents = match_store(model, store.path, store.tensors(), chosen,
-                                   experts.owned if experts is not None else frozenset())
+    chosen, slots, residents = _match_units(model, store, units, embeddings, budget, experts)
     table = row_table(model, residents, embeddings)
     if table is not None:
         residents.remove(table)
@@ -166,7 +165,7 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
         space.close()
         raise
     if streamer.rows is not None:
-        streamer.rows.install(streamer.lock, streamer.adopt)
+        streamer.rows.install(streamer)
     for i, u in enumerate(plan):
         for s in u.slots:
             s.placeholder = Placeholder(f"{u.name}.{_rel(u, s)}", u.name, s.info.shape, s.dtype,
@@ -176,6 +175,28 @@ def _stream(model: nn.Module, store: Store, owns: bool, budget: int, units: Any,
     _wrap_root(streamer, model)
     setattr(model, STREAM_ATTR, streamer)
     return model
+
+
+def _match_units(model: nn.Module, store: Store, units: Any, embeddings: bool | None, budget: int,
+                 experts: ExpertStreamer | None, room: int | None = None
+                 ) -> tuple[list[tuple[str, nn.Module]], list[list[Slot]], list[Resident]]:
+    """The units (blocks, and the tables table_units adds) matched to the store: (units, their slots, the
+    residents). A table the auto rule chose whose reads would not fit the budget's whole pages beside the
+    largest expert stays in memory instead, with the tables tied to it: auto never makes a call fail.
+    `room`: the memory the process has left (default: memory_left())."""
+    skip = experts.owned if experts is not None else frozenset()
+    blocks = unit_modules(model, units)
+    tables = table_units(model, blocks, embeddings, budget, memory_left() if room is None else room, skip)
+    slots, residents = match_store(model, store.path, store.tensors(), blocks + tables, skip)
+    if tables and embeddings is None:
+        room = budget // PAGE * PAGE - (experts.largest if experts is not None else 0)
+        for unit in slots[len(blocks):]:
+            names = list(dict.fromkeys(s.info.name for s in unit))
+            if lease_bytes(store.blobs(names)) > room:
+                tables = []
+                slots, residents = match_store(model, store.path, store.tensors(), blocks, skip)
+                break
+    return blocks + tables, slots, residents
 
 
 def _plan_units(store: Store, chosen: list[tuple[str, nn.Module]], slots: list[list[Slot]],

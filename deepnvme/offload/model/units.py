@@ -80,12 +80,13 @@ def row_readable(model: nn.Module, mod: Any) -> bool:
                                      for m in model.modules())
 
 
-def _table_bytes(mod: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in mod.parameters())
+def _table_bytes(mod: nn.Module, skip: frozenset[int] | set[int] = frozenset()) -> int:
+    return sum(p.numel() * p.element_size() for p in mod.parameters() if id(p) not in skip)
 
 
 def table_units(model: nn.Module, chosen: list[tuple[str, nn.Module]], embeddings: bool | None,
-                budget: int, room: int | None = None) -> list[tuple[str, nn.Module]]:
+                budget: int, room: int | None = None,
+                skip: frozenset[int] | set[int] = frozenset()) -> list[tuple[str, nn.Module]]:
     """The input embeddings and the output head (what Hugging Face's `get_input_embeddings()` and
     `get_output_embeddings()` give) to stream as units of their own beside `chosen`: both when
     `embeddings` is True, none when False; input embeddings that can be read by rows (row_readable) never
@@ -94,8 +95,9 @@ def table_units(model: nn.Module, chosen: list[tuple[str, nn.Module]], embedding
     table that holds more bytes than the largest of `chosen` and fits `budget`, the largest first, until
     the rest fits. Why not always: a head streamed is read whole for every token, as much as a block,
     while kept in memory it costs nothing per token. A table inside a chosen unit, or the same module
-    twice (an encoder-decoder's shared table), is taken once or not at all. ValueError when True and the
-    model has neither method."""
+    twice (an encoder-decoder's shared table), is taken once or not at all. Blocks are weighed without the
+    tensors whose id is in `skip` (experts, streamed on their own). ValueError when True and the model has
+    neither method."""
     if embeddings is False:
         return []
     if embeddings is not None and not isinstance(embeddings, bool):
@@ -123,7 +125,7 @@ def table_units(model: nn.Module, chosen: list[tuple[str, nn.Module]], embedding
             taken.add(name)
     if embeddings:
         return tables
-    largest = max((_table_bytes(m) for _, m in chosen), default=0)
+    largest = max((_table_bytes(m, skip) for _, m in chosen), default=0)
     # Tables that share a weight (a head tied to the input table) go together: one of them alone would
     # leave the weight in memory for the other.
     groups: list[list[tuple[str, nn.Module]]] = []

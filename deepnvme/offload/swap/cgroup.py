@@ -51,19 +51,17 @@ def memory_room(proc_cgroup: str = "/proc/self/cgroup", root: str = ROOT) -> tup
 
 
 def memory_left() -> int | None:
-    """Bytes this process may still take: what its memory cgroup has left where it has a limit, else the
-    system's MemAvailable; None when neither can be read."""
+    """Bytes this process may still take: the least of what its memory cgroup has left (where it has a
+    limit) and the system's MemAvailable (the host can be tighter than the cgroup); None when neither can
+    be read."""
     room = memory_room()
-    if room is not None:
-        return max(0, room[0] - room[1])
+    left = [max(0, room[0] - room[1])] if room is not None else []
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            left += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
     except (OSError, ValueError, IndexError):
-        return None
-    return None
+        pass
+    return min(left) if left else None
 
 
 def check_memory_room(need: int, what: str) -> None:
