@@ -47,6 +47,7 @@ from deepnvme.offload.swap import Closing, Lease, SwapSpace, budget_arg, check_m
 from deepnvme.offload.train.backward_step import StepsInBackward, check_can_step
 from deepnvme.offload.train.checkpoints import Checkpoints
 from deepnvme.offload.train.checks import Checks
+from deepnvme.offload.train.dtensors import ShardViews, is_dtensor
 from deepnvme.offload.train.grouping import how_stepped, whole_step_too_large
 from deepnvme.offload.train.held import HIDDEN_ATTR
 from deepnvme.offload.train.lending import Lending, applied_in_backward, owner_of, zero_offloaded_grads
@@ -64,6 +65,7 @@ from deepnvme.offload.train.records import (
     least_piece,
     strides_of,
 )
+from deepnvme.offload.train.shard_lending import shard_lending
 from deepnvme.offload.train.tile_walk import REQUESTS_IN_FLIGHT, Piece, TileWalk
 from deepnvme.offload.train.wrapped import needs_closure, step_unhooked
 
@@ -145,6 +147,9 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, TileWalk, Closing
         self.tile_bytes = max(budget // 4, PAGE) if tile_bytes is None else tile_bytes
         self._probe = Prober(optimizer)
         self._loose: dict[Any, Any] = {}  # the wrapped optimizer's state not keyed by a parameter
+        adopted = optimizer.state_dict() if optimizer.state else None  # before DTensors are viewed
+        self._views = ShardViews()  # FSDP2's DTensor parameters: stepped through views of their shards
+        self._views.take(optimizer.param_groups)
         params = [(gi, p) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]]
         for i, (_, p) in enumerate(params):
             self._check_param(p, f"parameter {i}")
@@ -173,14 +178,13 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, TileWalk, Closing
         self._units = 0
         self._broken: str | None = None
         self.last_step: StepProfile | None = None
-        adopted = optimizer.state_dict() if optimizer.state else None
         super().__init__([{"params": []}], optimizer.defaults)
         self.defaults = optimizer.defaults
         self.param_groups = optimizer.param_groups
         self.state = defaultdict(dict)
         if adopted is not None:  # state the wrapped optimizer already had moves to the drive
             optimizer.state.clear()
-            self.load_state_dict(adopted)
+            self.load_state_dict(_local_state(adopted))
         self.step_in_backward = step_in_backward
 
     # --------------------------------------------------------------------------------------- planning
@@ -283,6 +287,8 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, TileWalk, Closing
             with torch.enable_grad():
                 loss = closure()
         self._prune()
+        self._views.take(self.param_groups)
+        self._views.sync()
         self._check_owners_open()
         self._backward_steps_begin()
         work = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]
@@ -291,7 +297,8 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, TileWalk, Closing
             self._check_work(p)
         self.swap.check_files()
         tiles = self._make_records(work)
-        lending = Lending([[p for _, p, _ in t] for t in tiles])
+        in_tiles = [[p for _, p, _ in t] for t in tiles]
+        lending = shard_lending(in_tiles, self._views) or Lending(in_tiles)
         for hook in list(self.optimizer._optimizer_step_pre_hooks.values()):  # once a step, not per tile
             hook(self.optimizer, (), {})
         self.last_step = self._run_tiles(work, tiles, lending)
@@ -305,6 +312,7 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, TileWalk, Closing
         """As torch's; gradients of offloaded parameters are dropped or marked zero without any I/O."""
         back = zero_offloaded_grads([p for g in self.param_groups for p in g["params"]], set_to_none)
         super().zero_grad(set_to_none)
+        self._views.zero_grad(set_to_none)
         for p, marker in back:
             p.grad = marker
 
@@ -544,6 +552,14 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, TileWalk, Closing
     def __repr__(self) -> str:
         return (f"OffloadedOptimizer({type(self.optimizer).__name__}, {self.swap.directory!r}, "
                 f"budget_bytes={self.budget_bytes}, master_weights={self.master_weights})")
+
+
+def _local_state(sd: dict[str, Any]) -> dict[str, Any]:
+    """A state_dict whose DTensor state (of an optimizer stepped over FSDP2's parameters before it was
+    wrapped) is given as this rank's local shards, as the views of those parameters are stepped."""
+    state = {k: {key: v.to_local() if is_dtensor(v) else v for key, v in st.items()}
+             for k, st in sd["state"].items()}
+    return {**sd, "state": state}
 
 
 def _copied(values: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,83 @@
+"""Parameters sharded by torch's FSDP2 (`fully_shard`: DTensors) stepped by OffloadedOptimizer through
+each rank's local shard.
+
+A DTensor parameter's values on this rank are its local tensor, a view of FSDP's shard memory; torch's
+optimizers step a DTensor by running their kernels on the local shards, element by element. The offloaded
+optimizer lays its swapped state out by each tensor's shape and steps tiles of plain tensors, so it steps
+each DTensor through a *view*: a plain tensor over the same memory as the local shard, whose gradient is
+the local shard of the DTensor's gradient. The arithmetic is the one torch's optimizer runs on the shards,
+and the state on this rank's drive is this rank's share only.
+
+The views take the DTensors' places in the wrapped optimizer's param groups (so `opt.param_groups` holds
+plain tensors: the rank's shards). Before each step they are pointed at the local shards again (FSDP
+replaces a local tensor when the model is converted or loaded with `assign=True`) and given the
+gradients; zero_grad() clears the DTensors' gradients too. A DTensor added later (`add_param_group`) gets
+its view at the next step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:  # torch builds without distributed support have no DTensor: then there is nothing to view
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - every torch this project supports has it
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+def is_dtensor(p: Any) -> bool:
+    """Whether `p` is a DTensor (a parameter sharded by FSDP2 or tensor parallelism)."""
+    return DTensor is not None and isinstance(p, DTensor)
+
+
+class ShardViews:
+    """The plain views an optimizer steps in place of its DTensor parameters (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.dtensor_of: dict[int, torch.Tensor] = {}  # id(view) -> the DTensor it stands for
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (view, DTensor)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    @torch.no_grad()
+    def take(self, groups: list[dict[str, Any]]) -> None:
+        """Put a view in place of each DTensor in `groups` (a DTensor already viewed keeps its view)."""
+        known = {id(d): v for v, d in self._views}
+        for g in groups:
+            params = g["params"]
+            for i, p in enumerate(params):
+                if not is_dtensor(p):
+                    continue
+                view = known.get(id(p))
+                if view is None:
+                    view = p.to_local().detach()
+                    known[id(p)] = view
+                    self._views.append((view, p))
+                    self.dtensor_of[id(view)] = p
+                params[i] = view
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Point every view at its DTensor's local shard and give it the local shard of its gradient."""
+        for view, p in self._views:
+            local = p.to_local()
+            if (view.untyped_storage().data_ptr() != local.untyped_storage().data_ptr()
+                    or view.storage_offset() != local.storage_offset() or view.shape != local.shape
+                    or view.stride() != local.stride() or view.dtype != local.dtype):
+                view.set_(local.untyped_storage(), local.storage_offset(), local.shape, local.stride())
+            view.grad = None if p.grad is None else p.grad.to_local()
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool) -> None:
+        """zero_grad() of the DTensors behind the views (the views' own are the optimizer's to clear)."""
+        for view, p in self._views:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
+            view.grad = None
