@@ -18,7 +18,9 @@ package reaches the rest of deepnvme through one door, _doors.py, into deepnvme.
   :class:`ExpertCache` (least-recently-used, in a locked pool of its own, demand before prefetch).
 - train/: :class:`OffloadedOptimizer`, any torch.optim optimizer with its state on the drive, and
   :func:`offload_parameters` (:class:`OffloadedParameters`), a model's parameters and gradients on the drive
-  between uses: training a model larger than memory (on the lower floors' public names only).
+  between uses: training a model larger than memory (on the lower floors' public names only);
+  :func:`offload_shards` (:class:`OffloadedShards`), each rank's shards of a model sharded by torch's FSDP2
+  on its drive between uses.
 - infer/: :func:`from_pretrained` (a Hugging Face model folder to a streamed model ready for
   `generate()` in one call), :func:`stream_weights` / :func:`unstream` / :func:`stats` (inference with
   the weights on the drive, each block read in just before it runs), :func:`load_safetensors` (whole
@@ -53,7 +55,13 @@ from deepnvme.offload.stores import (
     open_store,
 )
 from deepnvme.offload.swap import Lease, ReadAhead, SwapSpace, Unit
-from deepnvme.offload.train import OffloadedOptimizer, OffloadedParameters, offload_parameters
+from deepnvme.offload.train import (
+    OffloadedOptimizer,
+    OffloadedParameters,
+    OffloadedShards,
+    offload_parameters,
+    offload_shards,
+)
 
 _moved.install()
 
@@ -65,7 +73,7 @@ def __getattr__(name: str) -> ModuleType:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Blob", "ExpertCache", "Lease", "OffloadedOptimizer", "OffloadedParameters", "OwnStore",
-           "ReadAhead", "SafetensorsStore", "Store", "StoreError", "StreamedWeightError", "SwapSpace",
-           "TensorInfo", "Unit", "from_pretrained", "load_safetensors", "offload_parameters", "open_store",
-           "stats", "stream_weights", "unstream", "write_store"]
+__all__ = ["Blob", "ExpertCache", "Lease", "OffloadedOptimizer", "OffloadedParameters", "OffloadedShards",
+           "OwnStore", "ReadAhead", "SafetensorsStore", "Store", "StoreError", "StreamedWeightError",
+           "SwapSpace", "TensorInfo", "Unit", "from_pretrained", "load_safetensors", "offload_parameters",
+           "offload_shards", "open_store", "stats", "stream_weights", "unstream", "write_store"]

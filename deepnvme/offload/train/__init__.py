@@ -12,7 +12,11 @@ floor's public names only.
   whole that does not fit the budget;
 - params.py: `offload_parameters` / `OffloadedParameters`, a model's parameters and gradients on the drive
   between uses; held.py: one offloaded parameter and unit; unit_hooks.py: the forward and backward hooks
-  of a unit; lending.py: the optimizer's step reading offloaded parameters and gradients.
+  of a unit; lending.py: the optimizer's step reading offloaded parameters and gradients;
+- shards.py: `offload_shards` / `OffloadedShards`, the shards of a model sharded by torch's FSDP2 on the
+  drive between uses; shard_parts.py: a unit's shard storages and their place on the drive;
+  shard_lending.py: the optimizer's step over them; dtensors.py: DTensor parameters stepped through views
+  of their local shards.
 """
 
 from __future__ import annotations
@@ -20,5 +24,7 @@ from __future__ import annotations
 from deepnvme.offload.train.optimizer import OffloadedOptimizer
 from deepnvme.offload.train.params import OffloadedParameters, offload_parameters
 from deepnvme.offload.train.profile import StepProfile
+from deepnvme.offload.train.shards import OffloadedShards, offload_shards
 
-__all__ = ["OffloadedOptimizer", "OffloadedParameters", "StepProfile", "offload_parameters"]
+__all__ = ["OffloadedOptimizer", "OffloadedParameters", "OffloadedShards", "StepProfile",
+           "offload_parameters", "offload_shards"]

@@ -31,11 +31,11 @@ class _BackwardBegins(torch.autograd.Function):
         return (None, *grads)
 
 
-class _BackwardEnds(_BackwardBegins):
+class BackwardEnds(_BackwardBegins):
     """Identity on a unit's inputs that are leaves: its backward runs after every node of the unit."""
 
 
-def _through(fn: type[_BackwardBegins], hook: Any, tree: Any) -> Any:
+def through(fn: type[_BackwardBegins], hook: Any, tree: Any) -> Any:
     """`tree` (a tensor, or tuples, lists, dicts, model outputs of them) with its tensors that need a
     gradient passed through `fn` together (its backward runs once, when all their gradients are in)."""
     leaves, spec = pytree.tree_flatten(tree)
@@ -108,7 +108,7 @@ def _first_gradient(call: Any, u: HeldUnit, tree: Any, order: int) -> Any:
     if not leaves:
         return tree
     if any(t.grad_fn is None for t in leaves):
-        return _through(_BackwardEnds if order == ENDS else _BackwardBegins, lambda: call(u), tree)
+        return through(BackwardEnds if order == ENDS else _BackwardBegins, lambda: call(u), tree)
     fired = [None]
 
     def once() -> None:  # once per backward over this graph (retain_graph: again in the next one)

@@ -1,0 +1,392 @@
+"""offload_shards: the shards of a model sharded by torch's FSDP2 (`fully_shard`) kept on the drive
+between uses, each rank its own.
+
+FSDP2 gives each rank a shard of every parameter and gathers a unit's shards (a module given to
+`fully_shard`) just before the unit's forward and again before its backward, reducing its gradients to
+shards after the backward. Offloaded, a unit's parameter shards and gradient shards live in this rank's swap
+space (its own folder) and are in memory only around those moments: read (ahead, in the order the last
+forward ran the units, backward in reverse) before FSDP gathers them, given back after the unit's forward,
+and, with its gradients written, after its backward. OffloadedOptimizer steps them a unit at a time
+(ShardLending), its own state on the drive beside them.
+
+Only FSDP2's public faces are used: forward pre- and post-hooks on the unit modules, put before FSDP's own
+(`prepend=True`), so that the shards are in memory when FSDP reads them; hooks on the unit's output tensors,
+registered before FSDP registers its own, so that a unit's shards are back before FSDP gathers them for its
+backward (and, as FSDP's backward prefetch gathers the unit that ran before it, that one's too); an identity
+autograd function on the unit's inputs, applied before FSDP applies its own, whose backward therefore runs
+once FSDP has reduced the unit's gradients; a callback at the end of the backward (the root's gradients are
+reduced in FSDP's own such callback). The shards' tensors are FSDP's own, never replaced: what is given
+back is their memory (shard_parts.py), which shows the bytes on the drive meanwhile, so code that reads or
+writes a shard between uses gets what it would get in memory.
+
+A unit's parameters are written only when they changed (by the optimizer's step, or through the mapping):
+a forward reads them and writes nothing. Gradients are written after each backward of their unit (with
+gradient accumulation, read back before the next one adds to them).
+
+Threads: one thread trains the model (as FSDP2 requires). fork(): the child cannot use the shards (the swap
+space's I/O threads stay in the parent); make the model anew there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from deepnvme.offload._doors import SWAP
+from deepnvme.offload.swap import Closing, Lease, SwapSpace, Unit, budget_arg, check_memory_room
+from deepnvme.offload.train.dtensors import is_dtensor
+from deepnvme.offload.train.shard_parts import CAN_MAP, Parts, storages_of
+from deepnvme.offload.train.unit_hooks import BackwardEnds, through
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - torch without distributed support
+    FSDPModule = None  # type: ignore[assignment,misc]
+
+#: Attribute of an offloaded DTensor parameter naming its ShardUnit (for the optimizer's step).
+UNIT_ATTR = "_deepnvme_shard_unit"
+
+
+class ShardUnit:
+    """One module FSDP2 shards as a group: its parameters' shards, their gradients, and their leases."""
+
+    def __init__(self, index: int, name: str, module: nn.Module, params: list[nn.Parameter]) -> None:
+        self.index, self.name, self.module, self.params = index, name, module, params
+        self.data = Parts(f"shards.{index}", storages_of(p.to_local() for p in params))
+        self.grads: Parts | None = None
+        self.grad_unit: Unit | None = None  # where gradients go (kept while they are set to None)
+        self.in_backward = -1  # the graph task of the backward it is in (-1: none)
+        self.handles: list[Any] = []
+        self.owner: Any = None  # the OffloadedShards
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [p.grad.to_local() for p in self.params if p.grad is not None]
+
+
+class OffloadedShards(Closing):
+    """This rank's shards of an FSDP2 model on the drive (see the module docstring and offload_shards)."""
+
+    def __init__(self, model: nn.Module, directory: str | os.PathLike, budget_bytes: int, *,
+                 prefetch: int = 1) -> None:
+        self._closed = True
+        if not CAN_MAP:
+            raise RuntimeError(f"torch {torch.__version__} cannot point a storage at other memory "
+                               "(UntypedStorage._swap_data_ptr_): shards cannot be offloaded with it")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (units read ahead), got {prefetch!r}")
+        budget = budget_arg(budget_bytes)
+        self.units = _units_of(model)
+        largest = max(2 * u.data.nbytes for u in self.units)  # its parameters, and as much in gradients
+        self.min_budget_bytes = (3 + prefetch) * largest
+        if budget < self.min_budget_bytes:
+            raise ValueError(f"budget_bytes={budget} is less than offload_shards needs: "
+                             f"{self.min_budget_bytes} bytes ({3 + prefetch} x {largest}, the largest unit's "
+                             f"shards and gradients; prefetch={prefetch}); raise budget_bytes to at least "
+                             f"{self.min_budget_bytes}")
+        check_memory_room(budget, f"offload_shards(budget_bytes={budget})")
+        self.prefetch = prefetch
+        total = sum(u.data.nbytes for u in self.units)
+        self.space = SwapSpace(directory, budget, expected_bytes=2 * total, requests_in_flight=2,
+                               handle_settings=SWAP)
+        self._closed = False
+        self.fd = -1
+        self.order: list[ShardUnit] = []  # the units in the order the last forward ended them (FSDP's)
+        self.starts: list[ShardUnit] = []  # ... and began them
+        self._pass: list[ShardUnit] = []
+        self._starts_now: list[ShardUnit] = []
+        self._pending: list[tuple[Parts, Lease]] = []  # written, to be mapped once the write is done
+        self._busy: set[int] = set()  # ids of the parts brought for a use not yet over
+        self._task = -1  # the backward whose end is queued
+        self.counts = {"unit_reads": 0, "bytes_read": 0, "bytes_written": 0, "read_from_mapping": 0}
+        try:
+            self.fd = os.open(self.space.file, os.O_RDWR)  # type: ignore[arg-type] - the mappings' file
+            for u in self.units:
+                u.data.place(self.space, None)
+                self._release(u.data)
+            self._drain(block=True)
+            for u in self.units:
+                u.owner = self
+                for p in u.params:
+                    setattr(p, UNIT_ATTR, u)
+                self._hook(u)
+        except BaseException:
+            self.close(restore=False)
+            raise
+
+    # ------------------------------------------------------------------------------------------ hooks
+    def _hook(self, u: ShardUnit) -> None:
+        def pre(_mod: nn.Module, args: Any, kwargs: Any) -> Any:
+            return self._pre_forward(u, args, kwargs)
+
+        def post(_mod: nn.Module, _args: Any, output: Any) -> Any:
+            return self._post_forward(u, output)
+
+        # Registered after fully_shard's, put before them: the shards are in memory when FSDP gathers them.
+        u.handles.append(u.module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+        u.handles.append(u.module.register_forward_hook(post, prepend=True))
+
+    def _pre_forward(self, u: ShardUnit, args: Any, kwargs: Any) -> Any:
+        self._check_open()
+        self._drain(block=False)
+        if u.in_backward != -1:  # recomputed in its backward (activation checkpointing): in memory already
+            self._bring(u, grads=True)
+            return args, kwargs
+        if u is self.units[0] or u in self._starts_now:  # a new forward
+            if len(self._starts_now) == len(self.units):
+                self.starts = self._starts_now
+            self._pass, self._starts_now = [], []
+        self._starts_now.append(u)
+        self._bring(u, grads=False)
+        ahead = self._after(u, self.starts)
+        self._read_ahead(ahead[:self.prefetch], grads=False)
+        if torch.is_grad_enabled():  # the unit's inputs: their gradients are complete after FSDP's reduction
+            args, kwargs = through(BackwardEnds, lambda: self._backward_ends(u), (args, kwargs))
+        return args, kwargs
+
+    def _post_forward(self, u: ShardUnit, output: Any) -> Any:
+        if u.in_backward != -1:
+            return output
+        if u not in self._pass:
+            self._pass.append(u)
+            if len(self._pass) == len(self.units) or u is self.units[0]:
+                self.order = list(self._pass)
+        needs = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if needs:
+            fired = [-1]
+
+            def begins(grad: torch.Tensor) -> torch.Tensor:
+                task = torch._C._current_graph_task_id()
+                if fired[0] != task:
+                    fired[0] = task
+                    self._backward_begins(u, task)
+                return grad
+
+            for t in {id(t): t for t in needs}.values():
+                t.register_hook(begins)
+        self._release(u.data)
+        return output
+
+    def _backward_begins(self, u: ShardUnit, task: int) -> None:
+        if self._task != task:
+            self._task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._ended_soon)
+        u.in_backward = task
+        self._drain(block=False)
+        self._bring(u, grads=True)
+        back = self._after(u, self.order[::-1])
+        if back:  # FSDP's backward prefetch gathers the unit that ran before this one
+            self._bring(back[0], grads=False)
+        self._read_ahead(back[:1 + self.prefetch], grads=True)
+
+    def _backward_ends(self, u: ShardUnit) -> None:
+        if u.in_backward == -1:
+            return
+        u.in_backward = -1
+        self._take_grads(u)
+        if u.grads is not None:
+            self._release(u.grads)
+        self._release(u.data)
+
+    def _ended_soon(self) -> None:
+        # Queued at the backward's first unit, so before FSDP queues the callback that reduces the root's
+        # gradients: queued again from here, it runs after that one.
+        torch.autograd.Variable._execution_engine.queue_callback(self._ended)
+
+    def _ended(self) -> None:
+        for u in self.units:  # units whose inputs needed no gradient (the root's): no identity ran
+            self._backward_ends(u)
+        self._task = -1
+        self._drain(block=True)
+
+    # ----------------------------------------------------------------------------------------- moves
+    @staticmethod
+    def _after(u: ShardUnit, order: Sequence[ShardUnit]) -> list[ShardUnit]:
+        for i, x in enumerate(order):
+            if x is u:
+                return list(order[i + 1:])
+        return []
+
+    def _take_grads(self, u: ShardUnit) -> None:
+        """Follow the gradients FSDP left (new storages after they were set to None)."""
+        now = storages_of(u.local_grads())
+        have = u.grads
+        if have is not None and [st._cdata for st in have.storages] == [st._cdata for st in now]:
+            have.dirty = True  # accumulated into, or made anew in the same memory
+            return
+        if have is not None:
+            have.forget()
+            self._busy.discard(id(have))
+        u.grads = None
+        if now:
+            u.grads = Parts(f"grads.{u.index}", now)
+            u.grad_unit = u.grads.place(self.space, u.grad_unit)
+
+    def _read_ahead(self, units: Sequence[ShardUnit], grads: bool) -> None:
+        for u in units:
+            for parts in (u.data, u.grads if grads else None):
+                if parts is None or parts.resident or parts.reading is not None:
+                    continue
+                parts.reading = self.space.read([parts.unit], block=False)  # type: ignore[list-item]
+                if parts.reading is None:
+                    return  # the pool is full: the rest are read when wanted
+
+    def _bring(self, u: ShardUnit, grads: bool) -> None:
+        """Make `u`'s parameter shards (and its gradients with `grads`) resident."""
+        for parts in (u.data, u.grads if grads else None):
+            if parts is None:
+                continue
+            if grads and parts is u.grads and not u.local_grads():
+                parts.forget()  # set to None since: nothing to bring
+                self._busy.discard(id(parts))
+                u.grads = None
+                continue
+            self._busy.add(id(parts))
+            lease, parts.reading = parts.reading, None
+            if parts.resident:
+                if lease is not None:
+                    lease.release()
+                continue
+            if parts.touched():  # read or written through the mapping: its bytes are the values now
+                if lease is not None:
+                    lease.release()
+                parts.fill(None, self.fd)
+                self.counts["read_from_mapping"] += parts.nbytes
+                continue
+            if lease is None:
+                lease = self.space.read([parts.unit], demand=True)  # type: ignore[list-item]
+            else:
+                lease.demand()
+            try:
+                lease.wait()
+                parts.fill(lease, self.fd)
+            finally:
+                lease.release()
+            self.counts["unit_reads"] += 1
+            self.counts["bytes_read"] += parts.nbytes
+
+    def _release(self, parts: Parts) -> None:
+        """Give `parts`' memory back: at once if the drive holds its values, else once they are written
+        (a write in flight maps them when done: mapped before, the page cache could hold older bytes)."""
+        self._busy.discard(id(parts))
+        if any(p is parts for p, _ in self._pending):
+            return
+        if parts.resident and not parts.dirty:
+            parts.map(self.fd)
+        elif parts.resident:
+            self._pending.append((parts, parts.write(self.space)))
+            self.counts["bytes_written"] += parts.nbytes
+
+    def _drain(self, block: bool) -> None:
+        """Map the parts whose writes are done (all of them, waiting, with `block`); raise a write's error."""
+        keep = []
+        for parts, lease in self._pending:
+            if not block and not lease.done():
+                keep.append((parts, lease))
+                continue
+            lease.wait()
+            if parts.storages and not parts.dirty and id(parts) not in self._busy:  # written, unchanged
+                parts.map(self.fd)
+        self._pending = keep
+
+    def release_stepped(self, u: ShardUnit) -> None:
+        """After the optimizer stepped `u`: its parameters are written, its gradients given back."""
+        u.data.dirty = True
+        self._release(u.data)
+        if u.grads is not None:
+            self._release(u.grads)
+
+    # ------------------------------------------------------------------------------------------- life
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("these shards were closed (OffloadedShards.close()): the model's shards are "
+                               "back in memory and no longer offloaded")
+
+    def stats(self) -> dict[str, Any]:
+        """What moved so far: unit reads, bytes read and written, bytes taken from mappings."""
+        return {**self.counts, "units": len(self.units), "swap_bytes": self.space.reserved_bytes}
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.space.pool.capacity  # type: ignore[union-attr]
+
+    def close(self, restore: bool = True) -> None:
+        """Put every shard (and gradient) back in memory (`restore`), remove the hooks and the swap files.
+        With restore=False the shards are left as they are: their tensors must not be used again."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            try:
+                self._drain(block=True)
+            finally:
+                for u in self.units:
+                    for h in u.handles:
+                        h.remove()
+                    u.handles = []
+                    for p in u.params:
+                        p.__dict__.pop(UNIT_ATTR, None)
+                    if restore:
+                        self._bring(u, grads=True)
+                    for parts in (u.data, u.grads):
+                        if parts is not None:
+                            parts.drop_reading()
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+            self.space.close()
+
+
+def _units_of(model: nn.Module) -> list[ShardUnit]:
+    """The modules fully_shard was applied to, each with the parameters its own group shards."""
+    if FSDPModule is None or not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module sharded by torch's fully_shard, got "
+                        f"{type(model).__name__}")
+    groups = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not groups:
+        raise ValueError("model has no module sharded by torch.distributed.fsdp.fully_shard: shard it first "
+                         "(fully_shard on each block, then on the model), then offload its shards")
+    inner = {id(m) for _, m in groups}
+    units: list[ShardUnit] = []
+    for name, m in groups:
+        own: list[nn.Parameter] = []
+        stack = [m]
+        while stack:
+            mod = stack.pop()
+            own += [p for p in mod._parameters.values() if p is not None]
+            stack += [c for c in mod.children() if id(c) not in inner]
+        own = list({id(p): p for p in own}.values())
+        for p in own:
+            if not is_dtensor(p):
+                raise ValueError(f"a parameter of {name or 'the model'} is not sharded by fully_shard "
+                                 f"({type(p).__name__}): offload_shards offloads FSDP2's shards")
+            if p.device.type != "cpu":
+                raise ValueError(f"a parameter of {name or 'the model'} is on {p.device}: offload_shards "
+                                 "keeps shards of host memory only")
+            if getattr(p, UNIT_ATTR, None) is not None:
+                raise ValueError(f"the shards of {name or 'the model'} are offloaded already")
+        if own and any(p.to_local().numel() for p in own):
+            units.append(ShardUnit(len(units), name or "(root)", m, own))
+    if not units:
+        raise ValueError("no shard of model holds any element on this rank: nothing to offload")
+    return units
+
+
+def offload_shards(model: nn.Module, directory: str | os.PathLike, budget_bytes: int = 256 << 20, *,
+                   prefetch: int = 1) -> OffloadedShards:
+    """Keep this rank's shards of `model` (sharded by torch's `fully_shard`: on each block, then on the
+    model) in a swap space under `directory` (this process's own folder in it), reading each unit's shards
+    just before FSDP gathers them and giving them back after (see the module docstring). `budget_bytes` of
+    locked memory carry every read and write; `prefetch` units are read ahead. Step the model with
+    `OffloadedOptimizer(torch.optim.AdamW(model.parameters(), ...), ...)`, made after this call. Returns
+    the OffloadedShards (a context manager: close() puts the shards back in memory and removes the files).
+    """
+    return OffloadedShards(model, directory, budget_bytes, prefetch=prefetch)
+
+
+__all__ = ["OffloadedShards", "ShardUnit", "offload_shards"]
