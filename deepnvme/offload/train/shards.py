@@ -38,7 +38,15 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from deepnvme.offload._doors import SWAP
-from deepnvme.offload.swap import Closing, Lease, SwapSpace, Unit, budget_arg, check_memory_room
+from deepnvme.offload.swap import (
+    Closing,
+    Lease,
+    SwapSpace,
+    Unit,
+    budget_arg,
+    check_memory_room,
+    return_freed_memory,
+)
 from deepnvme.offload.train.dtensors import is_dtensor
 from deepnvme.offload.train.shard_parts import CAN_MAP, Parts, storages_of
 from deepnvme.offload.train.unit_hooks import BackwardEnds, through
@@ -88,7 +96,16 @@ class OffloadedShards(Closing):
                              f"{self.min_budget_bytes} bytes ({3 + prefetch} x {largest}, the largest unit's "
                              f"shards and gradients; prefetch={prefetch}); raise budget_bytes to at least "
                              f"{self.min_budget_bytes}")
-        check_memory_room(budget, f"offload_shards(budget_bytes={budget})")
+        # What a step holds beyond the pool: FSDP's gathered parameters of a unit and of the one it gathers
+        # ahead, and a unit's unsharded gradients (activations are the model's own, not counted); the
+        # shards' own memory is given back by this call.
+        gathered = max(sum(p.numel() * p.element_size() for p in u.params) for u in self.units)
+        self.memory_bytes = budget + 3 * gathered
+        freed = sum(u.data.nbytes for u in self.units)
+        check_memory_room(self.memory_bytes - freed,
+                          f"offload_shards(budget_bytes={budget}) with a step's gathered units "
+                          f"(3 x {gathered} bytes)")
+        return_freed_memory()
         self.prefetch = prefetch
         total = sum(u.data.nbytes for u in self.units)
         self.space = SwapSpace(directory, budget, expected_bytes=2 * total, requests_in_flight=2,
