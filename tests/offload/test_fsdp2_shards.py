@@ -28,15 +28,24 @@ DEADLINE_S = 300
 VOCAB = 97
 
 
-def _model(arch: str, bf16: bool, checkpointing: bool) -> torch.nn.Module:
+def _build(arch: str) -> Any:
     torch.manual_seed(0)
     common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32)
     if arch == "mixtral":
-        m: Any = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **common, num_local_experts=4, num_experts_per_tok=2))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+
+
+def _model(arch: str, bf16: bool, checkpointing: bool, meta: bool = False) -> torch.nn.Module:
+    if meta:  # parameters on the meta device, buffers real (the rotary embedding's)
+        import accelerate
+
+        with accelerate.init_empty_weights():
+            m = _build(arch)
     else:
-        m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+        m = _build(arch)
     if checkpointing:
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = (fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
@@ -48,10 +57,11 @@ def _model(arch: str, bf16: bool, checkpointing: bool) -> torch.nn.Module:
 
 
 def _train(rank: int, case: dict[str, Any], directory: str | None) -> dict[str, Any]:
-    m = _model(case["arch"], case["bf16"], case["checkpointing"])
+    checkpoint = case.get("checkpoint") if directory is not None else None
+    m = _model(case["arch"], case["bf16"], case["checkpointing"], meta=checkpoint is not None)
     shards = None
     if directory is not None:
-        shards = offload_shards(m, directory, 4 << 20)
+        shards = offload_shards(m, directory, 4 << 20, checkpoint=checkpoint)
     opt: Any = torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)
     if directory is not None:
         opt = OffloadedOptimizer(opt, directory, 1 << 20)
@@ -111,3 +121,35 @@ def test_offloaded_shards_train_as_fsdp2_in_memory(tmp_path: Path, name: str) ->
     assert per_rank[0]["memory"]["losses"] != per_rank[1]["memory"]["losses"]
     assert per_rank[0]["memory"]["losses"][-1] < per_rank[0]["memory"]["losses"][0]  # it trained
     assert os.listdir(swap) == []
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "torch", "store"])
+def test_a_meta_model_filled_from_a_checkpoint_trains_as_in_memory(tmp_path: Path, kind: str) -> None:
+    """Built on the meta device, sharded, its shards made from a checkpoint a unit at a time (each rank
+    reading its rows; 97 vocabulary rows shard unevenly, 49 and 48): the same training as the model built
+    in memory."""
+    pytest.importorskip("accelerate")
+    sd = _build("llama").state_dict()
+    if kind == "safetensors":
+        from safetensors.torch import save_file
+
+        path = str(tmp_path / "model.safetensors")
+        save_file(sd, path)
+    elif kind == "torch":
+        import deepnvme
+
+        path = str(tmp_path / "model.pt")
+        deepnvme.save(sd, path)
+    else:
+        from deepnvme.offload import write_store
+
+        path = write_store(_build("llama"), tmp_path / "store")
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    case = dict(CASES["llama"], checkpoint=path)
+    per_rank = launch(2, _body, (str(swap), case), tmp_path, DEADLINE_S)
+    for rank, res in enumerate(per_rank):
+        mem, off = res["memory"], res["offload"]
+        assert off["losses"] == mem["losses"], rank
+        assert all(torch.equal(a, b) for a, b in zip(mem["shards"], off["shards"])), rank
+        assert off["resident"] == [0] * STEPS, rank

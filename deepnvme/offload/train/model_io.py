@@ -79,6 +79,38 @@ class Checkpoint:
         finally:
             lease.release()  # type: ignore[union-attr]
 
+    @contextlib.contextmanager
+    def rows(self, key: str, start: int, stop: int) -> Iterator[torch.Tensor]:
+        """Rows `start:stop` (of the first dimension) of tensor `key`, read alone (a rank's shard of it);
+        transient, as tensor()."""
+        if self.store is None:
+            t = self.loaded[key]
+            try:
+                yield t[start:stop]
+            finally:
+                release_pages(t)
+            return
+        info = self.infos[key]
+        if not info.shape:
+            raise StoreError(f"{key} in {info.path} is a scalar: it has no rows to shard")
+        row = info.nbytes // max(1, info.shape[0])
+        offset, nbytes = info.offset + start * row, (stop - start) * row
+        shape = (stop - start, *info.shape[1:])
+        if nbytes == 0:
+            yield torch.empty(shape, dtype=info.dtype)
+            return
+        name = f"checkpoint:{info.path}:{offset}:{nbytes}"
+        try:
+            unit = self.space.unit(name)
+        except KeyError:
+            unit = self.space.add_external(name, info.path, offset, nbytes)
+        lease = self.space.read([unit], demand=True)
+        try:
+            lease.wait()  # type: ignore[union-attr]
+            yield lease.view(unit).view(info.dtype).view(shape)  # type: ignore[union-attr]
+        finally:
+            lease.release()  # type: ignore[union-attr]
+
     def close(self) -> None:
         if self.store is not None:
             self.store.close()

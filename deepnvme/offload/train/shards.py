@@ -46,8 +46,11 @@ from deepnvme.offload.swap import (
     budget_arg,
     check_memory_room,
     return_freed_memory,
+    round_up,
 )
 from deepnvme.offload.train.dtensors import is_dtensor
+from deepnvme.offload.train.model_io import Checkpoint
+from deepnvme.offload.train.shard_fill import fill_unit
 from deepnvme.offload.train.shard_parts import CAN_MAP, Parts, storages_of
 from deepnvme.offload.train.unit_hooks import BackwardEnds, through
 
@@ -67,6 +70,7 @@ class ShardUnit:
         self.index, self.name, self.module, self.params = index, name, module, params
         self.data = Parts(f"shards.{index}", storages_of(p.to_local() for p in params))
         self.grads: Parts | None = None
+        self.data_unit: Unit | None = None  # where the parameter shards go
         self.grad_unit: Unit | None = None  # where gradients go (kept while they are set to None)
         self.in_backward = -1  # the graph task of the backward it is in (-1: none)
         self.handles: list[Any] = []
@@ -80,7 +84,7 @@ class OffloadedShards(Closing):
     """This rank's shards of an FSDP2 model on the drive (see the module docstring and offload_shards)."""
 
     def __init__(self, model: nn.Module, directory: str | os.PathLike, budget_bytes: int, *,
-                 prefetch: int = 1) -> None:
+                 prefetch: int = 1, checkpoint: str | os.PathLike | None = None) -> None:
         self._closed = True
         if not CAN_MAP:
             raise RuntimeError(f"torch {torch.__version__} cannot point a storage at other memory "
@@ -88,8 +92,16 @@ class OffloadedShards(Closing):
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (units read ahead), got {prefetch!r}")
         budget = budget_arg(budget_bytes)
-        self.units = _units_of(model)
-        largest = max(2 * u.data.nbytes for u in self.units)  # its parameters, and as much in gradients
+        plans = _plan_units(model)
+        meta = [name for name, _, ps in plans if any(p.is_meta for p in ps)]
+        if meta and checkpoint is None:
+            raise ValueError(f"the shards of {meta[0]} are on the meta device: give checkpoint= (a "
+                             "safetensors file or folder, deepnvme's store, or a file in torch's format) to "
+                             "fill them from, a unit at a time")
+        if checkpoint is not None:
+            _check_buffers(model)
+        sizes = [sum(round_up(_shard_bytes(p)) for p in ps) for _, _, ps in plans]
+        largest = 2 * max(sizes)  # a unit's parameter shards, and as much in gradients
         self.min_budget_bytes = (3 + prefetch) * largest
         if budget < self.min_budget_bytes:
             raise ValueError(f"budget_bytes={budget} is less than offload_shards needs: "
@@ -98,20 +110,20 @@ class OffloadedShards(Closing):
                              f"{self.min_budget_bytes}")
         # What a step holds beyond the pool: FSDP's gathered parameters of a unit and of the one it gathers
         # ahead, and a unit's unsharded gradients (activations are the model's own, not counted); the
-        # shards' own memory is given back by this call.
-        gathered = max(sum(p.numel() * p.element_size() for p in u.params) for u in self.units)
+        # shards in memory now are given back by this call.
+        gathered = max(sum(p.numel() * p.element_size() for p in ps) for _, _, ps in plans)
         self.memory_bytes = budget + 3 * gathered
-        freed = sum(u.data.nbytes for u in self.units)
+        freed = sum(n for n, (_, _, ps) in zip(sizes, plans) if not any(p.is_meta for p in ps))
         check_memory_room(self.memory_bytes - freed,
                           f"offload_shards(budget_bytes={budget}) with a step's gathered units "
                           f"(3 x {gathered} bytes)")
         return_freed_memory()
         self.prefetch = prefetch
-        total = sum(u.data.nbytes for u in self.units)
-        self.space = SwapSpace(directory, budget, expected_bytes=2 * total, requests_in_flight=2,
+        self.space = SwapSpace(directory, budget, expected_bytes=2 * sum(sizes), requests_in_flight=2,
                                handle_settings=SWAP)
         self._closed = False
         self.fd = -1
+        self.units: list[ShardUnit] = []
         self.order: list[ShardUnit] = []  # the units in the order the last forward ended them (FSDP's)
         self.starts: list[ShardUnit] = []  # ... and began them
         self._pass: list[ShardUnit] = []
@@ -122,18 +134,34 @@ class OffloadedShards(Closing):
         self.counts = {"unit_reads": 0, "bytes_read": 0, "bytes_written": 0, "read_from_mapping": 0}
         try:
             self.fd = os.open(self.space.file, os.O_RDWR)  # type: ignore[arg-type] - the mappings' file
-            for u in self.units:
-                u.data.place(self.space, None)
-                self._release(u.data)
-            self._drain(block=True)
-            for u in self.units:
-                u.owner = self
-                for p in u.params:
-                    setattr(p, UNIT_ATTR, u)
-                self._hook(u)
+            self._take_units(model, plans, checkpoint)
         except BaseException:
             self.close(restore=False)
             raise
+
+    def _take_units(self, model: nn.Module, plans: list[tuple[str, nn.Module, list[nn.Parameter]]],
+                    checkpoint: str | os.PathLike | None) -> None:
+        """Write every unit's shards (made from `checkpoint` first where they are meta, a unit at a time,
+        each given back before the next is made), then hook the units."""
+        ckpt = None if checkpoint is None else Checkpoint(checkpoint, self.space)
+        try:
+            for name, module, params in plans:
+                if ckpt is not None and any(p.is_meta for p in params):
+                    params = fill_unit(model, params, ckpt)
+                    self._drain(block=True)  # the units made before give their memory back first
+                u = ShardUnit(len(self.units), name, module, params)
+                self.units.append(u)
+                u.owner = self
+                u.data_unit = u.data.place(self.space, None)
+                self._release(u.data)
+            self._drain(block=True)
+        finally:
+            if ckpt is not None:
+                ckpt.close()
+        for u in self.units:
+            for p in u.params:
+                setattr(p, UNIT_ATTR, u)
+            self._hook(u)
 
     # ------------------------------------------------------------------------------------------ hooks
     def _hook(self, u: ShardUnit) -> None:
@@ -185,6 +213,7 @@ class OffloadedShards(Closing):
 
             for t in {id(t): t for t in needs}.values():
                 t.register_hook(begins)
+        self._follow(u)
         self._release(u.data)
         return output
 
@@ -207,6 +236,7 @@ class OffloadedShards(Closing):
         self._take_grads(u)
         if u.grads is not None:
             self._release(u.grads)
+        self._follow(u)
         self._release(u.data)
 
     def _ended_soon(self) -> None:
@@ -243,6 +273,19 @@ class OffloadedShards(Closing):
             u.grads = Parts(f"grads.{u.index}", now)
             u.grad_unit = u.grads.place(self.space, u.grad_unit)
 
+    def _follow(self, u: ShardUnit) -> None:
+        """Follow FSDP when it gave a shard other memory (its lazy initialisation pads an uneven shard anew,
+        a conversion or load_state_dict(assign=True) replaces it): the new storages, which hold the values,
+        become the unit's parts."""
+        now = storages_of(p.to_local() for p in u.params)
+        if [st._cdata for st in now] == [st._cdata for st in u.data.storages]:
+            return
+        old = u.data
+        old.forget()
+        self._busy.discard(id(old))
+        u.data = Parts(old.name, now)
+        u.data_unit = u.data.place(self.space, u.data_unit)
+
     def _read_ahead(self, units: Sequence[ShardUnit], grads: bool) -> None:
         for u in units:
             for parts in (u.data, u.grads if grads else None):
@@ -254,6 +297,7 @@ class OffloadedShards(Closing):
 
     def _bring(self, u: ShardUnit, grads: bool) -> None:
         """Make `u`'s parameter shards (and its gradients with `grads`) resident."""
+        self._follow(u)
         for parts in (u.data, u.grads if grads else None):
             if parts is None:
                 continue
@@ -312,6 +356,7 @@ class OffloadedShards(Closing):
 
     def release_stepped(self, u: ShardUnit) -> None:
         """After the optimizer stepped `u`: its parameters are written, its gradients given back."""
+        self._follow(u)
         u.data.dirty = True
         self._release(u.data)
         if u.grads is not None:
@@ -359,8 +404,9 @@ class OffloadedShards(Closing):
             self.space.close()
 
 
-def _units_of(model: nn.Module) -> list[ShardUnit]:
-    """The modules fully_shard was applied to, each with the parameters its own group shards."""
+def _plan_units(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
+    """The modules fully_shard was applied to, each with the parameters its own group shards (units
+    without an element on this rank left out)."""
     if FSDPModule is None or not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module sharded by torch's fully_shard, got "
                         f"{type(model).__name__}")
@@ -369,7 +415,7 @@ def _units_of(model: nn.Module) -> list[ShardUnit]:
         raise ValueError("model has no module sharded by torch.distributed.fsdp.fully_shard: shard it first "
                          "(fully_shard on each block, then on the model), then offload its shards")
     inner = {id(m) for _, m in groups}
-    units: list[ShardUnit] = []
+    plans = []
     for name, m in groups:
         own: list[nn.Parameter] = []
         stack = [m]
@@ -382,28 +428,50 @@ def _units_of(model: nn.Module) -> list[ShardUnit]:
             if not is_dtensor(p):
                 raise ValueError(f"a parameter of {name or 'the model'} is not sharded by fully_shard "
                                  f"({type(p).__name__}): offload_shards offloads FSDP2's shards")
-            if p.device.type != "cpu":
+            if p.device.type not in ("cpu", "meta"):
                 raise ValueError(f"a parameter of {name or 'the model'} is on {p.device}: offload_shards "
                                  "keeps shards of host memory only")
             if getattr(p, UNIT_ATTR, None) is not None:
                 raise ValueError(f"the shards of {name or 'the model'} are offloaded already")
         if own and any(p.to_local().numel() for p in own):
-            units.append(ShardUnit(len(units), name or "(root)", m, own))
-    if not units:
+            plans.append((name or "(root)", m, own))
+    if not plans:
         raise ValueError("no shard of model holds any element on this rank: nothing to offload")
-    return units
+    return plans
+
+
+def _shard_bytes(p: torch.Tensor) -> int:
+    """Bytes of FSDP2's padded shard of `p` on this rank (its storage: every rank's is the first's size)."""
+    local = p.to_local()  # type: ignore[attr-defined]
+    if local.dim() == 0 or p.shape[0] == 0:
+        return local.numel() * local.element_size()
+    ranks = p.device_mesh.size()  # type: ignore[attr-defined]
+    return -(-p.shape[0] // ranks) * (p.numel() // p.shape[0]) * p.element_size()
+
+
+def _check_buffers(model: nn.Module) -> None:
+    """A checkpoint fills parameters; a buffer on the meta device would be garbage in the forward."""
+    for name, b in model.named_buffers():
+        if b.is_meta:
+            raise ValueError(f"buffer {name} is on the meta device: build the model with its buffers in "
+                             "memory (accelerate's init_empty_weights does), then fill its shards from the "
+                             "checkpoint")
 
 
 def offload_shards(model: nn.Module, directory: str | os.PathLike, budget_bytes: int = 256 << 20, *,
-                   prefetch: int = 1) -> OffloadedShards:
+                   prefetch: int = 1, checkpoint: str | os.PathLike | None = None) -> OffloadedShards:
     """Keep this rank's shards of `model` (sharded by torch's `fully_shard`: on each block, then on the
     model) in a swap space under `directory` (this process's own folder in it), reading each unit's shards
     just before FSDP gathers them and giving them back after (see the module docstring). `budget_bytes` of
     locked memory carry every read and write; `prefetch` units are read ahead. Step the model with
     `OffloadedOptimizer(torch.optim.AdamW(model.parameters(), ...), ...)`, made after this call. Returns
     the OffloadedShards (a context manager: close() puts the shards back in memory and removes the files).
+
+    A model built on the meta device (its buffers real: accelerate's `init_empty_weights`) and sharded is
+    filled from `checkpoint` (a safetensors file or folder, deepnvme's store, or a file in torch's format
+    such as `deepnvme.save` writes) a unit at a time, each rank reading only its rows (shard_fill.py).
     """
-    return OffloadedShards(model, directory, budget_bytes, prefetch=prefetch)
+    return OffloadedShards(model, directory, budget_bytes, prefetch=prefetch, checkpoint=checkpoint)
 
 
 __all__ = ["OffloadedShards", "ShardUnit", "offload_shards"]
