@@ -32,6 +32,7 @@ class ShardLending:
         owner.space.check_files()  # a swap file deleted or cut short: an error naming it, before updates
 
     def take(self, i: int) -> dict[torch.Tensor, torch.Tensor]:
+        self.owner._drain(block=False)  # units written since give their memory back as the walk goes
         for u in self.first[i]:
             self.owner._bring(u, grads=True)
         ahead = [u for tile in self.first[i + 1:] for u in tile][:1 + self.owner.prefetch]
