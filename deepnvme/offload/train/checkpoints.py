@@ -16,6 +16,7 @@ import torch
 
 from deepnvme.offload._doors import PAGE, madvise, save_streamed
 from deepnvme.offload.swap import Lease, ReadAhead, Unit, round_up
+from deepnvme.offload.train.dtensors import local_state
 from deepnvme.offload.train.records import Entry, Record, entries_of, is_swapped, layout, strides_of
 
 if TYPE_CHECKING:
@@ -171,7 +172,7 @@ class Checkpoints(_Base):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take a whole state (as state_dict() gives, or the wrapped optimizer's) onto the drive."""
         self._check_open()
-        self._load_packed(state_dict, drop_pages=False)
+        self._load_packed(local_state(state_dict), drop_pages=False)
 
     def _load_packed(self, sd: dict[str, Any], drop_pages: bool) -> None:
         """Replace the whole state by `sd`'s (torch's state_dict format), checked before anything is

@@ -38,26 +38,30 @@ class ShardViews:
     def __init__(self) -> None:
         self.dtensor_of: dict[int, torch.Tensor] = {}  # id(view) -> the DTensor it stands for
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (view, DTensor)
+        self._view_by_id: dict[int, torch.Tensor] = {}  # id(DTensor) -> its view
 
     def __len__(self) -> int:
         return len(self._views)
 
     @torch.no_grad()
+    def view_of(self, p: torch.Tensor) -> torch.Tensor:
+        """The view standing for `p` (made on first use); `p` itself when it is not a DTensor."""
+        if not is_dtensor(p):
+            return p
+        view = self._view_by_id.get(id(p))
+        if view is not None and self.dtensor_of[id(view)] is p:
+            return view
+        view = p.to_local().detach()
+        self._views.append((view, p))
+        self.dtensor_of[id(view)] = p
+        self._view_by_id[id(p)] = view
+        return view
+
     def take(self, groups: list[dict[str, Any]]) -> None:
         """Put a view in place of each DTensor in `groups` (a DTensor already viewed keeps its view)."""
-        known = {id(d): v for v, d in self._views}
         for g in groups:
-            params = g["params"]
-            for i, p in enumerate(params):
-                if not is_dtensor(p):
-                    continue
-                view = known.get(id(p))
-                if view is None:
-                    view = p.to_local().detach()
-                    known[id(p)] = view
-                    self._views.append((view, p))
-                    self.dtensor_of[id(view)] = p
-                params[i] = view
+            if any(is_dtensor(p) for p in g["params"]):
+                g["params"] = [self.view_of(p) for p in g["params"]]
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -81,3 +85,14 @@ class ShardViews:
             else:
                 p.grad.zero_()
             view.grad = None
+
+
+def local_state(sd: Any) -> Any:
+    """An optimizer state_dict whose DTensor state (saved from an optimizer stepped over FSDP2's parameters
+    in memory) is given as this rank's local shards, as the views of those parameters are stepped;
+    anything else unchanged."""
+    if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict):
+        return sd
+    state = {k: {key: v.to_local() if is_dtensor(v) else v for key, v in st.items()} if isinstance(st, dict)
+             else st for k, st in sd["state"].items()}
+    return {**sd, "state": state}

@@ -47,7 +47,7 @@ from deepnvme.offload.swap import Closing, Lease, SwapSpace, budget_arg, check_m
 from deepnvme.offload.train.backward_step import StepsInBackward, check_can_step
 from deepnvme.offload.train.checkpoints import Checkpoints
 from deepnvme.offload.train.checks import Checks
-from deepnvme.offload.train.dtensors import ShardViews, is_dtensor
+from deepnvme.offload.train.dtensors import ShardViews
 from deepnvme.offload.train.grouping import how_stepped, whole_step_too_large
 from deepnvme.offload.train.held import HIDDEN_ATTR
 from deepnvme.offload.train.lending import Lending, applied_in_backward, owner_of, zero_offloaded_grads
@@ -65,7 +65,7 @@ from deepnvme.offload.train.records import (
     least_piece,
     strides_of,
 )
-from deepnvme.offload.train.shard_lending import shard_lending
+from deepnvme.offload.train.shard_lending import by_unit, shard_lending
 from deepnvme.offload.train.tile_walk import REQUESTS_IN_FLIGHT, Piece, TileWalk
 from deepnvme.offload.train.wrapped import needs_closure, step_unhooked
 
@@ -149,8 +149,8 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, TileWalk, Closing
         self._loose: dict[Any, Any] = {}  # the wrapped optimizer's state not keyed by a parameter
         adopted = optimizer.state_dict() if optimizer.state else None  # before DTensors are viewed
         self._views = ShardViews()  # FSDP2's DTensor parameters: stepped through views of their shards
-        self._views.take(optimizer.param_groups)
-        params = [(gi, p) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]]
+        params = [(gi, self._views.view_of(p)) for gi, g in enumerate(optimizer.param_groups)
+                  for p in g["params"]]  # put in the groups once nothing can fail
         for i, (_, p) in enumerate(params):
             self._check_param(p, f"parameter {i}")
         self.swap_bytes, self.min_budget_bytes, exact = self._plan(params)
@@ -171,6 +171,7 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, TileWalk, Closing
         self.swap = SwapSpace(directory, budget, handle=handle, expected_bytes=self.swap_bytes,
                               requests_in_flight=REQUESTS_IN_FLIGHT, handle_settings=SWAP)
         self._closed = False
+        self._views.take(optimizer.param_groups)
         self._records: dict[torch.Tensor, Record] = {}
         self._made: set[torch.Tensor] = set()  # parameters whose state existed when the step began
         self._flat_grads: dict[torch.Tensor, torch.Tensor] = {}  # a step's flattened gradients (chunks)
@@ -184,7 +185,7 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, TileWalk, Closing
         self.state = defaultdict(dict)
         if adopted is not None:  # state the wrapped optimizer already had moves to the drive
             optimizer.state.clear()
-            self.load_state_dict(_local_state(adopted))
+            self.load_state_dict(adopted)
         self.step_in_backward = step_in_backward
 
     # --------------------------------------------------------------------------------------- planning
@@ -296,6 +297,8 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, TileWalk, Closing
         for _, p in work:
             self._check_work(p)
         self.swap.check_files()
+        if self.elementwise and len(self._views):
+            work = by_unit(work, self._views)  # each offloaded unit brought once, in one run of tiles
         tiles = self._make_records(work)
         in_tiles = [[p for _, p, _ in t] for t in tiles]
         lending = shard_lending(in_tiles, self._views) or Lending(in_tiles)
@@ -552,14 +555,6 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, TileWalk, Closing
     def __repr__(self) -> str:
         return (f"OffloadedOptimizer({type(self.optimizer).__name__}, {self.swap.directory!r}, "
                 f"budget_bytes={self.budget_bytes}, master_weights={self.master_weights})")
-
-
-def _local_state(sd: dict[str, Any]) -> dict[str, Any]:
-    """A state_dict whose DTensor state (of an optimizer stepped over FSDP2's parameters before it was
-    wrapped) is given as this rank's local shards, as the views of those parameters are stepped."""
-    state = {k: {key: v.to_local() if is_dtensor(v) else v for key, v in st.items()}
-             for k, st in sd["state"].items()}
-    return {**sd, "state": state}
 
 
 def _copied(values: dict[str, Any]) -> dict[str, Any]:

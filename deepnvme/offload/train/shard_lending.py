@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from deepnvme.offload.train.dtensors import ShardViews
-from deepnvme.offload.train.shards import UNIT_ATTR, OffloadedShards, ShardUnit
+from deepnvme.offload.train.shards import OffloadedShards, ShardUnit, unit_of
 
 
 class ShardLending:
@@ -44,11 +44,11 @@ class ShardLending:
             self.owner.release_stepped(u)
 
     def done(self) -> None:
-        self.owner._drain(block=True)
+        self.owner.settle()
 
     def close(self) -> None:
         try:
-            self.owner._drain(block=True)
+            self.owner.settle()
         except OSError:
             pass  # the step's own error is the one raised
 
@@ -61,7 +61,7 @@ def shard_lending(tiles: Sequence[Sequence[torch.Tensor]], views: ShardViews) ->
         units.append([])
         for v in tile:
             p = views.dtensor_of.get(id(v))
-            u = None if p is None else getattr(p, UNIT_ATTR, None)
+            u = None if p is None else unit_of(p)
             if u is not None:
                 units[-1].append(u)
                 owners[id(u.owner)] = u.owner
@@ -71,3 +71,17 @@ def shard_lending(tiles: Sequence[Sequence[torch.Tensor]], views: ShardViews) ->
         raise ValueError("an OffloadedOptimizer steps the shards of one offload_shards at most: these come "
                          "from several models (make an optimizer per model)")
     return ShardLending(next(iter(owners.values())), units)
+
+
+def by_unit(work: list[tuple[int, torch.Tensor]], views: ShardViews) -> list[tuple[int, torch.Tensor]]:
+    """`work` (group, parameter) with the views of offloaded shards in the order of their units, so that a
+    unit is brought once and given back as soon as its last parameter is stepped (in the groups' order, a
+    unit with parameters in two groups, decayed and not, would stay in memory from the first group's walk
+    to the second's). Only for an element-wise optimizer, where the order of parameters changes nothing."""
+    def key(item: tuple[int, int, torch.Tensor]) -> tuple[int, int]:
+        at, _, p = item
+        d = views.dtensor_of.get(id(p))
+        u = None if d is None else unit_of(d)
+        return (-1 if u is None else u.index, at)
+
+    return [(gi, p) for _, gi, p in sorted(((at, gi, p) for at, (gi, p) in enumerate(work)), key=key)]

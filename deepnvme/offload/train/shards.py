@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from deepnvme.offload._doors import SWAP
 from deepnvme.offload.swap import (
@@ -59,8 +60,14 @@ try:
 except ImportError:  # pragma: no cover - torch without distributed support
     FSDPModule = None  # type: ignore[assignment,misc]
 
-#: Attribute of an offloaded DTensor parameter naming its ShardUnit (for the optimizer's step).
-UNIT_ATTR = "_deepnvme_shard_unit"
+# The ShardUnit of each offloaded DTensor parameter (for the optimizer's step); kept beside the parameters,
+# not on them, so that they pickle and copy as FSDP's own do.
+_UNITS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def unit_of(p: torch.Tensor) -> ShardUnit | None:
+    """The ShardUnit whose shards include parameter `p` (None when `p` is not offloaded by offload_shards)."""
+    return _UNITS.get(p)
 
 
 class ShardUnit:
@@ -79,6 +86,13 @@ class ShardUnit:
     def local_grads(self) -> list[torch.Tensor]:
         return [p.grad.to_local() for p in self.params if p.grad is not None]
 
+    def tensors(self, parts: Parts) -> list[torch.Tensor]:
+        """The local tensors over `parts`' storages (the shards, or their gradients)."""
+        if parts is self.data:
+            with torch.no_grad():
+                return [p.to_local() for p in self.params]
+        return self.local_grads()
+
 
 class OffloadedShards(Closing):
     """This rank's shards of an FSDP2 model on the drive (see the module docstring and offload_shards)."""
@@ -91,6 +105,8 @@ class OffloadedShards(Closing):
                                "(UntypedStorage._swap_data_ptr_): shards cannot be offloaded with it")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (units read ahead), got {prefetch!r}")
+        if directory is None or os.fspath(directory) == "":
+            raise ValueError(f"directory must name the folder the swap files go in, got {directory!r}")
         budget = budget_arg(budget_bytes)
         plans = _plan_units(model)
         meta = [name for name, _, ps in plans if any(p.is_meta for p in ps)]
@@ -136,7 +152,10 @@ class OffloadedShards(Closing):
             self.fd = os.open(self.space.file, os.O_RDWR)  # type: ignore[arg-type] - the mappings' file
             self._take_units(model, plans, checkpoint)
         except BaseException:
-            self.close(restore=False)
+            try:  # the model as it was: shards written so far are read back
+                self.close()
+            except BaseException:  # noqa: BLE001 - the first error is the one raised
+                pass
             raise
 
     def _take_units(self, model: nn.Module, plans: list[tuple[str, nn.Module, list[nn.Parameter]]],
@@ -153,14 +172,14 @@ class OffloadedShards(Closing):
                 self.units.append(u)
                 u.owner = self
                 u.data_unit = u.data.place(self.space, None)
-                self._release(u.data)
+                self._release(u.data, u)
             self._drain(block=True)
         finally:
             if ckpt is not None:
                 ckpt.close()
         for u in self.units:
             for p in u.params:
-                setattr(p, UNIT_ATTR, u)
+                _UNITS[p] = u
             self._hook(u)
 
     # ------------------------------------------------------------------------------------------ hooks
@@ -214,7 +233,7 @@ class OffloadedShards(Closing):
             for t in {id(t): t for t in needs}.values():
                 t.register_hook(begins)
         self._follow(u)
-        self._release(u.data)
+        self._release(u.data, u)
         return output
 
     def _backward_begins(self, u: ShardUnit, task: int) -> None:
@@ -235,9 +254,9 @@ class OffloadedShards(Closing):
         u.in_backward = -1
         self._take_grads(u)
         if u.grads is not None:
-            self._release(u.grads)
+            self._release(u.grads, u)
         self._follow(u)
-        self._release(u.data)
+        self._release(u.data, u)
 
     def _ended_soon(self) -> None:
         # Queued at the backward's first unit, so before FSDP queues the callback that reduces the root's
@@ -248,7 +267,26 @@ class OffloadedShards(Closing):
         for u in self.units:  # units whose inputs needed no gradient (the root's): no identity ran
             self._backward_ends(u)
         self._task = -1
+        self.settle()
+
+    def settle(self) -> None:
+        """Between passes: units still brought (FSDP's backward prefetch of a frozen unit, a forward
+        that raised) are given back, reads issued ahead and not taken are dropped (their memory held for
+        good otherwise), and every write is waited for."""
+        for u in self.units:
+            if u.in_backward == -1 and id(u.data) in self._busy:
+                self._follow(u)
+                self._release(u.data, u)
+            if u.in_backward == -1 and u.grads is not None and id(u.grads) in self._busy:
+                self._release(u.grads, u)
+        self._drop_read_aheads()
         self._drain(block=True)
+
+    def _drop_read_aheads(self) -> None:
+        for u in self.units:
+            for parts in (u.data, u.grads):
+                if parts is not None:
+                    parts.drop_reading()
 
     # ----------------------------------------------------------------------------------------- moves
     @staticmethod
@@ -266,8 +304,7 @@ class OffloadedShards(Closing):
             have.dirty = True  # accumulated into, or made anew in the same memory
             return
         if have is not None:
-            have.forget()
-            self._busy.discard(id(have))
+            self._let_go(have)
         u.grads = None
         if now:
             u.grads = Parts(f"grads.{u.index}", now)
@@ -281,10 +318,19 @@ class OffloadedShards(Closing):
         if [st._cdata for st in now] == [st._cdata for st in u.data.storages]:
             return
         old = u.data
-        old.forget()
-        self._busy.discard(id(old))
+        self._let_go(old)
         u.data = Parts(old.name, now)
         u.data_unit = u.data.place(self.space, u.data_unit)
+
+    def _let_go(self, parts: Parts) -> None:
+        """Forget `parts` (their range of the swap file is reused next). A storage someone still holds (a
+        gradient kept after zero_grad) that shows the mapping is given its values in memory first: the
+        mapping would show the bytes written there next."""
+        if not parts.resident and parts.shared():
+            self.space.check_files()
+            parts.fill(None)
+        parts.forget()
+        self._busy.discard(id(parts))
 
     def _read_ahead(self, units: Sequence[ShardUnit], grads: bool) -> None:
         for u in units:
@@ -302,8 +348,7 @@ class OffloadedShards(Closing):
             if parts is None:
                 continue
             if grads and parts is u.grads and not u.local_grads():
-                parts.forget()  # set to None since: nothing to bring
-                self._busy.discard(id(parts))
+                self._let_go(parts)  # set to None since: nothing to bring
                 u.grads = None
                 continue
             self._busy.add(id(parts))
@@ -311,56 +356,76 @@ class OffloadedShards(Closing):
             if parts.resident:
                 if lease is not None:
                     lease.release()
+                if parts.stamp is None:
+                    parts.stamp = _versions(u.tensors(parts))
                 continue
-            if parts.touched():  # read or written through the mapping: its bytes are the values now
+            # A file cut short would make the mapping's pages unreadable (SIGBUS): an OSError naming it.
+            self.space.check_files()
+            if parts.written():  # written through the mapping: its pages hold the values now
                 if lease is not None:
                     lease.release()
-                parts.fill(None, self.fd)
+                parts.fill(None)
+                parts.stamp = _versions(u.tensors(parts))
                 self.counts["read_from_mapping"] += parts.nbytes
                 continue
             if lease is None:
+                lease = self.space.read([parts.unit], demand=True, block=False)  # type: ignore[list-item]
+            if lease is None:  # the pool holds reads issued ahead, which only this thread takes: dropped
+                self._drop_read_aheads()
                 lease = self.space.read([parts.unit], demand=True)  # type: ignore[list-item]
-            else:
-                lease.demand()
+            lease.demand()
             try:
                 lease.wait()
-                parts.fill(lease, self.fd)
+                parts.fill(lease)
             finally:
                 lease.release()
+            parts.stamp = _versions(u.tensors(parts))
             self.counts["unit_reads"] += 1
             self.counts["bytes_read"] += parts.nbytes
 
-    def _release(self, parts: Parts) -> None:
+    def _release(self, parts: Parts, u: ShardUnit) -> None:
         """Give `parts`' memory back: at once if the drive holds its values, else once they are written
-        (a write in flight maps them when done: mapped before, the page cache could hold older bytes)."""
+        (a write in flight maps them when done: mapped before, the page cache could hold older bytes).
+        Tensors written in place since they were brought (their versions moved) are written."""
         self._busy.discard(id(parts))
+        if parts.resident and parts.stamp is not None and parts.stamp != _versions(u.tensors(parts)):
+            parts.dirty = True
+        parts.stamp = None
         if any(p is parts for p, _ in self._pending):
             return
         if parts.resident and not parts.dirty:
             parts.map(self.fd)
         elif parts.resident:
-            self._pending.append((parts, parts.write(self.space)))
+            self._pending.append((parts, parts.write(self.space, self._drop_read_aheads)))
             self.counts["bytes_written"] += parts.nbytes
 
     def _drain(self, block: bool) -> None:
-        """Map the parts whose writes are done (all of them, waiting, with `block`); raise a write's error."""
-        keep = []
+        """Map the parts whose writes are done (all of them, waiting, with `block`); raise a write's error
+        (its parts stay in memory, to be written again at their next release)."""
+        keep, failed = [], None
         for parts, lease in self._pending:
             if not block and not lease.done():
                 keep.append((parts, lease))
                 continue
-            lease.wait()
+            try:
+                lease.wait()
+            except OSError as exc:
+                parts.dirty = True
+                failed = failed or exc
+                continue
             if parts.storages and not parts.dirty and id(parts) not in self._busy:  # written, unchanged
                 parts.map(self.fd)
         self._pending = keep
+        if failed is not None:
+            raise failed
 
     def release_stepped(self, u: ShardUnit) -> None:
         """After the optimizer stepped `u`: its parameters are written, its gradients given back."""
         self._follow(u)
         u.data.dirty = True
-        self._release(u.data)
+        self._release(u.data, u)
         if u.grads is not None:
-            self._release(u.grads)
+            self._release(u.grads, u)
 
     # ------------------------------------------------------------------------------------------- life
     def _check_open(self) -> None:
@@ -378,30 +443,42 @@ class OffloadedShards(Closing):
 
     def close(self, restore: bool = True) -> None:
         """Put every shard (and gradient) back in memory (`restore`), remove the hooks and the swap files.
-        With restore=False the shards are left as they are: their tensors must not be used again."""
+        With restore=False (or once a read back has failed: that error is raised) the shards left on the
+        drive keep showing their mappings of the removed file: readable, and never written back."""
         if self._closed:
             return
         self._closed = True
+        errors: list[BaseException] = []
         try:
             try:
                 self._drain(block=True)
-            finally:
-                for u in self.units:
-                    for h in u.handles:
-                        h.remove()
-                    u.handles = []
-                    for p in u.params:
-                        p.__dict__.pop(UNIT_ATTR, None)
-                    if restore:
+            except BaseException as exc:  # noqa: BLE001 - raised below, after everything is let go
+                errors.append(exc)
+            for u in self.units:
+                for h in u.handles:
+                    h.remove()
+                u.handles = []
+                for p in u.params:
+                    _UNITS.pop(p, None)
+                if restore and not errors:
+                    try:
                         self._bring(u, grads=True)
-                    for parts in (u.data, u.grads):
-                        if parts is not None:
-                            parts.drop_reading()
+                    except BaseException as exc:  # noqa: BLE001 - raised below
+                        errors.append(exc)
+                for parts in (u.data, u.grads):
+                    if parts is not None:
+                        parts.drop_reading()
         finally:
             if self.fd >= 0:
                 os.close(self.fd)
                 self.fd = -1
             self.space.close()
+        if errors:
+            raise errors[0]
+
+
+def _versions(tensors: list[torch.Tensor]) -> list[int]:
+    return [t._version for t in tensors]
 
 
 def _plan_units(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
@@ -428,10 +505,11 @@ def _plan_units(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Paramete
             if not is_dtensor(p):
                 raise ValueError(f"a parameter of {name or 'the model'} is not sharded by fully_shard "
                                  f"({type(p).__name__}): offload_shards offloads FSDP2's shards")
-            if p.device.type not in ("cpu", "meta"):
-                raise ValueError(f"a parameter of {name or 'the model'} is on {p.device}: offload_shards "
-                                 "keeps shards of host memory only")
-            if getattr(p, UNIT_ATTR, None) is not None:
+            if p.device.type not in ("cpu", "meta") or p.device_mesh.device_type != "cpu":
+                raise ValueError(f"a parameter of {name or 'the model'} is on {p.device}, computed on "
+                                 f"{p.device_mesh.device_type}: offload_shards keeps the shards of models "
+                                 "computed on the host only (CUDA is not supported yet)")
+            if unit_of(p) is not None:
                 raise ValueError(f"the shards of {name or 'the model'} are offloaded already")
         if own and any(p.to_local().numel() for p in own):
             plans.append((name or "(root)", m, own))
