@@ -10,18 +10,17 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from cgroups import argv_in, memory_cgroup
 
 import deepnvme
 
 ROOT = Path(__file__).resolve().parents[2]
-CGROUPS = Path("/sys/fs/cgroup/memory")
 BLOCKS, WIDTH = 64, 2048  # 64 x 16 MiB: 1 GiB of fp32 parameters, 512 MiB a rank
 LIMIT = 512 << 20
 BUDGET, OPT_BUDGET = 72 << 20, 32 << 20
@@ -30,26 +29,9 @@ BUDGET, OPT_BUDGET = 72 << 20, 32 << 20
 @pytest.fixture
 def cgroups() -> Iterator[list[Path]]:
     """Two child memory cgroups of the v1 hierarchy (removed after)."""
-    if os.geteuid() != 0 or not (CGROUPS / "memory.limit_in_bytes").exists():
-        pytest.skip("needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory")
-    made = []
-    try:
-        for r in range(2):
-            path = CGROUPS / f"deepnvme-fsdp-{os.getpid()}-{r}"
-            try:
-                path.mkdir()
-            except OSError as exc:
-                pytest.skip(f"cannot make a memory cgroup here: {exc}")
-            made.append(path)
-        yield made
-    finally:
-        for path in made:
-            for _ in range(50):
-                try:
-                    path.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+    with memory_cgroup(f"deepnvme-fsdp-{os.getpid()}-0") as first, \
+            memory_cgroup(f"deepnvme-fsdp-{os.getpid()}-1") as second:
+        yield [first, second]
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +54,7 @@ def _launch(cgroups: list[Path], limit: int, checkpoint: Path, swap: Path, budge
         (cg / "memory.limit_in_bytes").write_text(str(limit))
         args = [sys.executable, "-m", "tests.offload.fsdp_memory_child", str(rank), str(len(cgroups)), rdv,
                 str(checkpoint), str(swap), str(BLOCKS), str(WIDTH), str(budget), str(OPT_BUDGET), str(steps)]
-        script = f'echo $$ > {cg}/cgroup.procs && exec "$@"'  # the whole process inside, from its start
-        procs.append(subprocess.Popen(["sh", "-c", script, "sh", *args], stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen(argv_in(cg, args), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}))
     out = []

@@ -19,37 +19,24 @@ import torch
 from dist_helpers import launch
 
 from deepnvme.offload import OffloadedOptimizer
+from tests.offload.fsdp_models import VOCAB, sharded
 
-fsdp = pytest.importorskip("torch.distributed.fsdp")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("torch.distributed.fsdp")
+pytest.importorskip("transformers")
 
 STEPS = 20
 DEADLINE_S = 300
 BUDGET = 256 << 10
 
 
-def _model(bf16: bool) -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                                   max_position_embeddings=32)
-    m = transformers.LlamaForCausalLM(cfg)
-    mp = (fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
-          else fsdp.MixedPrecisionPolicy())
-    for layer in m.model.layers:
-        fsdp.fully_shard(layer, mp_policy=mp)
-    fsdp.fully_shard(m, mp_policy=mp)
-    return m
-
-
 def _train(rank: int, bf16: bool, directory: str | None) -> dict[str, Any]:
-    m = _model(bf16)
+    m = sharded(bf16=bf16)
     opt: Any = torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)
     if directory is not None:
         opt = OffloadedOptimizer(opt, directory, BUDGET)
     gen = torch.Generator().manual_seed(100 + rank)
     losses, norms = [], []
-    batches = [torch.randint(0, 97, (2, 12), generator=gen) for _ in range(2)]  # learnt over the steps
+    batches = [torch.randint(0, VOCAB, (2, 12), generator=gen) for _ in range(2)]  # learnt over the steps
     for step in range(STEPS):
         ids = batches[step % 2]
         loss = m(input_ids=ids, labels=ids).loss

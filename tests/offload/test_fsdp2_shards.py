@@ -19,46 +19,19 @@ import torch
 from dist_helpers import launch
 
 from deepnvme.offload import OffloadedOptimizer, offload_shards
+from tests.offload.fsdp_models import VOCAB, build, sharded
 
-fsdp = pytest.importorskip("torch.distributed.fsdp")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("torch.distributed.fsdp")
+pytest.importorskip("transformers")
 
 STEPS = 20
 DEADLINE_S = 300
-VOCAB = 97
-
-
-def _build(arch: str) -> Any:
-    torch.manual_seed(0)
-    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32)
-    if arch == "mixtral":
-        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
-            **common, num_local_experts=4, num_experts_per_tok=2))
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-
-
-def _model(arch: str, bf16: bool, checkpointing: bool, meta: bool = False) -> torch.nn.Module:
-    if meta:  # parameters on the meta device, buffers real (the rotary embedding's)
-        import accelerate
-
-        with accelerate.init_empty_weights():
-            m = _build(arch)
-    else:
-        m = _build(arch)
-    if checkpointing:
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mp = (fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
-          else fsdp.MixedPrecisionPolicy())
-    for layer in m.model.layers:
-        fsdp.fully_shard(layer, mp_policy=mp)
-    fsdp.fully_shard(m, mp_policy=mp)
-    return m
 
 
 def _train(rank: int, case: dict[str, Any], directory: str | None) -> dict[str, Any]:
     checkpoint = case.get("checkpoint") if directory is not None else None
-    m = _model(case["arch"], case["bf16"], case["checkpointing"], meta=checkpoint is not None)
+    m = sharded(case["arch"], bf16=case["bf16"], checkpointing=case["checkpointing"],
+                meta=checkpoint is not None)
     shards = None
     if directory is not None:
         shards = offload_shards(m, directory, 4 << 20, checkpoint=checkpoint)
@@ -138,11 +111,11 @@ def test_a_meta_model_filled_from_a_checkpoint_trains_as_in_memory(tmp_path: Pat
     import deepnvme
     from deepnvme.offload import write_store
 
-    sd = _build("llama").state_dict()
+    sd = build("llama").state_dict()
     save_file(sd, tmp_path / "model.safetensors")
     deepnvme.save(sd, tmp_path / "model.pt")
     paths = {"safetensors": str(tmp_path / "model.safetensors"), "torch": str(tmp_path / "model.pt"),
-             "store": write_store(_build("llama"), tmp_path / "store")}
+             "store": write_store(build("llama"), tmp_path / "store")}
     swap = tmp_path / "swap"
     swap.mkdir()
     cases = {kind: dict(CASES["llama"], checkpoint=path) for kind, path in paths.items()}

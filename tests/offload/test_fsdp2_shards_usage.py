@@ -17,25 +17,14 @@ import torch
 from dist_helpers import launch
 
 from deepnvme.offload import OffloadedOptimizer, offload_shards
+from tests.offload.fsdp_models import VOCAB, sharded
 
-fsdp = pytest.importorskip("torch.distributed.fsdp")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("torch.distributed.fsdp")
+pytest.importorskip("transformers")
 
-VOCAB, STEPS = 97, 4
+STEPS = 4
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _MADV_PAGEOUT = 21
-
-
-def _model(layers: int = 3) -> Any:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                   max_position_embeddings=32)
-    m = transformers.LlamaForCausalLM(cfg)
-    for layer in m.model.layers:
-        fsdp.fully_shard(layer)
-    fsdp.fully_shard(m)
-    return m
 
 
 def _page_out(t: torch.Tensor) -> None:
@@ -47,7 +36,7 @@ def _page_out(t: torch.Tensor) -> None:
 
 
 def _train(case: str, offload: bool, budget: int = 4 << 20, layers: int = 3, prefetch: int = 1) -> Any:
-    m = _model(layers)
+    m = sharded(layers=layers)
     directory = tempfile.mkdtemp()
     shards = offload_shards(m, directory, budget, prefetch=prefetch) if offload else None
     if case == "frozen":  # the embedding and the first blocks frozen; the first block changed in place
@@ -92,7 +81,7 @@ def _train(case: str, offload: bool, budget: int = 4 << 20, layers: int = 3, pre
 
 
 def _corrupt(directory: str) -> str:
-    m = _model()
+    m = sharded()
     shards = offload_shards(m, directory, 4 << 20)
     swap = next(str(p) for p in Path(directory).rglob("swap.bin"))
     with open(swap, "r+b") as f:  # through the page cache, not O_DIRECT
@@ -107,7 +96,7 @@ def _corrupt(directory: str) -> str:
 
 
 def _failed_wrap() -> list[str]:
-    m = _model()
+    m = sharded()
     adamw = torch.optim.AdamW(m.parameters(), lr=1e-2)
     try:
         OffloadedOptimizer(adamw, tempfile.mkdtemp(), 4096)

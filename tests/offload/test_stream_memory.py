@@ -14,10 +14,12 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from cgroups import memory_cgroup
 
 from tests.offload.stream_models import PROMPT, require_hf
 
@@ -27,36 +29,12 @@ ROOT = Path(__file__).resolve().parents[2]
 BUDGET = 28 << 20
 # Beside the pool: embeddings and head (2 MiB here), activations and KV cache, allocator slack.
 OVERHEAD = 48 << 20
-CGROUP_V1 = Path("/sys/fs/cgroup/memory")
-
-
-def _own_group() -> Path:
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            return CGROUP_V1 / path.lstrip("/")
-    return CGROUP_V1
 
 
 @pytest.fixture
-def group() -> Path:
-    if not (CGROUP_V1 / "memory.limit_in_bytes").exists():
-        pytest.skip("no memory cgroup v1 hierarchy at /sys/fs/cgroup/memory")
-    path = _own_group() / f"deepnvme-stream-{os.getpid()}"
-    try:
-        path.mkdir()
-    except OSError as exc:
-        pytest.skip(f"cannot make a memory cgroup in {path.parent}: {exc}")
-    try:
-        try:
-            (path / "memory.limit_in_bytes").write_text(str(BUDGET + OVERHEAD))
-            if (path / "memory.swappiness").exists():
-                (path / "memory.swappiness").write_text("0")  # over the limit means killed, not swapped
-        except OSError as exc:
-            pytest.skip(f"cannot set the memory limit of {path}: {exc}")
+def group() -> Iterator[Path]:
+    with memory_cgroup(f"deepnvme-stream-{os.getpid()}", BUDGET + OVERHEAD) as path:
         yield path
-    finally:
-        path.rmdir()
 
 
 @pytest.mark.parametrize("how", ["meta", "one_call"])

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from cgroups import argv_in, memory_cgroup
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
-CGROUPS = Path("/sys/fs/cgroup/memory")
 LAYERS, WIDTH = 28, 2048  # 28 x 16 MiB: 448 MiB of fp32 parameters
 LIMIT = 448 << 20
 BUDGET = 48 << 20
@@ -26,24 +26,8 @@ BUDGET = 48 << 20
 @pytest.fixture
 def cgroup() -> Iterator[Path]:
     """A child memory cgroup of the v1 hierarchy (removed after)."""
-    if os.geteuid() != 0 or not (CGROUPS / "memory.limit_in_bytes").exists():
-        pytest.skip("needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory")
-    path = CGROUPS / f"deepnvme-test-{os.getpid()}"
-    try:
-        path.mkdir()
-    except OSError as exc:
-        pytest.skip(f"cannot make a memory cgroup here: {exc}")
-    try:
+    with memory_cgroup(f"deepnvme-test-{os.getpid()}") as path:
         yield path
-    finally:
-        for _ in range(50):
-            try:
-                path.rmdir()
-                break
-            except OSError:
-                import time
-
-                time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +44,7 @@ def _run(cgroup: Path, limit: int, mode: str, checkpoint: Path, workdir: Path,
     (cgroup / "memory.limit_in_bytes").write_text(str(limit))
     args = [sys.executable, "-m", "tests.offload.train_memory_child", mode, str(checkpoint), str(workdir),
             str(LAYERS), str(WIDTH), str(budget), "2"]
-    script = f'echo $$ > {cgroup}/cgroup.procs && exec "$@"'
-    return subprocess.run(["sh", "-c", script, "sh", *args], capture_output=True, text=True, timeout=600,
+    return subprocess.run(argv_in(cgroup, args), capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
 
 
