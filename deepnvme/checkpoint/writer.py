@@ -228,6 +228,10 @@ class AioStorageWriter(HandleChoice, FileSystemWriter):
                 fd = open_direct(tmp, os.O_WRONLY)
                 layouts.append(_FileLayout(handle, fd, name))
             copies = 0
+            # A planner whose resolve_data hands over memory of its own (read from a drive for the save)
+            # says how much of it may wait for its writes: then every resolved tensor counts.
+            held_limit = getattr(planner, "held_bytes_limit", None)
+            limit = COPY_AHEAD if held_limit is None else held_limit
             for layout, group in zip(layouts, groups):
                 for item in _bytes_first(group):
                     data = planner.resolve_data(item)
@@ -236,10 +240,10 @@ class AioStorageWriter(HandleChoice, FileSystemWriter):
                         length = layout.end - offset
                     else:
                         t, copied = _plain_cpu(data)
-                        copies += copied
+                        copies += copied or (t.nbytes if held_limit is not None else 0)
                         offset, length = layout.add_tensor(t)
                     # Bound the memory held by copies awaiting their writes.
-                    if copies + sum(lay.queued for lay in layouts) > COPY_AHEAD:
+                    if copies + sum(lay.queued for lay in layouts) > limit:
                         _wait_for_writes(handle, directory)
                         for lay in layouts:
                             lay.keep.clear()

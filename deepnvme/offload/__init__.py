@@ -20,7 +20,8 @@ package reaches the rest of deepnvme through one door, _doors.py, into deepnvme.
   :func:`offload_parameters` (:class:`OffloadedParameters`), a model's parameters and gradients on the drive
   between uses: training a model larger than memory (on the lower floors' public names only);
   :func:`offload_shards` (:class:`OffloadedShards`), each rank's shards of a model sharded by torch's FSDP2
-  on its drive between uses.
+  on its drive between uses, saved and resumed through torch.distributed.checkpoint by :func:`dcp_save` /
+  :func:`dcp_load`.
 - infer/: :func:`from_pretrained` (a Hugging Face model folder to a streamed model ready for
   `generate()` in one call), :func:`stream_weights` / :func:`unstream` / :func:`stats` (inference with
   the weights on the drive, each block read in just before it runs), :func:`load_safetensors` (whole
@@ -59,6 +60,8 @@ from deepnvme.offload.train import (
     OffloadedOptimizer,
     OffloadedParameters,
     OffloadedShards,
+    dcp_load,
+    dcp_save,
     offload_parameters,
     offload_shards,
 )
@@ -75,5 +78,6 @@ def __getattr__(name: str) -> ModuleType:
 
 __all__ = ["Blob", "ExpertCache", "Lease", "OffloadedOptimizer", "OffloadedParameters", "OffloadedShards",
            "OwnStore", "ReadAhead", "SafetensorsStore", "Store", "StoreError", "StreamedWeightError",
-           "SwapSpace", "TensorInfo", "Unit", "from_pretrained", "load_safetensors", "offload_parameters",
-           "offload_shards", "open_store", "stats", "stream_weights", "unstream", "write_store"]
+           "SwapSpace", "TensorInfo", "Unit", "dcp_load", "dcp_save", "from_pretrained", "load_safetensors",
+           "offload_parameters", "offload_shards", "open_store", "stats", "stream_weights", "unstream",
+           "write_store"]

@@ -2,7 +2,8 @@
 size, round_up, madvise and locked-memory limit, its handles (the recommended settings, the swap's, and
 their check), the O_DIRECT opener (the project's one refusal rule), the owner-process liveness rule, the
 compiled ops, CRC-32, the atomic file replacement and the regular-file open, deepnvme.save (its
-writing half is in the core for this door's sake), and deepnvme.moe's grouped expert computation (a
+writing half is in the core for this door's sake), deepnvme.checkpoint's DCP storage writer and
+reader (offloaded shards save and resume through them), and deepnvme.moe's grouped expert computation (a
 streamed deepnvme.moe layer computes its experts as the layer in memory does)."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from deepnvme._core.files import (  # noqa: F401 - re-exported
 from deepnvme._core.handles import SWAP, check_settings, new_handle  # noqa: F401 - re-exported
 from deepnvme._core.memory import PAGE, has_cap_ipc_lock, madvise, memlock_limit, round_up  # noqa: F401
 from deepnvme._core.op import aio_module, pin_memory_module  # noqa: F401 - aio_module re-exported
+from deepnvme.checkpoint import AioStorageReader, AioStorageWriter  # noqa: F401 - re-exported
 from deepnvme.moe.grouped import GroupedExperts, stack_views  # noqa: F401 - re-exported
 
 

@@ -1,8 +1,9 @@
 """One rank of tests/offload/test_fsdp2_memory.py, started inside its own memory cgroup: a model of linear
 blocks built on the meta device, sharded by FSDP2, its shards made from a checkpoint a unit at a time and
-kept on the drive, trained a few steps with AdamW's state on the drive; prints a JSON line of what it saw.
+kept on the drive, trained a few steps with AdamW's state on the drive, then (given a folder) saved with
+dcp_save, loaded back with dcp_load and stepped once more; prints a JSON line of what it saw.
 
-argv: rank world rendezvous checkpoint swap_dir blocks width budget opt_budget steps
+argv: rank world rendezvous checkpoint swap_dir blocks width budget opt_budget steps [dcp_folder]
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from deepnvme.offload import OffloadedOptimizer, offload_shards
+from deepnvme.offload import OffloadedOptimizer, dcp_load, dcp_save, offload_shards
 
 
 def blocks_model(blocks: int, width: int) -> nn.Sequential:
@@ -27,6 +28,7 @@ def blocks_model(blocks: int, width: int) -> nn.Sequential:
 def main() -> None:
     rank, world, rdv, ckpt, swap = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     blocks, width, budget, opt_budget, steps = (int(x) for x in sys.argv[6:11])
+    saved = sys.argv[11] if len(sys.argv) > 11 else None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=rdv, rank=rank, world_size=world)
     try:
@@ -48,6 +50,13 @@ def main() -> None:
             opt.zero_grad()
             losses.append(loss.item())
         seconds = (time.perf_counter() - began) / steps
+        if saved is not None:  # the whole of it through DCP, streamed, inside the same limit
+            dcp_save(saved, model, opt, extra={"step": steps})
+            dcp_load(saved, model, opt, extra={"step": 0})
+            loss = model(torch.randn(4, width, generator=gen)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
         stats = shards.stats()
         shard_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
         opt.close()

@@ -16,7 +16,7 @@ import pytest
 import torch
 from dist_helpers import launch
 
-from deepnvme.offload import OffloadedOptimizer, offload_shards
+from deepnvme.offload import OffloadedOptimizer, dcp_load, dcp_save, offload_shards
 from tests.offload.fsdp_models import VOCAB, sharded
 
 pytest.importorskip("torch.distributed.fsdp")
@@ -95,6 +95,34 @@ def _corrupt(directory: str) -> str:
     return "no error"
 
 
+def _dcp_refusals(directory: str) -> dict[str, Any]:
+    """dcp_load of another model's checkpoint is refused before anything is loaded; dcp_save of shards
+    whose swap file was damaged ends in EIO naming it, and leaves no checkpoint."""
+    out: dict[str, Any] = {}
+    small = sharded(layers=2)
+    with offload_shards(small, Path(directory) / "a", 4 << 20):
+        dcp_save(Path(directory) / "small", small)
+    m = sharded(layers=3)
+    shards = offload_shards(m, Path(directory) / "b", 4 << 20)
+    before = [p.to_local().clone() for p in m.parameters()]
+    try:
+        dcp_load(Path(directory) / "small", m)
+    except ValueError as exc:
+        out["missing"] = str(exc)
+    out["unchanged"] = all(torch.equal(a, p.to_local()) for a, p in zip(before, m.parameters()))
+    swap = next(str(p) for p in (Path(directory) / "b").rglob("swap.bin"))
+    with open(swap, "r+b") as f:
+        f.write(b"\xff" * 4096)
+    try:
+        dcp_save(Path(directory) / "damaged", m)
+    except OSError as exc:
+        out["damaged"] = f"{exc.errno} {exc.filename}"
+    finally:
+        shards.close(restore=False)
+    out["metadata"] = (Path(directory) / "damaged" / ".metadata").exists()
+    return out
+
+
 def _failed_wrap() -> list[str]:
     m = sharded()
     adamw = torch.optim.AdamW(m.parameters(), lr=1e-2)
@@ -115,6 +143,7 @@ def _body(rank: int, world: int) -> dict[str, Any]:
                         "offload": _train("frozen", True, budget=2_097_152, layers=16, prefetch=5)}
     out["corrupt"] = _corrupt(tempfile.mkdtemp())
     out["failed-wrap"] = _failed_wrap()
+    out["dcp"] = _dcp_refusals(tempfile.mkdtemp())
     return out
 
 
@@ -131,3 +160,7 @@ def test_offloaded_shards_between_steps_and_under_faults(tmp_path: Path) -> None
     errno_, filename, _ = res["corrupt"].split(" ", 2)
     assert errno_ == "5" and filename.endswith("swap.bin"), res["corrupt"]  # EIO naming the swap file
     assert set(res["failed-wrap"]) == {"DTensor"}  # the caller's optimizer is left as it was
+    dcp = res["dcp"]
+    assert "holds no tensor model.model.layers.2." in dcp["missing"] and dcp["unchanged"], dcp
+    errno_, filename = dcp["damaged"].split(" ", 1)
+    assert errno_ == "5" and filename.endswith("swap.bin") and not dcp["metadata"], dcp

@@ -38,6 +38,7 @@ def test_readme_fsdp_example_runs_under_torchrun(tmp_path: Path) -> None:
     losses = [float(ln.split()[3]) for ln in lines]
     assert losses[-1] < losses[0], losses
     assert int(lines[-1].split()[5]) > 0
-    assert sorted(os.listdir(folder)) == ["rank0", "rank1"]
+    assert sorted(os.listdir(folder)) == ["checkpoint", "rank0", "rank1"]
+    assert (folder / "checkpoint" / ".metadata").exists()  # dcp_save's checkpoint, complete
     assert all(os.listdir(folder / r) == [] for r in ("rank0", "rank1"))  # each rank's files are gone
     shutil.rmtree(folder)

@@ -16,7 +16,8 @@ floor's public names only.
 - shards.py: `offload_shards` / `OffloadedShards`, the shards of a model sharded by torch's FSDP2 on the
   drive between uses; shard_parts.py: a unit's shard storages and their place on the drive;
   shard_lending.py: the optimizer's step over them; dtensors.py: DTensor parameters stepped through views
-  of their local shards.
+  of their local shards; shard_dcp.py: `dcp_save` / `dcp_load`, them and the optimizer's state through
+  torch.distributed.checkpoint, streamed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from __future__ import annotations
 from deepnvme.offload.train.optimizer import OffloadedOptimizer
 from deepnvme.offload.train.params import OffloadedParameters, offload_parameters
 from deepnvme.offload.train.profile import StepProfile
+from deepnvme.offload.train.shard_dcp import dcp_load, dcp_save
 from deepnvme.offload.train.shards import OffloadedShards, offload_shards
 
 __all__ = ["OffloadedOptimizer", "OffloadedParameters", "OffloadedShards", "StepProfile",
-           "offload_parameters", "offload_shards"]
+           "dcp_load", "dcp_save", "offload_parameters", "offload_shards"]

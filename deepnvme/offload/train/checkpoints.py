@@ -9,14 +9,14 @@ from __future__ import annotations
 import mmap
 import os
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from deepnvme.offload._doors import PAGE, madvise, save_streamed
 from deepnvme.offload.swap import Lease, ReadAhead, Unit, round_up
-from deepnvme.offload.train.dtensors import local_state
+from deepnvme.offload.train.dtensors import is_dtensor, local_state
 from deepnvme.offload.train.records import Entry, Record, entries_of, is_swapped, layout, strides_of
 
 if TYPE_CHECKING:
@@ -147,27 +147,60 @@ class Checkpoints(_Base):
         order = self._grouped()
         reader = ReadAhead(self.swap, [units for _, rec in order for units in rec.units])
         state: dict[torch.Tensor, dict[str, Any]] = {}
-        g = 0
+        g = [0]
+
+        def take(_k: int) -> Lease:
+            g[0] += 1
+            return reader.take(g[0] - 1)
+
         try:
             for p, rec in order:
-                st = dict(rec.scalars)
-                whole = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in rec.entries} if rec.chunk else {}
-                for k in range(rec.pieces):
-                    lease = reader.take(g)
-                    g += 1
-                    try:
-                        if not rec.chunk:
-                            st.update({key: v.clone() for key, v in rec.tensors(lease, k).items()})
-                            continue
-                        lo, hi = rec.span(k)
-                        for key, v in rec.tensors(lease, k).items():
-                            whole[key].view(-1)[lo:hi].copy_(v)
-                    finally:
-                        lease.release()
-                state[p] = {**st, **whole}
+                state[p] = _read_record(rec, take)
         finally:
             reader.close()
         return self._packed(state)
+
+    def stepped_as(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The tensor this optimizer steps for parameter `p`, which keys its state (a DTensor's view of its
+        local shard, `p` itself otherwise); None when `p` is in none of its groups."""
+        q = self._views.viewed(p) if is_dtensor(p) else p
+        return q if q is not None and id(q) in self._in_groups() else None
+
+    def read_state(self, p: torch.Tensor) -> dict[str, Any]:
+        """`p`'s state read from the drive (checked), its tensors fresh memory of their own, its small values
+        as they are; {} when it has none (for checkpoint backends: one parameter's state at a time)."""
+        self._check_usable()
+        rec = self._records.get(p)
+        if rec is None or not rec.made:
+            return {}
+        self.swap.check_files()
+        reader = ReadAhead(self.swap, rec.units)
+        try:
+            return _read_record(rec, reader.take)
+        finally:
+            reader.close()
+
+    def write_states(self, states: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Replace the state of the parameters in `states` (keys: parameters of the groups, as they are
+        stepped: a DTensor's view) by the given state, in torch's per-parameter format; others keep theirs.
+        For checkpoint backends loading a part at a time. Refused before anything changes when a state
+        would not fit the budget."""
+        self._check_open()
+        live = self._in_groups()
+        for p in states:
+            if id(p) not in live:
+                raise ValueError("write_states takes the state of parameters of this optimizer's groups")
+        items = [(p, dict(st)) for p, st in states.items()]
+        self._check_fits(items)
+        self._broken = "a load was interrupted"
+        self.swap.wait_writes()
+        for p, _ in items:
+            if p in self._records:
+                self._drop(p)
+        self._put_states(items, drop_pages=False)
+        self.swap.wait_writes()
+        self._broken = None
+        self._outline([p for p, _ in items])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take a whole state (as state_dict() gives, or the wrapped optimizer's) onto the drive."""
@@ -198,7 +231,22 @@ class Checkpoints(_Base):
                 raise ValueError(f"the state dict holds state for parameter {idx!r}, which no group names")
             else:
                 states.append((p, dict(st)))
-        for p, st in states:  # a state the budget cannot hold is refused before the old one is dropped
+        self._check_fits(states)
+        self._broken = "a load was interrupted"
+        self.swap.wait_writes()
+        for p in list(self._records):  # the state loaded replaces all of it, as with torch's load_state_dict
+            self._drop(p)
+        self._put_states(states, drop_pages)
+        self._loose = loose
+        for live, saved in zip(self.param_groups, saved_groups):
+            live.update({k: v for k, v in saved.items() if k != "params"})
+        self.swap.wait_writes()
+        self._broken = None
+        self._outline()
+
+    def _check_fits(self, states: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
+        """Refuse, before anything is dropped, a state whose one piece would not fit the budget."""
+        for p, st in states:
             entries = entries_of(st, p.dtype if self.master_weights else None)
             if self.master_weights and _MASTER not in st:
                 entries.append(Entry(_MASTER, torch.float32, p.shape, strides_of(p)))
@@ -207,10 +255,9 @@ class Checkpoints(_Base):
                 raise ValueError(f"the loaded state of {self._name(p)} ({[e.key for e in entries]}) takes "
                                  f"{need} bytes in one piece, over budget_bytes={self.swap.pool.capacity}: "
                                  "raise budget_bytes to at least that")
-        self._broken = "a load was interrupted"
-        self.swap.wait_writes()
-        for p in list(self._records):  # the state loaded replaces all of it, as with torch's load_state_dict
-            self._drop(p)
+
+    def _put_states(self, states: list[tuple[torch.Tensor, dict[str, Any]]], drop_pages: bool) -> None:
+        """Lay out and write each parameter's state (none of them has a record now)."""
         for p, st in states:
             if self.master_weights and _MASTER not in st:
                 st[_MASTER] = p.detach().to(torch.float32, copy=True)
@@ -219,12 +266,25 @@ class Checkpoints(_Base):
             rec = self._reserve(p, entries_of(st, p.dtype if self.master_weights else None))
             rec.scalars = {k: _own(v) for k, v in st.items() if not is_swapped(k, v)}
             self._write_record(rec, st, release_pages if drop_pages else None)
-        self._loose = loose
-        for live, saved in zip(self.param_groups, saved_groups):
-            live.update({k: v for k, v in saved.items() if k != "params"})
-        self.swap.wait_writes()
-        self._broken = None
-        self._outline()
+
+
+def _read_record(rec: Record, take: Callable[[int], Lease]) -> dict[str, Any]:
+    """One record's state in fresh memory: its small values and each swapped tensor, piece k's lease from
+    `take(k)` (released here)."""
+    st = dict(rec.scalars)
+    whole = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in rec.entries} if rec.chunk else {}
+    for k in range(rec.pieces):
+        lease = take(k)
+        try:
+            if not rec.chunk:
+                st.update({key: v.clone() for key, v in rec.tensors(lease, k).items()})
+                continue
+            lo, hi = rec.span(k)
+            for key, v in rec.tensors(lease, k).items():
+                whole[key].view(-1)[lo:hi].copy_(v)
+        finally:
+            lease.release()
+    return {**st, **whole}
 
 
 def _own(v: Any) -> Any:

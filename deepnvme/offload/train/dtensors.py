@@ -57,6 +57,11 @@ class ShardViews:
         self._view_by_id[id(p)] = view
         return view
 
+    def viewed(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The view standing for DTensor `p`, None when it has none."""
+        view = self._view_by_id.get(id(p))
+        return view if view is not None and self.dtensor_of.get(id(view)) is p else None
+
     def take(self, groups: list[dict[str, Any]]) -> None:
         """Put a view in place of each DTensor in `groups` (a DTensor already viewed keeps its view)."""
         for g in groups:

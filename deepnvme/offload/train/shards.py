@@ -128,6 +128,7 @@ class OffloadedShards(Closing):
         # ahead, and a unit's unsharded gradients (activations are the model's own, not counted); the
         # shards in memory now are given back by this call.
         gathered = max(sum(p.numel() * p.element_size() for p in ps) for _, _, ps in plans)
+        self.gathered_bytes = gathered  # the largest unit's parameters, gathered whole
         self.memory_bytes = budget + 3 * gathered
         freed = sum(n for n, (_, _, ps) in zip(sizes, plans) if not any(p.is_meta for p in ps))
         check_memory_room(self.memory_bytes - freed,
@@ -427,6 +428,38 @@ class OffloadedShards(Closing):
         if u.grads is not None:
             self._release(u.grads, u)
 
+    def copies(self, u: ShardUnit) -> list[torch.Tensor]:
+        """`u`'s parameter shards (local tensors) as fresh memory of their own, read from the drive (checked)
+        when given back; for checkpoint writers, which may hold them past the unit's next use."""
+        self._check_open()
+        self._drain(block=False)
+        held = id(u.data) in self._busy
+        self._bring(u, grads=False)
+        try:
+            return [p.to_local().clone() for p in u.params]
+        finally:
+            if not held:
+                self._follow(u)
+                self._release(u.data, u)
+
+    def assign(self, u: ShardUnit, values: Sequence[torch.Tensor]) -> None:
+        """Copy `values` (one per parameter of `u`, shaped like its local shard) into `u`'s shards and write
+        them to the drive; for checkpoint loaders, a unit at a time."""
+        self._check_open()
+        if len(values) != len(u.params):
+            raise ValueError(f"{u.name}: {len(values)} values for {len(u.params)} parameters")
+        self._drain(block=False)
+        held = id(u.data) in self._busy
+        self._bring(u, grads=False)
+        try:
+            with torch.no_grad():
+                for p, v in zip(u.params, values):
+                    p.to_local().copy_(v)
+        finally:
+            if not held:
+                self._follow(u)
+                self._release(u.data, u)
+
     # ------------------------------------------------------------------------------------------- life
     def _check_open(self) -> None:
         if self._closed:
@@ -481,9 +514,9 @@ def _versions(tensors: list[torch.Tensor]) -> list[int]:
     return [t._version for t in tensors]
 
 
-def _plan_units(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
-    """The modules fully_shard was applied to, each with the parameters its own group shards (units
-    without an element on this rank left out)."""
+def fsdp_groups(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
+    """Every module fully_shard was applied to (in the model's order, the same on every rank), with the
+    parameters its own group shards (those of its submodules that are not such modules themselves)."""
     if FSDPModule is None or not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module sharded by torch's fully_shard, got "
                         f"{type(model).__name__}")
@@ -492,7 +525,7 @@ def _plan_units(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Paramete
         raise ValueError("model has no module sharded by torch.distributed.fsdp.fully_shard: shard it first "
                          "(fully_shard on each block, then on the model), then offload its shards")
     inner = {id(m) for _, m in groups}
-    plans = []
+    out = []
     for name, m in groups:
         own: list[nn.Parameter] = []
         stack = [m]
@@ -500,19 +533,27 @@ def _plan_units(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Paramete
             mod = stack.pop()
             own += [p for p in mod._parameters.values() if p is not None]
             stack += [c for c in mod.children() if id(c) not in inner]
-        own = list({id(p): p for p in own}.values())
+        out.append((name or "(root)", m, list({id(p): p for p in own}.values())))
+    return out
+
+
+def _plan_units(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
+    """The modules fully_shard was applied to, each with the parameters its own group shards (units
+    without an element on this rank left out)."""
+    plans = []
+    for name, m, own in fsdp_groups(model):
         for p in own:
             if not is_dtensor(p):
-                raise ValueError(f"a parameter of {name or 'the model'} is not sharded by fully_shard "
+                raise ValueError(f"a parameter of {name} is not sharded by fully_shard "
                                  f"({type(p).__name__}): offload_shards offloads FSDP2's shards")
             if p.device.type not in ("cpu", "meta") or p.device_mesh.device_type != "cpu":
-                raise ValueError(f"a parameter of {name or 'the model'} is on {p.device}, computed on "
+                raise ValueError(f"a parameter of {name} is on {p.device}, computed on "
                                  f"{p.device_mesh.device_type}: offload_shards keeps the shards of models "
                                  "computed on the host only (CUDA is not supported yet)")
             if unit_of(p) is not None:
-                raise ValueError(f"the shards of {name or 'the model'} are offloaded already")
+                raise ValueError(f"the shards of {name} are offloaded already")
         if own and any(p.to_local().numel() for p in own):
-            plans.append((name or "(root)", m, own))
+            plans.append((name, m, own))
     if not plans:
         raise ValueError("no shard of model holds any element on this rank: nothing to offload")
     return plans
@@ -552,4 +593,4 @@ def offload_shards(model: nn.Module, directory: str | os.PathLike, budget_bytes:
     return OffloadedShards(model, directory, budget_bytes, prefetch=prefetch, checkpoint=checkpoint)
 
 
-__all__ = ["OffloadedShards", "ShardUnit", "offload_shards"]
+__all__ = ["OffloadedShards", "ShardUnit", "fsdp_groups", "offload_shards"]
