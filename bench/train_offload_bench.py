@@ -7,7 +7,7 @@ drive's bound, and DeepSpeed ZeRO-3 with parameters and optimizer offloaded to N
                                          [--batch 1] [--seq 256] [--warmup 2] [--steps 3] [--repeats 3]
                                          [--budget B] [--opt_budget B] [--cgroup-mb N] [--step_in_backward]
                                          [--checkpointing] [--offload_embeddings]
-                                         [--deepspeed_python /work/dsvenv/bin/python] [--dir DIR]
+                                         [--deepspeed_python /work/dsvenv/bin/python] [--world N] [--dir DIR]
                                          [--out PREFIX]
 
 The model is transformers' LlamaForCausalLM made from a LlamaConfig here (nothing downloaded), fp32, weights
@@ -42,6 +42,11 @@ checkpointing of every block in every contender. Contenders:
              buffer_count 16 of buffer_size = the largest parameter (the embedding; one parameter per
              buffer). The model is converted with zero.Init(module=model, config) before initialize: a
              model converted inside initialize() is made bf16 on the CPU accelerator (see the child).
+Several ranks (--world N, issue 37): memory is FSDP2 in memory (fully_shard on the embeddings, each block
+and the head, then the model), offload is FSDP2 with offload_shards + OffloadedOptimizer (the model built on
+the meta device, each rank's shards made from the store, each rank its folder), deepspeed runs on N ranks;
+each rank is a process in a cgroup of its own, batches seeded by (rank, step); a step takes its slowest
+rank's seconds, other figures are per rank, and io-bound is of all ranks' bytes on the one drive.
 Each contender (but io-bound, measured in this process) runs in a process of its own
 (bench/train_offload_child.py), in a memory cgroup v1 of its own made under this process's cgroup and
 removed after (limited for offload with --cgroup-mb, else unlimited: its peak is recorded either way), one
@@ -67,6 +72,7 @@ import os
 import platform
 import shlex
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -165,40 +171,89 @@ def own_cgroup() -> Path:
 
 
 def run_child(args: argparse.Namespace, spec: dict[str, Any], python: str, limit: int | None) -> dict:
-    """One contender's process, in a cgroup of its own (when --no_cgroup is not given); its RESULT, plus
-    the cgroup's figures, or {"error": ...}."""
-    argv = [python, str(CHILD), json.dumps(spec)]
+    """One contender's processes (spec["world"] ranks, each in a cgroup of its own when --no_cgroup is
+    not given); its RESULT, plus the cgroup's figures, or {"error": ...}; several ranks' merged (merge)."""
+    world = spec.get("world", 1)
     env = {**os.environ}
     if spec["contender"] == "deepspeed":
         env["DS_ACCELERATOR"] = "cpu"
         env.pop("PYTHONPATH", None)  # DeepSpeed's venv has its own packages
-    group = None
-    out: dict[str, Any] = {"limit": limit}
-    if args.cgroup:
-        rel = (own_cgroup() / f"train-offload-bench-{os.getpid()}-{spec['contender']}").relative_to(CGROUP_V1)
-        group = MemoryCgroup(str(rel), limit)
-        argv = group.wrap(argv)
+    if world > 1:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
+    outs: list[dict[str, Any]] = [{"limit": limit} for _ in range(world)]
+    groups: list[MemoryCgroup | None] = [None] * world
+    procs: list[subprocess.Popen | None] = [None] * world
     os.sync()  # untimed: what the last contender wrote is on the disk before this one starts
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.child_timeout,
-                              check=False)
-        lines = proc.stdout.splitlines()
-        result = next((x[7:] for x in lines[::-1] if x.startswith("RESULT ")), None)
-        if proc.returncode != 0 or result is None:
-            err = next((x[6:] for x in lines[::-1] if x.startswith("ERROR ")), None)
-            last = err or (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            out["error"] = f"exit {proc.returncode}: {last}"
-            log(f"    {spec['contender']} failed: {out['error']}\n" + proc.stderr[-3000:]
-                + proc.stdout[-3000:])
-        else:
-            out.update(json.loads(result))
+        for r in range(world):
+            argv = [python, str(CHILD), json.dumps(spec)]
+            if args.cgroup:
+                name = f"train-offload-bench-{os.getpid()}-{spec['contender']}-{r}"
+                groups[r] = MemoryCgroup(str((own_cgroup() / name).relative_to(CGROUP_V1)), limit)
+                argv = groups[r].wrap(argv)  # type: ignore[union-attr]
+            procs[r] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+        for r, proc in enumerate(procs):
+            _collect(args, spec, proc, outs[r])  # type: ignore[arg-type]
+    except OSError as exc:
+        outs[0]["error"] = f"cannot start {python}: {exc}"
+    finally:
+        for proc in procs:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for group, out in zip(groups, outs):
+            if group is not None:
+                group.close_into(out)
+    return outs[0] if world == 1 else merge(outs)
+
+
+def _collect(args: argparse.Namespace, spec: dict[str, Any], proc: subprocess.Popen, out: dict) -> None:
+    """Wait for one rank's process; its RESULT into `out`, or out["error"]."""
+    try:
+        stdout, stderr = proc.communicate(timeout=args.child_timeout)
     except subprocess.TimeoutExpired:
         out["error"] = f"did not finish within --child_timeout {args.child_timeout:g} s"
-    except OSError as exc:
-        out["error"] = f"cannot start {python}: {exc}"
-    finally:
-        if group is not None:
-            group.close_into(out)
+        return
+    lines = stdout.splitlines()
+    result = next((x[7:] for x in lines[::-1] if x.startswith("RESULT ")), None)
+    if proc.returncode != 0 or result is None:
+        err = next((x[6:] for x in lines[::-1] if x.startswith("ERROR ")), None)
+        last = err or (stderr.strip().splitlines() or ["(no output)"])[-1]
+        out["error"] = f"exit {proc.returncode}: {last}"
+        log(f"    {spec['contender']} failed: {out['error']}\n" + stderr[-3000:] + stdout[-3000:])
+    else:
+        out.update(json.loads(result))
+
+
+def free_port() -> int:
+    """A TCP port free now on the loopback (for the ranks' rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def merge(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several ranks' results as one: a step takes its slowest rank's seconds; CPU seconds and bytes are
+    per rank (means); peaks and locked memory the largest rank's; losses rank 0's."""
+    errors = [f"rank {r}: {o['error']}" for r, o in enumerate(outs) if "error" in o]
+    if errors:
+        return {"error": "; ".join(errors), "limit": outs[0].get("limit")}
+    first = outs[0]
+    steps = []
+    for at in zip(*(o["steps"] for o in outs)):
+        step = {"s": max(x["s"] for x in at), "fb_s": max(x["fb_s"] for x in at)}
+        for key in at[0]:
+            if key not in step and all(isinstance(x.get(key), (int, float)) for x in at):
+                step[key] = statistics.mean(x[key] for x in at)
+            elif key not in step:
+                step[key] = at[0][key]
+        steps.append(step)
+    out = {**first, "steps": steps, "ranks": len(outs), "per_rank": outs}
+    for key in ("peak_rss", "step_peak_rss", "setup_peak_rss", "locked", "import_rss", "cgroup_peak"):
+        if all(key in o for o in outs):
+            out[key] = max(o[key] for o in outs)
+    out["setup_s"] = max(o["setup_s"] for o in outs)
     return out
 
 
@@ -240,6 +295,7 @@ def summarise(name: str, samples: list[dict], tokens: int) -> dict[str, Any]:
         cell["demanded"] = statistics.median(st["demanded"] for st in steps)
         cell["prefetched"] = statistics.median(st["prefetched"] for st in steps)
         cell["opt_read_wait_s"] = statistics.median(st["read_wait_s"] or 0.0 for st in steps)
+    if any("fb_read" in st for st in steps):
         cell["fb_read"] = statistics.median(st["fb_read"] for st in steps)
         cell["fb_written"] = statistics.median(st["fb_written"] for st in steps)
     own = [st for st in steps if st.get("own_read") is not None]
@@ -256,14 +312,22 @@ def render(res: dict[str, Any]) -> str:
     def num(v: float | None, fmt: str) -> str:
         return "—" if v is None else format(v, fmt)
 
+    world = meta.get("world", 1)
+
     lines = [f"# Training with parameters, gradients and AdamW state on the drive ({meta['when']}, "
              f"{meta['host']})", "", f"`{meta['command']}`", "",
              f"Model: LlamaForCausalLM {m['shape']} ({m['params'] / 1e6:.1f} M parameters, "
              f"{m['param_bytes'] / GB:.3f} GB fp32, {m['block_param_bytes'] / GB:.3f} GB of it in the "
-             "decoder blocks" + ("; offload moves all of it" if meta.get("offload_embeddings") else
+             "decoder blocks" + (f"; {world} ranks (gloo, this machine), FSDP2's fully_shard on the "
+                                 "embeddings, each block and the head, then the model; offload: "
+                                 "offload_shards + OffloadedOptimizer, each rank its folder; per rank: "
+                                 "CPU-s, RSS, cgroup peak, locked memory and GB; s/step: the slowest rank's"
+                                 if world > 1 else
+                                 "; offload moves all of it" if meta.get("offload_embeddings") else
                                  " that offload moves; the rest stays in memory")
              + "). Step: forward + backward + "
-             f"AdamW, batch {meta['batch']} x seq {meta['seq']} = {meta['tokens']} tokens"
+             f"AdamW, batch {meta['batch']} x seq {meta['seq']}{f' x {world} ranks' if world > 1 else ''} = "
+             f"{meta['tokens']} tokens"
              f"{', activation checkpointing' if meta.get('checkpointing') else ''}. "
              f"{meta['repeats']} interleaved repeats x {meta['steps']} timed steps after {meta['warmup']} "
              f"warm-up steps, medians; torch {meta['torch']}, {meta['torch_threads']} threads, "
@@ -390,6 +454,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "stage3_max_reuse_distance, stage3_prefetch_bucket_size, "
                          "stage3_param_persistence_threshold)")
     ap.add_argument("--ds_aio", default="", help="DeepSpeed's aio section as JSON (default: its defaults)")
+    ap.add_argument("--world", type=int, default=1,
+                    help="ranks (gloo, this machine): with more than 1, memory is FSDP2 in memory, offload "
+                         "is FSDP2 with offload_shards + OffloadedOptimizer (each rank its folder, its "
+                         "cgroup of --cgroup-mb), deepspeed runs on as many ranks; figures are per rank, a "
+                         "step's seconds its slowest rank's, the I/O bound of all ranks' bytes on the one "
+                         "drive")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in each child (0: torch's default)")
     ap.add_argument("--child_timeout", type=float, default=3600)
     ap.add_argument("--dir", default=None, help="where swap files go (default: a temporary directory)")
@@ -422,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict[str, Any] = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
         "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv),
-        "size": args.size, "batch": args.batch, "seq": args.seq, "tokens": args.batch * args.seq,
+        "size": args.size, "batch": args.batch, "seq": args.seq, "world": args.world,
+        "tokens": args.world * args.batch * args.seq,
         "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats, "budget": budget,
         "opt_budget": opt_budget, "offload_build": args.offload_build, "cgroup_mb": args.cgroup_mb,
         "step_in_backward": args.step_in_backward, "checkpointing": args.checkpointing,
@@ -431,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         "omp_wait_policy": os.environ["OMP_WAIT_POLICY"], "load_before": load_average(), "dir": str(work)}
     base = {"shape": shape, "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "steps": args.steps,
             "lr": args.lr, "threads": args.threads, "root": str(ROOT), "store": str(work / "store"),
+            "world": args.world,
             "budget": budget, "opt_budget": opt_budget, "build": args.offload_build,
             "step_in_backward": args.step_in_backward, "checkpointing": args.checkpointing,
             "offload_embeddings": args.offload_embeddings,
@@ -440,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     drive: DriveSpeed | None = None
     try:
         log(f"model {shape}: writing it (seed 0) to deepnvme's store, untimed")
-        prep = run_child(args, {**base, "contender": "prepare"}, sys.executable, None)
+        prep = run_child(args, {**base, "contender": "prepare", "world": 1}, sys.executable, None)
         if "error" in prep:
             raise RuntimeError(f"could not write the model's store: {prep['error']}")
         model = {"shape": shape, "params": prep["params"], "param_bytes": prep["param_bytes"],
@@ -454,8 +526,9 @@ def main(argv: list[str] | None = None) -> int:
                 if not steps:
                     samples[name].append({"error": "no offloaded step to take the bytes from"})
                     continue
-                read = int(statistics.median(st["own_read"] for st in steps))
-                written = int(statistics.median(st["own_written"] for st in steps))
+                # Every rank's bytes go to the one drive: the bound is of all of them.
+                read = args.world * int(statistics.median(st["own_read"] for st in steps))
+                written = args.world * int(statistics.median(st["own_written"] for st in steps))
                 if drive is None:
                     drive = DriveSpeed(work / "raw.bin", max(read, written))
                 got = drive.measure(read, written)
@@ -498,7 +571,8 @@ def assemble(meta: dict[str, Any], model: dict[str, Any], samples: dict[str, lis
     if "s" in mem and io.get("io_s") is not None and "fb_read" in off:
         # The same bound phase by phase: forward+backward, then the optimizer step (which starts only once
         # backward has returned, so its I/O cannot overlap the forward's compute).
-        rd, wr = io["read_gbps"] * GB, io["write_gbps"] * GB
+        # Every rank's bytes go to the one drive.
+        rd, wr = io["read_gbps"] * GB / meta.get("world", 1), io["write_gbps"] * GB / meta.get("world", 1)
         fb_io = off["fb_read"] / rd + off["fb_written"] / wr
         opt_io = (off["own_read"] - off["fb_read"]) / rd + (off["own_written"] - off["fb_written"]) / wr
         res["phase_bound"] = {"fb_io_s": fb_io, "opt_io_s": opt_io,

@@ -87,9 +87,28 @@ def units_of(model: torch.nn.Module, spec: dict[str, Any]) -> list[torch.nn.Modu
     return [model.model.embed_tokens, *model.model.layers, model.lm_head]
 
 
-def batch_ids(step: int, batch: int, seq: int, vocab: int) -> torch.Tensor:
-    """Step `step`'s token ids: the same for every contender."""
-    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1000 + step))
+def batch_ids(step: int, batch: int, seq: int, vocab: int, rank: int = 0) -> torch.Tensor:
+    """Step `step`'s token ids on rank `rank`: the same for every contender."""
+    seed = 1000 + step + 100_000 * rank
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def init_ranks(spec: dict[str, Any]) -> None:
+    """Join the gloo group of spec["world"] ranks (the bench sets RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2: fully_shard on the embeddings, each decoder block and the head (units of their own, as
+    offload_parameters' with --offload_embeddings), then on the model (its final norm)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in (model.model.embed_tokens, *model.model.layers, model.lm_head):
+        fully_shard(unit)
+    fully_shard(model)
+    return model
 
 
 def proc_io() -> tuple[int, int]:
@@ -194,7 +213,9 @@ class Offload(Contender):
         written = after["bytes_written"] - before["bytes_written"] + (prof.bytes_written if prof else 0)
         self.last = (read, written)
         self.stats = after
-        self.counts = {k: after[k] - before[k] for k in ("unit_reads", "prefetched", "demanded")}
+        # offload_shards counts no reads ahead and demanded apart
+        self.counts = {k: after[k] - before[k] for k in ("unit_reads", "prefetched", "demanded")
+                       if k in after}
         self.counts["read_wait_s"] = prof.read_wait_s if prof else None
         self.counts["fb_read"] = mid["bytes_read"] - before["bytes_read"]
         self.counts["fb_written"] = mid["bytes_written"] - before["bytes_written"]
@@ -209,6 +230,50 @@ class Offload(Contender):
     def close(self) -> None:
         self.opt.close()
         self.off.close(restore=False)  # the model would not fit in the cgroup: its values are dropped
+
+
+class FsdpMemory(Memory):
+    """Several ranks: FSDP2 in memory (fully_shard) and torch.optim.AdamW over its shards."""
+
+    def __init__(self, spec: dict[str, Any], config: tf.LlamaConfig) -> None:
+        init_ranks(spec)
+        self.model = shard(checkpointing(build_model(config), spec))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec["lr"])
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+class FsdpOffload(Offload):
+    """Several ranks: FSDP2 with each rank's shards on its drive (offload_shards) and AdamW's state beside
+    them (OffloadedOptimizer); the model built on the meta device and its shards made from the store."""
+
+    def __init__(self, spec: dict[str, Any], config: tf.LlamaConfig) -> None:
+        sys.path.insert(0, spec["root"])
+        import accelerate
+
+        from deepnvme.offload import OffloadedOptimizer, offload_shards
+
+        init_ranks(spec)
+        with accelerate.init_empty_weights():
+            self.model = tf.LlamaForCausalLM(config)
+        shard(checkpointing(self.model.train(), spec))
+        mark("built without weights, sharded")
+        work = os.path.join(spec["swap_dir"], f"rank{os.environ['RANK']}")
+        self.off = offload_shards(self.model, work, spec["budget"], checkpoint=spec["store"])
+        mark("offload_shards done")
+        self.opt = OffloadedOptimizer(torch.optim.AdamW(self.model.parameters(), lr=spec["lr"]), work,
+                                      spec["opt_budget"])
+        self.locked_budget = self.off.budget_bytes + spec["opt_budget"]
+        self.last = (0, 0)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        super().close()
+        dist.destroy_process_group()
 
 
 class DeepSpeed(Contender):
@@ -284,6 +349,8 @@ class DeepSpeed(Contender):
 
 
 CONTENDERS = {"memory": Memory, "offload": Offload, "deepspeed": DeepSpeed}
+#: With several ranks (spec "world" > 1): FSDP2 in memory and FSDP2 offloaded; DeepSpeed on the same ranks.
+RANKED = {"memory": FsdpMemory, "offload": FsdpOffload, "deepspeed": DeepSpeed}
 
 
 def prepare(spec: dict[str, Any], config: tf.LlamaConfig) -> dict[str, Any]:
@@ -308,19 +375,21 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["contender"] == "prepare":
         return prepare(spec, config)
     t0 = time.perf_counter()
-    contender = CONTENDERS[spec["contender"]](spec, config)
+    world = spec.get("world", 1)
+    rank = int(os.environ.get("RANK", "0")) if world > 1 else 0
+    contender = (RANKED if world > 1 else CONTENDERS)[spec["contender"]](spec, config)
     setup_s = time.perf_counter() - t0
     vocab, batch, seq = spec["shape"]["vocab"], spec["batch"], spec["seq"]
     losses: list[float] = []
     mark(f"{spec['contender']} set up")
     for i in range(spec["warmup"]):
-        losses.append(contender.step(batch_ids(i, batch, seq, vocab)))
+        losses.append(contender.step(batch_ids(i, batch, seq, vocab, rank)))
         mark(f"warm-up step {i} done")
     setup_peak = status("VmHWM")["VmHWM"]
     reset_peak()
     steps = []
     for i in range(spec["warmup"], spec["warmup"] + spec["steps"]):
-        ids = batch_ids(i, batch, seq, vocab)
+        ids = batch_ids(i, batch, seq, vocab, rank)
         io0, c0, t = proc_io(), time.process_time(), time.perf_counter()
         loss = contender.step(ids)
         wall, cpu, io1 = time.perf_counter() - t, time.process_time() - c0, proc_io()
@@ -339,6 +408,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                            "torch": torch.__version__}
     if isinstance(contender, Offload):
         out["offload_stats"] = contender.stats
+    out["rank"] = rank
     if isinstance(contender, DeepSpeed):
         out["deepspeed"] = contender.deepspeed_version
         out["ds_config"] = contender.ds_config
