@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+from typing import Any
 
 __all__ = ["CheckpointFormatError", "RefusedPickle", "with_path"]
 
@@ -21,6 +22,12 @@ class CheckpointFormatError(ValueError):
     def __init__(self, path: str, problem: str) -> None:
         super().__init__(f"{path}: {problem}")
         self.filename = path
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole (torch.distributed.checkpoint gathers a rank's error to every rank): the default
+        # would call the class with the message alone.
+        return (type(self), (self.filename, self.problem), self.__dict__)
 
 
 class RefusedPickle(CheckpointFormatError, pickle.UnpicklingError):

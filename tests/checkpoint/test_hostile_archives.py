@@ -156,6 +156,18 @@ def test_a_weights_only_refusal_is_stocks_unpickling_error_and_a_format_error(tm
     assert isinstance(error, pickle.UnpicklingError) and "Weights only load failed" in str(error)
 
 
+def test_a_format_error_pickles_whole(tmp_path: Path) -> None:
+    """torch.distributed.checkpoint gathers a rank's error to every rank by pickling it: it comes back
+    the same class, naming the same file (the default pickling called the class with the message alone)."""
+    path = tmp_path / "a.pt"
+    path.write_bytes(b"not a checkpoint")
+    error = _refused(path)
+    error.add_note("a note")
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error) and str(back) == str(error) and back.filename == str(path)
+    assert back.__notes__ == ["a note"]
+
+
 def test_an_unservable_map_location_is_not_called_a_format_error(tmp_path: Path) -> None:
     """The file is fine; the caller's map_location is what fails: torch's own error, unchanged."""
     if torch.cuda.is_available():

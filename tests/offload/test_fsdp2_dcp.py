@@ -91,20 +91,27 @@ def _run(rank: int, swap: str, *, offload: bool, bf16: bool = False, load: str |
     return out
 
 
-def _one_rank_fails(rank: int, swap: str, folder: str) -> str:
-    """Rank 1's swap file damaged: dcp_save ends on every rank in an OSError naming rank 1 and its file."""
+def _one_rank_fails(rank: int, swap: str, folder: str) -> list[str]:
+    """Rank 1's swap file damaged (found inside DCP's save), then cut short (found before it): dcp_save
+    ends on every rank in an OSError naming rank 1 and its file, never waiting on rank 1."""
     m = sharded("llama")
     shards = offload_shards(m, swap, 4 << 20)
-    if rank == 1:
-        with open(shards.space.file, "r+b") as f:
-            f.write(b"\xff" * 4096)
+    out = []
     try:
-        dcp_save(folder, m)
-    except OSError as exc:
-        return f"{exc.errno}|{exc.strerror}|{exc.filename}"
+        for damage in ("bytes", "truncate"):
+            if rank == 1 and damage == "bytes":
+                with open(shards.space.file, "r+b") as f:
+                    f.write(b"\xff" * 4096)
+            if rank == 1 and damage == "truncate":
+                os.truncate(shards.space.file, 4096)
+            try:
+                dcp_save(folder, m)
+                out.append("no error")
+            except OSError as exc:
+                out.append(f"{exc.errno}|{exc.strerror}|{exc.filename}")
     finally:
         shards.close(restore=False)
-    return "no error"
+    return out
 
 
 def _body(rank: int, world: int, swap: str, runs: dict[str, dict[str, Any]],
@@ -179,8 +186,9 @@ def test_two_ranks_save_resume_and_reshard_from_four(checkpoints: Path, tmp_path
     _same(per_rank, "memory-bf16", "resumed-bf16", tail=True)
     _same(per_rank, "memory-from-4", "offload-from-4")
     for res in per_rank:  # one rank's EIO: the same error on both, naming the rank and its swap file
-        errno_, message, filename = res["failing"].split("|")
-        assert errno_ == "5" and message.startswith("rank 1: ") and filename.endswith("swap.bin"), res
+        for said in res["failing"]:
+            errno_, message, filename = said.split("|")
+            assert errno_ == "5" and message.startswith("rank 1: ") and filename.endswith("swap.bin"), res
     assert per_rank[0]["failing"] == per_rank[1]["failing"]
     assert not (c / "failing" / ".metadata").exists()
 

@@ -8,6 +8,7 @@ import copy
 import ctypes
 import io
 import mmap
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,23 @@ def _dcp_refusals(directory: str) -> dict[str, Any]:
     except ValueError as exc:
         out["missing"] = str(exc)
     out["unchanged"] = all(torch.equal(a, p.to_local()) for a, p in zip(before, m.parameters()))
+    dcp_save(Path(directory) / "small3", m)  # the model alone; then cut short: a load fails half way
+    for key, kwargs in (("no-optimizer", {"optimizer": OffloadedOptimizer(torch.optim.AdamW(
+            m.parameters()), Path(directory) / "o", 1 << 20)}), ("reserved", {"extra": {"optim": 0}})):
+        try:
+            dcp_load(Path(directory) / "small3", m, **kwargs)
+        except ValueError as exc:
+            out[key] = str(exc)
+    distcp = next((Path(directory) / "small3").glob("*.distcp"))
+    os.truncate(distcp, distcp.stat().st_size // 2)
+    for key in ("damaged-load", "after-damaged-load"):
+        try:
+            if key == "damaged-load":
+                dcp_load(Path(directory) / "small3", m)
+            else:
+                m(input_ids=torch.zeros(1, 4, dtype=torch.long))
+        except (ValueError, RuntimeError) as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
     swap = next(str(p) for p in (Path(directory) / "b").rglob("swap.bin"))
     with open(swap, "r+b") as f:
         f.write(b"\xff" * 4096)
@@ -162,5 +180,9 @@ def test_offloaded_shards_between_steps_and_under_faults(tmp_path: Path) -> None
     assert set(res["failed-wrap"]) == {"DTensor"}  # the caller's optimizer is left as it was
     dcp = res["dcp"]
     assert "holds no tensor model.model.layers.2." in dcp["missing"] and dcp["unchanged"], dcp
+    assert "holds no optimizer state" in dcp["no-optimizer"] and "may not use the keys" in dcp["reserved"]
+    # A damaged file met half way: its error, naming it, and the model refuses to run until a load completes.
+    assert dcp["damaged-load"].startswith("CheckpointFormatError: ") and ".distcp" in dcp["damaged-load"]
+    assert "did not complete" in dcp["after-damaged-load"], dcp
     errno_, filename = dcp["damaged"].split(" ", 1)
     assert errno_ == "5" and filename.endswith("swap.bin") and not dcp["metadata"], dcp

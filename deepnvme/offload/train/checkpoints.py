@@ -192,15 +192,20 @@ class Checkpoints(_Base):
                 raise ValueError("write_states takes the state of parameters of this optimizer's groups")
         items = [(p, dict(st)) for p, st in states.items()]
         self._check_fits(items)
-        self._broken = "a load was interrupted"
+        before, self._broken = self._broken, "a load was interrupted"
         self.swap.wait_writes()
         for p, _ in items:
             if p in self._records:
                 self._drop(p)
         self._put_states(items, drop_pages=False)
         self.swap.wait_writes()
-        self._broken = None
+        self._broken = before  # a part written heals nothing else
         self._outline([p for p, _ in items])
+
+    def refuse_steps(self, reason: str | None) -> None:
+        """Refuse to step, saying `reason`, until called with None (for loaders that replace the state a
+        part at a time: a load that failed half way leaves a mix)."""
+        self._broken = reason
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take a whole state (as state_dict() gives, or the wrapped optimizer's) onto the drive."""

@@ -16,18 +16,26 @@ writes (the room a step's gathered units take, free while no step runs).
 
 Loading is one dcp.load per unit (each module fully_shard was applied to, in the model's order: the same
 on every rank, as DCP's collectives need), of that unit's parameters and their optimizer state into memory,
-copied onto the drive before the next: memory holds one unit's at a time. A last dcp.load takes the rest
-(buffers, parameters outside the units, the optimizer's hyperparameters and `extra`).
+copied onto the drive before the next: memory holds one unit's at a time. The optimizer's hyperparameters
+are read first and matched to its groups by their parameters' names; a last dcp.load takes the rest
+(buffers, parameters outside the units, `extra`). Until that one is done the model refuses forwards and the
+optimizer steps: a damaged file is found only as each unit is read.
+
+Every rank makes the same DCP calls in the same order; what a rank does between them (checking its swap
+files, placing a loaded unit) is agreed on (_agree) before the next call, so that one rank's failure is
+raised on every rank instead of leaving the others waiting in a collective.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -64,8 +72,9 @@ class _StreamedSave(DefaultSavePlanner):
 
 
 class _Reads:
-    """The shards of one unit, and the state of one parameter, read at a time (the writer asks in the state
-    dict's order: unit after unit, parameter after parameter)."""
+    """The shards of one unit, and the state of one parameter, read at a time: deepnvme's writer asks in
+    the state dict's order, unit after unit, parameter after parameter (a writer that orders its items
+    otherwise, or asks from several threads, costs reads of a unit again, not wrong bytes)."""
 
     def __init__(self, optimizer: OffloadedOptimizer | None) -> None:
         self.optimizer = optimizer
@@ -73,20 +82,23 @@ class _Reads:
         self.shards: dict[int, torch.Tensor] = {}
         self.param: torch.Tensor | None = None
         self.state: dict[str, Any] = {}
+        self.lock = threading.Lock()  # a writer of several threads (thread_count > 1) asks from each
 
     def shard(self, u: ShardUnit, p: torch.Tensor) -> torch.Tensor:
-        if self.unit is not u or id(p) not in self.shards:
-            self.shards, self.unit = {}, None
-            self.shards = dict(zip(map(id, u.params), u.owner.copies(u)))
-            self.unit = u
-        return self.shards.pop(id(p))
+        with self.lock:
+            if self.unit is not u or id(p) not in self.shards:
+                self.shards, self.unit = {}, None
+                self.shards = dict(zip(map(id, u.params), u.owner.copies(u)))
+                self.unit = u
+            return self.shards.pop(id(p))
 
     def state_of(self, view: torch.Tensor, key: str) -> torch.Tensor:
-        if self.param is not view or key not in self.state:
-            self.state, self.param = {}, None
-            self.state = self.optimizer.read_state(view)  # type: ignore[union-attr]
-            self.param = view
-        return self.state.pop(key)
+        with self.lock:
+            if self.param is not view or key not in self.state:
+                self.state, self.param = {}, None
+                self.state = self.optimizer.read_state(view)  # type: ignore[union-attr]
+                self.param = view
+            return self.state.pop(key)
 
 
 def _names(model: nn.Module) -> dict[int, list[str]]:
@@ -111,6 +123,13 @@ def _untouched(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     if n == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8).view(dtype).view(shape)
+
+
+def _check_extra(extra: Any) -> None:
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict of what is saved beside the model, got {type(extra).__name__}")
+    if extra is not None and ({MODEL, OPTIM} & set(extra)):
+        raise ValueError(f"extra may not use the keys {MODEL!r} and {OPTIM!r} (the model's and optimizer's)")
 
 
 def _check(model: nn.Module, optimizer: Any) -> None:
@@ -141,6 +160,55 @@ def _groups_by_name(model: nn.Module, optimizer: OffloadedOptimizer) -> list[dic
     return groups
 
 
+def _save_state(model: nn.Module, optimizer: OffloadedOptimizer | None, extra: dict[str, Any] | None,
+                owners: dict[int, Any], reads: _Reads, sources: dict[int, Callable[[], torch.Tensor]]
+                ) -> dict[str, Any]:
+    """The state dict dcp_save gives DCP, with `sources` (by id of a value) reading what is on the drive."""
+    for owner in owners.values():
+        owner.settle()  # units still brought are given back, writes done: the drive holds every shard
+        owner.space.check_files()
+    params = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+    model_sd = model.state_dict()
+    for name, value in model_sd.items():
+        u = unit_of(params[name]) if name in params else None
+        if u is not None:
+            sources[id(value)] = lambda u=u, p=params[name]: reads.shard(u, p)
+    state: dict[str, Any] = {MODEL: model_sd, **(extra or {})}
+    if optimizer is None:
+        return state
+    per_param: dict[str, dict[str, Any]] = {}
+    names = _names(model)
+    for p in model.parameters():
+        view = optimizer.stepped_as(p)
+        outline = {} if view is None else optimizer.state.get(view, {})
+        if outline:
+            per_param[names[id(p)][0]] = _state_of(p, view, outline, names[id(p)][0], reads, sources)
+    state[OPTIM] = {"state": per_param, "param_groups": _groups_by_name(model, optimizer)}
+    return state
+
+
+def _state_of(p: torch.Tensor, view: Any, outline: dict[str, Any], name: str, reads: _Reads,
+              sources: dict[int, Callable[[], torch.Tensor]]) -> dict[str, Any]:
+    """One parameter's optimizer state for DCP: what is on the drive as placeholders placed like the
+    parameter (read when written), tensors shaped like its local shard (an empty shard's state) placed
+    like it too, small values as they are."""
+    local = p.to_local().shape if is_dtensor(p) else p.shape
+    st: dict[str, Any] = {}
+    for key, v in outline.items():
+        if isinstance(v, torch.Tensor) and v.is_meta:
+            if v.shape != local:
+                raise TypeError(f"the optimizer's state {key!r} of {name} is shaped {tuple(v.shape)}, not "
+                                f"like the parameter's shard {tuple(local)}: dcp_save places each state "
+                                "tensor as its parameter is sharded, and cannot place this one")
+            st[key] = _like(p, _untouched(v.shape, v.dtype))
+            sources[id(st[key])] = lambda view=view, key=key: reads.state_of(view, key)
+        elif isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == local:
+            st[key] = _like(p, v)  # the state of a shard with no element on this rank
+        else:
+            st[key] = v
+    return st
+
+
 def dcp_save(path: str | os.PathLike, model: nn.Module, optimizer: OffloadedOptimizer | None = None, *,
              extra: dict[str, Any] | None = None, storage_writer: Any = None) -> None:
     """Save `model` (offloaded by offload_shards) and `optimizer` (its OffloadedOptimizer, or None) with
@@ -149,38 +217,11 @@ def dcp_save(path: str | os.PathLike, model: nn.Module, optimizer: OffloadedOpti
     state_dict()) is saved beside them. Collective: every rank calls it. `storage_writer` defaults to
     deepnvme's AioStorageWriter(path)."""
     _check(model, optimizer)
-    if extra is not None and ({MODEL, OPTIM} & set(extra)):
-        raise ValueError(f"extra may not use the keys {MODEL!r} and {OPTIM!r} (the model's and optimizer's)")
+    _check_extra(extra)
     owners = {id(u.owner): u.owner for p in model.parameters() if (u := unit_of(p)) is not None}
-    for owner in owners.values():
-        owner.settle()  # units still brought are given back, writes done: the drive holds every shard
-        owner.space.check_files()
     reads = _Reads(optimizer)
     sources: dict[int, Callable[[], torch.Tensor]] = {}
-    params = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
-    model_sd = model.state_dict()
-    for name, value in model_sd.items():
-        u = unit_of(params[name]) if name in params else None
-        if u is not None:
-            sources[id(value)] = lambda u=u, p=params[name]: reads.shard(u, p)
-    state: dict[str, Any] = {"model": model_sd, **(extra or {})}
-    if optimizer is not None:
-        per_param: dict[str, dict[str, Any]] = {}
-        names = _names(model)
-        for p in model.parameters():
-            view = optimizer.stepped_as(p)
-            outline = {} if view is None else optimizer.state.get(view, {})
-            if not outline:
-                continue
-            st: dict[str, Any] = {}
-            for key, v in outline.items():
-                if isinstance(v, torch.Tensor) and v.is_meta:
-                    st[key] = _like(p, _untouched(v.shape, v.dtype))
-                    sources[id(st[key])] = lambda view=view, key=key: reads.state_of(view, key)
-                else:
-                    st[key] = v
-            per_param[names[id(p)][0]] = st
-        state[OPTIM] = {"state": per_param, "param_groups": _groups_by_name(model, optimizer)}
+    state = _agree(lambda: _save_state(model, optimizer, extra, owners, reads, sources))
     writer = AioStorageWriter(path) if storage_writer is None else storage_writer
     held = min((2 * o.gathered_bytes for o in owners.values()), default=HELD_BYTES)
     try:
@@ -197,31 +238,82 @@ def dcp_load(path: str | os.PathLike, model: nn.Module, optimizer: OffloadedOpti
     (DCP loads into what it is given), filled in place and returned. The optimizer's state is replaced
     for the parameters the checkpoint has state for. Collective: every rank calls it."""
     _check(model, optimizer)
+    _check_extra(extra)
     reader = AioStorageReader(path) if storage_reader is None else storage_reader
-    saved = reader.read_metadata().state_dict_metadata
     names = _names(model)
-    _check_saved(saved, path, [(name, p) for _, _, params in fsdp_groups(model) for p in params
-                              for name in names[id(p)]])
+
+    def checked() -> dict[str, Any]:
+        saved = reader.read_metadata().state_dict_metadata
+        _check_saved(saved, path, [(name, p) for _, _, params in fsdp_groups(model) for p in params
+                                  for name in names[id(p)]], optimizer, extra or {})
+        return saved
+
+    saved = _agree(checked)
+    hyper = None if optimizer is None else _saved_groups(path, reader, model, optimizer)
+    owners = {id(u.owner): u.owner for p in model.parameters() if (u := unit_of(p)) is not None}
+    # Damaged bytes are found only as a unit is read: until the last load is done, the model and the
+    # optimizer are a mix, and refuse to train.
+    why = f"a dcp_load of {os.fspath(path)} did not complete"
+    for owner in owners.values():
+        owner.refuse_use(why)
+    if optimizer is not None:
+        optimizer.refuse_steps(why)
     done: set[str] = set()
     for _, _, params in fsdp_groups(model):
         _load_unit(path, reader, saved, names, params, optimizer)
         done.update(n for p in params for n in names[id(p)])
     rest: dict[str, Any] = {MODEL: {k: v for k, v in model.state_dict().items() if k not in done}}
-    if optimizer is not None:
-        rest[OPTIM] = {"param_groups": _groups_by_name(model, optimizer)}
     rest.update(extra or {})
     _collective(lambda: dcp.load(rest, checkpoint_id=path, storage_reader=reader))
     return_freed_memory()
     if optimizer is not None:
-        for live, got in zip(optimizer.param_groups, rest[OPTIM]["param_groups"]):
-            live.update({k: v for k, v in got.items() if k != "params"})
+        for live, got in zip(optimizer.param_groups, hyper):  # type: ignore[arg-type]
+            live.update(got)
+        optimizer.refuse_steps(None)
+    for owner in owners.values():
+        owner.refuse_use(None)
     return {k: rest[k] for k in (extra or {})}
 
 
-def _check_saved(saved: dict[str, Any], path: str | os.PathLike,
-                 params: list[tuple[str, torch.Tensor]]) -> None:
+def _saved_groups(path: str | os.PathLike, reader: Any, model: nn.Module,
+                  optimizer: OffloadedOptimizer) -> list[dict[str, Any]]:
+    """The saved hyperparameters of each of the optimizer's groups, matched by its parameters' names (as
+    torch's set_optimizer_state_dict matches them), read before anything else is: a group that matches
+    none is refused while nothing has changed."""
+    live = _groups_by_name(model, optimizer)
+    sd = {OPTIM: {"param_groups": [dict(g) for g in live]}}
+    _collective(lambda: dcp.load(sd, checkpoint_id=path, storage_reader=reader))
+
+    def matched() -> list[dict[str, Any]]:
+        by_names = {frozenset(g["params"]): g for g in sd[OPTIM]["param_groups"]}
+        out = []
+        for i, g in enumerate(live):
+            got = by_names.get(frozenset(g["params"]))
+            if got is None:
+                raise ValueError(f"{os.fspath(path)}: the optimizer's param group {i} ({len(g['params'])} "
+                                 "parameters, from " f"{g['params'][0] if g['params'] else 'none'}) matches "
+                                 "no saved group by its parameters' names")
+            out.append({k: v for k, v in got.items() if k != "params"})
+        return out
+
+    return _agree(matched)
+
+
+def _check_saved(saved: dict[str, Any], path: str | os.PathLike, params: list[tuple[str, torch.Tensor]],
+                 optimizer: OffloadedOptimizer | None, extra: dict[str, Any]) -> None:
     """Refuse, before anything is loaded, a checkpoint that lacks a parameter or holds it in another shape
-    or dtype (a unit loaded before the error would leave the model half replaced)."""
+    or dtype, lacks the optimizer's hyperparameters when an optimizer is given, or a key of `extra` (a
+    unit loaded before the error would leave the model half replaced)."""
+    groups = {k.split(".")[2] for k in saved if k.startswith(f"{OPTIM}.param_groups.")}
+    if optimizer is not None and not groups:
+        raise ValueError(f"{os.fspath(path)}: the checkpoint holds no optimizer state (saved with "
+                         "optimizer=None?): pass optimizer=None to load the model alone")
+    if optimizer is not None and len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"{os.fspath(path)}: the checkpoint holds {len(groups)} param groups, the optimizer "
+                         f"{len(optimizer.param_groups)}")
+    for key in extra:
+        if not any(k == key or k.startswith(f"{key}.") for k in saved):
+            raise ValueError(f"{os.fspath(path)}: extra asks for {key!r}, which the checkpoint does not hold")
     for name, p in params:
         md = saved.get(f"{MODEL}.{name}")
         if not isinstance(md, TensorStorageMetadata):
@@ -263,6 +355,13 @@ def _load_unit(path: str | os.PathLike, reader: Any, saved: dict[str, Any], name
     if states:
         sd[OPTIM] = {"state": states}
     _collective(lambda: dcp.load(sd, checkpoint_id=path, storage_reader=reader))
+    _agree(lambda: _place(sd, names, params, optimizer))
+
+
+def _place(sd: dict[str, Any], names: dict[int, list[str]], params: list[nn.Parameter],
+           optimizer: OffloadedOptimizer | None) -> None:
+    """A unit's loaded parameters and optimizer state onto the drive (or into memory, where this rank does
+    not offload the unit)."""
     values = [_local(sd[MODEL][names[id(p)][0]]) for p in params]
     units = {id(u): u for p in params if (u := unit_of(p)) is not None}
     for u in units.values():
@@ -271,7 +370,7 @@ def _load_unit(path: str | os.PathLike, reader: Any, saved: dict[str, Any], name
         for p, v in zip(params, values):
             if unit_of(p) is None:
                 (p.to_local() if is_dtensor(p) else p).copy_(v)
-    if optimizer is not None and states:
+    if optimizer is not None and OPTIM in sd:
         loaded = sd[OPTIM]["state"]
         optimizer.write_states({optimizer.stepped_as(p): {k: _local(v) for k, v in loaded[name].items()}
                                 for p in params if (name := names[id(p)][0]) in loaded})
@@ -279,17 +378,59 @@ def _load_unit(path: str | os.PathLike, reader: Any, saved: dict[str, Any], name
 
 def _collective(run: Callable[[], Any]) -> Any:
     """Run a DCP save or load; a rank's failure, which DCP raises on every rank as a CheckpointException
-    (a BaseException: `except Exception` misses it), is raised as that rank's own error, named: an OSError
-    keeps its errno and file and says which rank met it."""
+    (a BaseException: `except Exception` misses it), is raised as that rank's own error (_raise_named)."""
     try:
         return run()
     except CheckpointException as exc:
         rank, (first, _) = min(exc.failures.items())
-        if isinstance(first, OSError):
-            raise OSError(first.errno, f"rank {rank}: {first.strerror or first}", first.filename) from exc
-        if isinstance(first, (ValueError, TypeError, RuntimeError, KeyError, MemoryError)):
-            raise type(first)(f"rank {rank}: {first}") from exc
-        raise RuntimeError(f"rank {rank}: {type(first).__name__}: {first}") from exc
+        _raise_named(rank, first, exc)
+
+
+def _agree(run: Callable[[], Any]) -> Any:
+    """Run `run` on every rank, then agree (one all_gather_object): when it raised on any rank, every rank
+    raises that rank's error (_raise_named) instead of going on to a collective the failed rank would never
+    join."""
+    failure: Exception | None = None
+    result = None
+    try:
+        result = run()
+    except Exception as exc:  # noqa: BLE001 - told to every rank, then raised
+        failure = exc
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if failure is not None:
+            raise failure
+        return result
+    told: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(told, None if failure is None else _portable(failure))
+    for rank, what in enumerate(told):
+        if what is not None:
+            _raise_named(rank, failure if rank == dist.get_rank() else _rebuilt(what), failure)
+    return result
+
+
+def _portable(exc: Exception) -> tuple[str, int | None, str, Any]:
+    """What another rank needs to raise `exc` again: its type's name, errno, message, file."""
+    if isinstance(exc, OSError):
+        return (type(exc).__name__, exc.errno, exc.strerror or str(exc), exc.filename)
+    return (type(exc).__name__, None, str(exc), getattr(exc, "filename", None))
+
+
+def _rebuilt(what: tuple[str, int | None, str, Any]) -> BaseException:
+    kind, errno_, message, filename = what
+    if errno_ is not None:
+        return OSError(errno_, message, filename)
+    return RuntimeError(f"{kind}: {message}")
+
+
+def _raise_named(rank: int, first: BaseException, cause: BaseException | None) -> None:
+    """Raise `first`, rank `rank`'s error: an OSError again with its errno and file, its message saying
+    the rank; another error as it is, with a note naming the rank; a KeyboardInterrupt (or any other
+    BaseException) as it is."""
+    if isinstance(first, OSError) and first.errno is not None:
+        raise OSError(first.errno, f"rank {rank}: {first.strerror or first}", first.filename) from cause
+    if isinstance(first, Exception):
+        first.add_note(f"(raised on rank {rank})")
+    raise first from (None if cause is first else cause)
 
 
 def _local(v: Any) -> Any:

@@ -149,6 +149,7 @@ class OffloadedShards(Closing):
         self._busy: set[int] = set()  # ids of the parts brought for a use not yet over
         self._task = -1  # the backward whose end is queued
         self.counts = {"unit_reads": 0, "bytes_read": 0, "bytes_written": 0, "read_from_mapping": 0}
+        self.refused: str | None = None  # why forwards are refused (refuse_use)
         try:
             self.fd = os.open(self.space.file, os.O_RDWR)  # type: ignore[arg-type] - the mappings' file
             self._take_units(model, plans, checkpoint)
@@ -197,6 +198,9 @@ class OffloadedShards(Closing):
 
     def _pre_forward(self, u: ShardUnit, args: Any, kwargs: Any) -> Any:
         self._check_open()
+        if self.refused is not None:
+            raise RuntimeError(f"{self.refused}: the shards are a mix of old and loaded units; load a "
+                               "checkpoint again before using the model")
         self._drain(block=False)
         if u.in_backward != -1:  # recomputed in its backward (activation checkpointing): in memory already
             self._bring(u, grads=True)
@@ -429,32 +433,25 @@ class OffloadedShards(Closing):
             self._release(u.grads, u)
 
     def copies(self, u: ShardUnit) -> list[torch.Tensor]:
-        """`u`'s parameter shards (local tensors) as fresh memory of their own, read from the drive (checked)
-        when given back; for checkpoint writers, which may hold them past the unit's next use."""
-        self._check_open()
-        self._drain(block=False)
-        held = id(u.data) in self._busy
-        self._bring(u, grads=False)
-        try:
-            return [p.to_local().clone() for p in u.params]
-        finally:
-            if not held:
-                self._follow(u)
-                self._release(u.data, u)
+        """`u`'s parameter shards as fresh memory of their own, read (checked) from the drive when given
+        back; for checkpoint writers, which may hold them past the unit's next use."""
+        return self._in_memory(u, lambda: [p.to_local().clone() for p in u.params])
 
     def assign(self, u: ShardUnit, values: Sequence[torch.Tensor]) -> None:
-        """Copy `values` (one per parameter of `u`, shaped like its local shard) into `u`'s shards and write
-        them to the drive; for checkpoint loaders, a unit at a time."""
-        self._check_open()
+        """Copy `values` (one per parameter of `u`, shaped like its local shard) into `u`'s shards, which
+        are then written; for checkpoint loaders, a unit at a time."""
         if len(values) != len(u.params):
             raise ValueError(f"{u.name}: {len(values)} values for {len(u.params)} parameters")
+        self._in_memory(u, lambda: [p.to_local().copy_(v) for p, v in zip(u.params, values)])
+
+    @torch.no_grad()
+    def _in_memory(self, u: ShardUnit, run: Any) -> Any:
+        self._check_open()
         self._drain(block=False)
         held = id(u.data) in self._busy
         self._bring(u, grads=False)
         try:
-            with torch.no_grad():
-                for p, v in zip(u.params, values):
-                    p.to_local().copy_(v)
+            return run()
         finally:
             if not held:
                 self._follow(u)
@@ -465,6 +462,11 @@ class OffloadedShards(Closing):
         if self._closed:
             raise RuntimeError("these shards were closed (OffloadedShards.close()): the model's shards are "
                                "back in memory and no longer offloaded")
+
+    def refuse_use(self, reason: str | None) -> None:
+        """Refuse forwards, saying `reason`, until called with None (a load that failed half way leaves the
+        shards a mix of old and loaded units)."""
+        self.refused = reason
 
     def stats(self) -> dict[str, Any]:
         """What moved so far: unit reads, bytes read and written, bytes taken from mappings."""
