@@ -17,7 +17,15 @@ import torch
 from deepnvme.offload._doors import PAGE, madvise, save_streamed
 from deepnvme.offload.swap import Lease, ReadAhead, Unit, round_up
 from deepnvme.offload.train.dtensors import is_dtensor, local_state
-from deepnvme.offload.train.records import Entry, Record, entries_of, is_swapped, layout, strides_of
+from deepnvme.offload.train.records import (
+    Entry,
+    Record,
+    entries_of,
+    is_swapped,
+    layout,
+    strides_of,
+    untouched,
+)
 
 if TYPE_CHECKING:
     from deepnvme.offload.train.optimizer import OffloadedOptimizer
@@ -39,8 +47,7 @@ class Checkpoints(_Base):
         for p, rec in self._grouped():
             st = dict(rec.scalars)
             for e in rec.entries:
-                t = torch.frombuffer(mmap.mmap(-1, max(e.nbytes, 1)), dtype=torch.uint8)[:e.nbytes]
-                t = t.view(e.dtype).view(e.shape)
+                t = untouched(e.shape, e.dtype)
                 owners[t.untyped_storage().data_ptr()] = (rec, e.key)
                 st[e.key] = t
             state[p] = st

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import mmap
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -20,6 +19,7 @@ from deepnvme.offload.model import find_tensor, tensor_aliases
 from deepnvme.offload.stores import StoreError, TensorInfo, open_store
 from deepnvme.offload.swap import ReadAhead, SwapSpace
 from deepnvme.offload.train.checkpoints import release_pages
+from deepnvme.offload.train.records import untouched
 
 if TYPE_CHECKING:
     from deepnvme.offload.train.params import OffloadedParameters
@@ -168,9 +168,8 @@ def save(owner: OffloadedParameters, path: str | os.PathLike) -> None:
         if h is None:
             sd[key] = v.detach()
             continue
-        t = torch.frombuffer(mmap.mmap(-1, max(h.nbytes, 1)), dtype=torch.uint8)[:h.nbytes]
-        sd[key] = t.view(h.dtype).view(h.shape)
-        placeholders[t.untyped_storage().data_ptr()] = len(order)
+        sd[key] = untouched(h.shape, h.dtype)
+        placeholders[sd[key].untyped_storage().data_ptr()] = len(order)
         order.append(h)
     owner._settle_writes(h.data for h in order)
     reader = ReadAhead(owner.space, [[h.data] for h in order])

@@ -25,6 +25,7 @@ fp32), and state in a 16-bit dtype is never cut.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,14 @@ class Entry:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+
+def untouched(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over anonymous memory never touched: no memory is used until it is written. Stand-ins
+    for tensors whose bytes a save reads from the drive; each has a storage of its own (told apart by its
+    address), an empty one too."""
+    n = torch.Size(shape).numel() * dtype.itemsize
+    return torch.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=torch.uint8)[:n].view(dtype).view(shape)
 
 
 def is_swapped(key: Any, value: Any) -> bool:

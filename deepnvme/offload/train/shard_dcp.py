@@ -28,7 +28,6 @@ raised on every rank instead of leaving the others waiting in a collective.
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -48,6 +47,7 @@ from deepnvme.offload._doors import AioStorageReader, AioStorageWriter
 from deepnvme.offload.swap import return_freed_memory
 from deepnvme.offload.train.dtensors import is_dtensor
 from deepnvme.offload.train.optimizer import OffloadedOptimizer
+from deepnvme.offload.train.records import untouched
 from deepnvme.offload.train.shards import ShardUnit, fsdp_groups, unit_of
 
 #: Bytes of tensors read for a save that may wait for their writes, for a model not offloaded.
@@ -117,12 +117,9 @@ def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
                               stride=p.stride())
 
 
-def _untouched(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor over anonymous memory never touched (no memory used until written)."""
-    n = shape.numel() * dtype.itemsize
-    if n == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8).view(dtype).view(shape)
+def _owners(model: nn.Module) -> dict[int, Any]:
+    """The OffloadedShards keeping `model`'s shards (by id)."""
+    return {id(u.owner): u.owner for p in model.parameters() if (u := unit_of(p)) is not None}
 
 
 def _check_extra(extra: Any) -> None:
@@ -200,7 +197,7 @@ def _state_of(p: torch.Tensor, view: Any, outline: dict[str, Any], name: str, re
                 raise TypeError(f"the optimizer's state {key!r} of {name} is shaped {tuple(v.shape)}, not "
                                 f"like the parameter's shard {tuple(local)}: dcp_save places each state "
                                 "tensor as its parameter is sharded, and cannot place this one")
-            st[key] = _like(p, _untouched(v.shape, v.dtype))
+            st[key] = _like(p, untouched(v.shape, v.dtype))
             sources[id(st[key])] = lambda view=view, key=key: reads.state_of(view, key)
         elif isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == local:
             st[key] = _like(p, v)  # the state of a shard with no element on this rank
@@ -218,7 +215,7 @@ def dcp_save(path: str | os.PathLike, model: nn.Module, optimizer: OffloadedOpti
     deepnvme's AioStorageWriter(path)."""
     _check(model, optimizer)
     _check_extra(extra)
-    owners = {id(u.owner): u.owner for p in model.parameters() if (u := unit_of(p)) is not None}
+    owners = _owners(model)
     reads = _Reads(optimizer)
     sources: dict[int, Callable[[], torch.Tensor]] = {}
     state = _agree(lambda: _save_state(model, optimizer, extra, owners, reads, sources))
@@ -250,7 +247,7 @@ def dcp_load(path: str | os.PathLike, model: nn.Module, optimizer: OffloadedOpti
 
     saved = _agree(checked)
     hyper = None if optimizer is None else _saved_groups(path, reader, model, optimizer)
-    owners = {id(u.owner): u.owner for p in model.parameters() if (u := unit_of(p)) is not None}
+    owners = _owners(model)
     # Damaged bytes are found only as a unit is read: until the last load is done, the model and the
     # optimizer are a mix, and refuse to train.
     why = f"a dcp_load of {os.fspath(path)} did not complete"
