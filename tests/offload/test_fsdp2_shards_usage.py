@@ -111,6 +111,23 @@ def _dcp_refusals(directory: str) -> dict[str, Any]:
     except ValueError as exc:
         out["missing"] = str(exc)
     out["unchanged"] = all(torch.equal(a, p.to_local()) for a, p in zip(before, m.parameters()))
+    for key, call in (("wrong-optimizer", lambda: dcp_save(Path(directory) / "x", m, torch.optim.AdamW(
+            m.parameters()))), ("wrong-extra", lambda: dcp_save(Path(directory) / "x", m, extra=[1]))):
+        try:
+            call()
+        except TypeError as exc:
+            out[key] = str(exc)
+    # torch's writer with two threads asks for the shards from both: the same bytes come back.
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    dcp_save(Path(directory) / "threads", m, storage_writer=FileSystemWriter(Path(directory) / "threads",
+                                                                             thread_count=2))
+    before = [p.to_local().clone() for p in m.parameters()]
+    with torch.no_grad():
+        for p in m.parameters():
+            p.to_local().zero_()
+    dcp_load(Path(directory) / "threads", m)
+    out["threads"] = all(torch.equal(a, p.to_local()) for a, p in zip(before, m.parameters()))
     dcp_save(Path(directory) / "small3", m)  # the model alone; then cut short: a load fails half way
     for key, kwargs in (("no-optimizer", {"optimizer": OffloadedOptimizer(torch.optim.AdamW(
             m.parameters()), Path(directory) / "o", 1 << 20)}), ("reserved", {"extra": {"optim": 0}})):
@@ -181,6 +198,8 @@ def test_offloaded_shards_between_steps_and_under_faults(tmp_path: Path) -> None
     dcp = res["dcp"]
     assert "holds no tensor model.model.layers.2." in dcp["missing"] and dcp["unchanged"], dcp
     assert "holds no optimizer state" in dcp["no-optimizer"] and "may not use the keys" in dcp["reserved"]
+    assert "optimizer must be an OffloadedOptimizer" in dcp["wrong-optimizer"], dcp
+    assert "extra must be a dict" in dcp["wrong-extra"] and dcp["threads"], dcp
     # A damaged file met half way: its error, naming it, and the model refuses to run until a load completes.
     assert dcp["damaged-load"].startswith("CheckpointFormatError: ") and ".distcp" in dcp["damaged-load"]
     assert "did not complete" in dcp["after-damaged-load"], dcp
