@@ -53,6 +53,7 @@ from deepnvme.offload.train.held import HIDDEN_ATTR
 from deepnvme.offload.train.lending import Lending, applied_in_backward, owner_of, zero_offloaded_grads
 from deepnvme.offload.train.probe import Prober
 from deepnvme.offload.train.profile import StepProfile
+from deepnvme.offload.train.rank_errors import agree, group_of
 from deepnvme.offload.train.records import (
     REDUCED,
     Entry,
@@ -279,9 +280,14 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, TileWalk, Closing
         return {id(p) for g in self.param_groups for p in g["params"]}
 
     # --------------------------------------------------------------------------------------------- step
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One step of the wrapped optimizer over every parameter with a gradient, tile by tile."""
+        """One step of the wrapped optimizer over every parameter with a gradient, tile by tile. Over
+        FSDP2's shards a rank's failure is raised on every rank of their mesh (rank_errors.agree)."""
+        shard = next(iter(self._views.dtensor_of.values()), None)
+        return agree(lambda: self._step(closure), None if shard is None else group_of(shard))
+
+    @torch.no_grad()
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         self._check_usable()
         loss = None
         if closure is not None:

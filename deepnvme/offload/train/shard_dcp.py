@@ -22,8 +22,8 @@ are read first and matched to its groups by their parameters' names; a last dcp.
 optimizer steps: a damaged file is found only as each unit is read.
 
 Every rank makes the same DCP calls in the same order; what a rank does between them (checking its swap
-files, placing a loaded unit) is agreed on (_agree) before the next call, so that one rank's failure is
-raised on every rank instead of leaving the others waiting in a collective.
+files, placing a loaded unit) is agreed on (rank_errors.agree) before the next call, so that one rank's
+failure is raised on every rank instead of leaving the others waiting in a collective.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -47,8 +46,9 @@ from deepnvme.offload._doors import AioStorageReader, AioStorageWriter
 from deepnvme.offload.swap import return_freed_memory
 from deepnvme.offload.train.dtensors import is_dtensor
 from deepnvme.offload.train.optimizer import OffloadedOptimizer
+from deepnvme.offload.train.rank_errors import agree, raise_named, world
 from deepnvme.offload.train.records import untouched
-from deepnvme.offload.train.shards import ShardUnit, fsdp_groups, unit_of
+from deepnvme.offload.train.shard_units import ShardUnit, fsdp_groups, unit_of
 
 #: Bytes of tensors read for a save that may wait for their writes, for a model not offloaded.
 HELD_BYTES = 64 << 20
@@ -218,7 +218,7 @@ def dcp_save(path: str | os.PathLike, model: nn.Module, optimizer: OffloadedOpti
     owners = _owners(model)
     reads = _Reads(optimizer)
     sources: dict[int, Callable[[], torch.Tensor]] = {}
-    state = _agree(lambda: _save_state(model, optimizer, extra, owners, reads, sources))
+    state = agree(lambda: _save_state(model, optimizer, extra, owners, reads, sources), world())
     writer = AioStorageWriter(path) if storage_writer is None else storage_writer
     held = min((2 * o.gathered_bytes for o in owners.values()), default=HELD_BYTES)
     try:
@@ -245,7 +245,7 @@ def dcp_load(path: str | os.PathLike, model: nn.Module, optimizer: OffloadedOpti
                                   for name in names[id(p)]], optimizer, extra or {})
         return saved
 
-    saved = _agree(checked)
+    saved = agree(checked, world())
     hyper = None if optimizer is None else _saved_groups(path, reader, model, optimizer)
     owners = _owners(model)
     # Damaged bytes are found only as a unit is read: until the last load is done, the model and the
@@ -293,7 +293,7 @@ def _saved_groups(path: str | os.PathLike, reader: Any, model: nn.Module,
             out.append({k: v for k, v in got.items() if k != "params"})
         return out
 
-    return _agree(matched)
+    return agree(matched, world())
 
 
 def _check_saved(saved: dict[str, Any], path: str | os.PathLike, params: list[tuple[str, torch.Tensor]],
@@ -352,7 +352,7 @@ def _load_unit(path: str | os.PathLike, reader: Any, saved: dict[str, Any], name
     if states:
         sd[OPTIM] = {"state": states}
     _collective(lambda: dcp.load(sd, checkpoint_id=path, storage_reader=reader))
-    _agree(lambda: _place(sd, names, params, optimizer))
+    agree(lambda: _place(sd, names, params, optimizer), world())
 
 
 def _place(sd: dict[str, Any], names: dict[int, list[str]], params: list[nn.Parameter],
@@ -375,59 +375,12 @@ def _place(sd: dict[str, Any], names: dict[int, list[str]], params: list[nn.Para
 
 def _collective(run: Callable[[], Any]) -> Any:
     """Run a DCP save or load; a rank's failure, which DCP raises on every rank as a CheckpointException
-    (a BaseException: `except Exception` misses it), is raised as that rank's own error (_raise_named)."""
+    (a BaseException: `except Exception` misses it), is raised as that rank's own error (raise_named)."""
     try:
         return run()
     except CheckpointException as exc:
         rank, (first, _) = min(exc.failures.items())
-        _raise_named(rank, first, exc)
-
-
-def _agree(run: Callable[[], Any]) -> Any:
-    """Run `run` on every rank, then agree (one all_gather_object): when it raised on any rank, every rank
-    raises that rank's error (_raise_named) instead of going on to a collective the failed rank would never
-    join."""
-    failure: Exception | None = None
-    result = None
-    try:
-        result = run()
-    except Exception as exc:  # noqa: BLE001 - told to every rank, then raised
-        failure = exc
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        if failure is not None:
-            raise failure
-        return result
-    told: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(told, None if failure is None else _portable(failure))
-    for rank, what in enumerate(told):
-        if what is not None:
-            _raise_named(rank, failure if rank == dist.get_rank() else _rebuilt(what), failure)
-    return result
-
-
-def _portable(exc: Exception) -> tuple[str, int | None, str, Any]:
-    """What another rank needs to raise `exc` again: its type's name, errno, message, file."""
-    if isinstance(exc, OSError):
-        return (type(exc).__name__, exc.errno, exc.strerror or str(exc), exc.filename)
-    return (type(exc).__name__, None, str(exc), getattr(exc, "filename", None))
-
-
-def _rebuilt(what: tuple[str, int | None, str, Any]) -> BaseException:
-    kind, errno_, message, filename = what
-    if errno_ is not None:
-        return OSError(errno_, message, filename)
-    return RuntimeError(f"{kind}: {message}")
-
-
-def _raise_named(rank: int, first: BaseException, cause: BaseException | None) -> None:
-    """Raise `first`, rank `rank`'s error: an OSError again with its errno and file, its message saying
-    the rank; another error as it is, with a note naming the rank; a KeyboardInterrupt (or any other
-    BaseException) as it is."""
-    if isinstance(first, OSError) and first.errno is not None:
-        raise OSError(first.errno, f"rank {rank}: {first.strerror or first}", first.filename) from cause
-    if isinstance(first, Exception):
-        first.add_note(f"(raised on rank {rank})")
-    raise first from (None if cause is first else cause)
+        raise_named(rank, first, exc)
 
 
 def _local(v: Any) -> Any:

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import torch
 
 from deepnvme.offload.train.dtensors import ShardViews
-from deepnvme.offload.train.shards import OffloadedShards, ShardUnit, unit_of
+from deepnvme.offload.train.shard_units import ShardUnit, unit_of
+from deepnvme.offload.train.shards import OffloadedShards
 
 
 class ShardLending:

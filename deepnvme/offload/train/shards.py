@@ -23,6 +23,9 @@ A unit's parameters are written only when they changed (by the optimizer's step,
 a forward reads them and writes nothing. Gradients are written after each backward of their unit (with
 gradient accumulation, read back before the next one adds to them).
 
+Every hook runs under rank_errors.agree: a rank's failure in one (a read's EIO, a write's full disk) is
+raised on every rank of the model's mesh there, instead of leaving the others in FSDP's next collective.
+
 Threads: one thread trains the model (as FSDP2 requires). fork(): the child cannot use the shards (the swap
 space's I/O threads stay in the parent); make the model anew there.
 """
@@ -36,14 +39,12 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from deepnvme.offload._doors import SWAP
 from deepnvme.offload.swap import (
     Closing,
     Lease,
     SwapSpace,
-    Unit,
     budget_arg,
     check_memory_room,
     return_freed_memory,
@@ -51,47 +52,11 @@ from deepnvme.offload.swap import (
 )
 from deepnvme.offload.train.dtensors import is_dtensor
 from deepnvme.offload.train.model_io import Checkpoint
+from deepnvme.offload.train.rank_errors import agree, group_of
 from deepnvme.offload.train.shard_fill import fill_unit
 from deepnvme.offload.train.shard_parts import CAN_MAP, Parts, storages_of
+from deepnvme.offload.train.shard_units import ShardUnit, check_buffers, fsdp_groups, plan_units, shard_bytes
 from deepnvme.offload.train.unit_hooks import BackwardEnds, through
-
-try:
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover - torch without distributed support
-    FSDPModule = None  # type: ignore[assignment,misc]
-
-# The ShardUnit of each offloaded DTensor parameter (for the optimizer's step); kept beside the parameters,
-# not on them, so that they pickle and copy as FSDP's own do.
-_UNITS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def unit_of(p: torch.Tensor) -> ShardUnit | None:
-    """The ShardUnit whose shards include parameter `p` (None when `p` is not offloaded by offload_shards)."""
-    return _UNITS.get(p)
-
-
-class ShardUnit:
-    """One module FSDP2 shards as a group: its parameters' shards, their gradients, and their leases."""
-
-    def __init__(self, index: int, name: str, module: nn.Module, params: list[nn.Parameter]) -> None:
-        self.index, self.name, self.module, self.params = index, name, module, params
-        self.data = Parts(f"shards.{index}", storages_of(p.to_local() for p in params))
-        self.grads: Parts | None = None
-        self.data_unit: Unit | None = None  # where the parameter shards go
-        self.grad_unit: Unit | None = None  # where gradients go (kept while they are set to None)
-        self.in_backward = -1  # the graph task of the backward it is in (-1: none)
-        self.handles: list[Any] = []
-        self.owner: Any = None  # the OffloadedShards
-
-    def local_grads(self) -> list[torch.Tensor]:
-        return [p.grad.to_local() for p in self.params if p.grad is not None]
-
-    def tensors(self, parts: Parts) -> list[torch.Tensor]:
-        """The local tensors over `parts`' storages (the shards, or their gradients)."""
-        if parts is self.data:
-            with torch.no_grad():
-                return [p.to_local() for p in self.params]
-        return self.local_grads()
 
 
 class OffloadedShards(Closing):
@@ -100,6 +65,20 @@ class OffloadedShards(Closing):
     def __init__(self, model: nn.Module, directory: str | os.PathLike, budget_bytes: int, *,
                  prefetch: int = 1, checkpoint: str | os.PathLike | None = None) -> None:
         self._closed = True
+        first = next((p for _, _, ps in fsdp_groups(model) for p in ps if is_dtensor(p)), None)
+        self.group = None if first is None else group_of(first)  # the ranks that hear of a failure here
+        try:
+            agree(lambda: self._start(model, directory, budget_bytes, prefetch, checkpoint), self.group)
+        except BaseException:
+            if not self._closed:  # another rank failed: this one's shards go back into memory too
+                try:
+                    self.close()
+                except BaseException:  # noqa: BLE001 - the first error is the one raised
+                    pass
+            raise
+
+    def _start(self, model: nn.Module, directory: str | os.PathLike, budget_bytes: int, prefetch: int,
+               checkpoint: str | os.PathLike | None) -> None:
         if not CAN_MAP:
             raise RuntimeError(f"torch {torch.__version__} cannot point a storage at other memory "
                                "(UntypedStorage._swap_data_ptr_): shards cannot be offloaded with it")
@@ -108,15 +87,15 @@ class OffloadedShards(Closing):
         if directory is None or os.fspath(directory) == "":
             raise ValueError(f"directory must name the folder the swap files go in, got {directory!r}")
         budget = budget_arg(budget_bytes)
-        plans = _plan_units(model)
+        plans = plan_units(model)
         meta = [name for name, _, ps in plans if any(p.is_meta for p in ps)]
         if meta and checkpoint is None:
             raise ValueError(f"the shards of {meta[0]} are on the meta device: give checkpoint= (a "
                              "safetensors file or folder, deepnvme's store, or a file in torch's format) to "
                              "fill them from, a unit at a time")
         if checkpoint is not None:
-            _check_buffers(model)
-        sizes = [sum(round_up(_shard_bytes(p)) for p in ps) for _, _, ps in plans]
+            check_buffers(model)
+        sizes = [sum(round_up(shard_bytes(p)) for p in ps) for _, _, ps in plans]
         largest = 2 * max(sizes)  # a unit's parameter shards, and as much in gradients
         self.min_budget_bytes = (3 + prefetch) * largest
         if budget < self.min_budget_bytes:
@@ -180,17 +159,17 @@ class OffloadedShards(Closing):
             if ckpt is not None:
                 ckpt.close()
         for u in self.units:
-            for p in u.params:
-                _UNITS[p] = u
+            u.claim()
             self._hook(u)
 
     # ------------------------------------------------------------------------------------------ hooks
+    # Every rank runs these hooks at the same points, so each can be agreed on (module docstring).
     def _hook(self, u: ShardUnit) -> None:
         def pre(_mod: nn.Module, args: Any, kwargs: Any) -> Any:
-            return self._pre_forward(u, args, kwargs)
+            return agree(lambda: self._pre_forward(u, args, kwargs), self.group)
 
         def post(_mod: nn.Module, _args: Any, output: Any) -> Any:
-            return self._post_forward(u, output)
+            return agree(lambda: self._post_forward(u, output), self.group)
 
         # Registered after fully_shard's, put before them: the shards are in memory when FSDP gathers them.
         u.handles.append(u.module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
@@ -214,7 +193,8 @@ class OffloadedShards(Closing):
         ahead = self._after(u, self.starts)
         self._read_ahead(ahead[:self.prefetch], grads=False)
         if torch.is_grad_enabled():  # the unit's inputs: their gradients are complete after FSDP's reduction
-            args, kwargs = through(BackwardEnds, lambda: self._backward_ends(u), (args, kwargs))
+            args, kwargs = through(BackwardEnds, lambda: agree(lambda: self._backward_ends(u), self.group),
+                                   (args, kwargs))
         return args, kwargs
 
     def _post_forward(self, u: ShardUnit, output: Any) -> Any:
@@ -232,7 +212,7 @@ class OffloadedShards(Closing):
                 task = torch._C._current_graph_task_id()
                 if fired[0] != task:
                     fired[0] = task
-                    self._backward_begins(u, task)
+                    agree(lambda: self._backward_begins(u, task), self.group)
                 return grad
 
             for t in {id(t): t for t in needs}.values():
@@ -269,10 +249,13 @@ class OffloadedShards(Closing):
         torch.autograd.Variable._execution_engine.queue_callback(self._ended)
 
     def _ended(self) -> None:
-        for u in self.units:  # units whose inputs needed no gradient (the root's): no identity ran
-            self._backward_ends(u)
-        self._task = -1
-        self.settle()
+        def end() -> None:
+            for u in self.units:  # units whose inputs needed no gradient (the root's): no identity ran
+                self._backward_ends(u)
+            self._task = -1
+            self.settle()
+
+        agree(end, self.group)
 
     def settle(self) -> None:
         """Between passes: units still brought (FSDP's backward prefetch of a frozen unit, a forward
@@ -493,8 +476,7 @@ class OffloadedShards(Closing):
                 for h in u.handles:
                     h.remove()
                 u.handles = []
-                for p in u.params:
-                    _UNITS.pop(p, None)
+                u.unclaim()
                 if restore and not errors:
                     try:
                         self._bring(u, grads=True)
@@ -516,69 +498,6 @@ def _versions(tensors: list[torch.Tensor]) -> list[int]:
     return [t._version for t in tensors]
 
 
-def fsdp_groups(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
-    """Every module fully_shard was applied to (in the model's order, the same on every rank), with the
-    parameters its own group shards (those of its submodules that are not such modules themselves)."""
-    if FSDPModule is None or not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module sharded by torch's fully_shard, got "
-                        f"{type(model).__name__}")
-    groups = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if not groups:
-        raise ValueError("model has no module sharded by torch.distributed.fsdp.fully_shard: shard it first "
-                         "(fully_shard on each block, then on the model), then offload its shards")
-    inner = {id(m) for _, m in groups}
-    out = []
-    for name, m in groups:
-        own: list[nn.Parameter] = []
-        stack = [m]
-        while stack:
-            mod = stack.pop()
-            own += [p for p in mod._parameters.values() if p is not None]
-            stack += [c for c in mod.children() if id(c) not in inner]
-        out.append((name or "(root)", m, list({id(p): p for p in own}.values())))
-    return out
-
-
-def _plan_units(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
-    """The modules fully_shard was applied to, each with the parameters its own group shards (units
-    without an element on this rank left out)."""
-    plans = []
-    for name, m, own in fsdp_groups(model):
-        for p in own:
-            if not is_dtensor(p):
-                raise ValueError(f"a parameter of {name} is not sharded by fully_shard "
-                                 f"({type(p).__name__}): offload_shards offloads FSDP2's shards")
-            if p.device.type not in ("cpu", "meta") or p.device_mesh.device_type != "cpu":
-                raise ValueError(f"a parameter of {name} is on {p.device}, computed on "
-                                 f"{p.device_mesh.device_type}: offload_shards keeps the shards of models "
-                                 "computed on the host only (CUDA is not supported yet)")
-            if unit_of(p) is not None:
-                raise ValueError(f"the shards of {name} are offloaded already")
-        if own and any(p.to_local().numel() for p in own):
-            plans.append((name, m, own))
-    if not plans:
-        raise ValueError("no shard of model holds any element on this rank: nothing to offload")
-    return plans
-
-
-def _shard_bytes(p: torch.Tensor) -> int:
-    """Bytes of FSDP2's padded shard of `p` on this rank (its storage: every rank's is the first's size)."""
-    local = p.to_local()  # type: ignore[attr-defined]
-    if local.dim() == 0 or p.shape[0] == 0:
-        return local.numel() * local.element_size()
-    ranks = p.device_mesh.size()  # type: ignore[attr-defined]
-    return -(-p.shape[0] // ranks) * (p.numel() // p.shape[0]) * p.element_size()
-
-
-def _check_buffers(model: nn.Module) -> None:
-    """A checkpoint fills parameters; a buffer on the meta device would be garbage in the forward."""
-    for name, b in model.named_buffers():
-        if b.is_meta:
-            raise ValueError(f"buffer {name} is on the meta device: build the model with its buffers in "
-                             "memory (accelerate's init_empty_weights does), then fill its shards from the "
-                             "checkpoint")
-
-
 def offload_shards(model: nn.Module, directory: str | os.PathLike, budget_bytes: int = 256 << 20, *,
                    prefetch: int = 1, checkpoint: str | os.PathLike | None = None) -> OffloadedShards:
     """Keep this rank's shards of `model` (sharded by torch's `fully_shard`: on each block, then on the
@@ -595,4 +514,4 @@ def offload_shards(model: nn.Module, directory: str | os.PathLike, budget_bytes:
     return OffloadedShards(model, directory, budget_bytes, prefetch=prefetch, checkpoint=checkpoint)
 
 
-__all__ = ["OffloadedShards", "ShardUnit", "fsdp_groups", "offload_shards"]
+__all__ = ["OffloadedShards", "offload_shards"]
