@@ -265,7 +265,8 @@ class FsdpOffload(Offload):
         self.off = offload_shards(self.model, work, spec["budget"], checkpoint=spec["store"])
         mark("offload_shards done")
         self.opt = OffloadedOptimizer(torch.optim.AdamW(self.model.parameters(), lr=spec["lr"]), work,
-                                      spec["opt_budget"])
+                                      spec["opt_budget"],
+                                      step_in_backward=spec.get("step_in_backward", False))
         self.locked_budget = self.off.budget_bytes + spec["opt_budget"]
         self.last = (0, 0)
 

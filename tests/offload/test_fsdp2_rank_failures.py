@@ -3,7 +3,9 @@ processes): rank 1's swap file damaged before a forward, before a backward, and 
 damaged before a step; rank 1 catches its error and stays, the worst case for rank 0, which without the
 agreement waits in FSDP's next collective until the group's timeout. Each rank must raise an OSError
 (EIO) naming rank 1 and rank 1's file within seconds. A rank refusing offload_shards (its budget too
-small) is every rank's ValueError, and the rank that had offloaded has its shards back in memory."""
+small) is every rank's ValueError, and the rank that had offloaded has its shards back in memory. A unit
+with no element on rank 1 (a head of one output) trains as in memory, and an error inside a step's closure
+names rank 1, not the rank whose agreement around the closure saw it second."""
 
 from __future__ import annotations
 
@@ -79,9 +81,70 @@ def _refused(rank: int, swap: str) -> dict[str, Any]:
     return {"said": said, "loss": loss, "left": left}
 
 
+class _Net(torch.nn.Module):
+    """Two blocks and a head of one output: the head's shards (a 1 x 16 weight, a bias of 1) hold no
+    element on rank 1, which offloads only the blocks, yet agrees with rank 0 on the head's hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(2)])
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return self.head(x)
+
+
+def _uneven(rank: int, swap: str, offload: bool) -> dict[str, Any]:
+    from torch.distributed import fsdp
+
+    m = _Net()
+    for b in m.blocks:
+        fsdp.fully_shard(b)
+    fsdp.fully_shard(m.head)
+    fsdp.fully_shard(m)
+    shards = offload_shards(m, Path(swap) / f"uneven{rank}", 1 << 20) if offload else None
+    opt: Any = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    if offload:
+        opt = OffloadedOptimizer(opt, Path(swap) / f"uneven{rank}", 1 << 20)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    out: dict[str, Any] = {"losses": [], "units": [] if shards is None else [u.name for u in shards.units]}
+    for _ in range(3):
+        loss = m(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+
+    def closure() -> torch.Tensor:  # rank 1's shards damaged inside a step's closure: still rank 1's error
+        opt.zero_grad()
+        if rank == 1 and shards is not None:
+            _damage(shards.space.file)
+        loss = m(x).square().mean()
+        loss.backward()
+        return loss
+
+    if shards is not None:
+        try:
+            opt.step(closure)
+            out["closure"] = "no error"
+        except OSError as exc:
+            out["closure"] = f"{exc.errno}|{exc.strerror}|{exc.filename}"
+        out["file"] = shards.space.file
+        for close in (lambda: shards.close(restore=False), opt.close):
+            try:
+                close()
+            except OSError:
+                pass
+    return out
+
+
 def _body(rank: int, world: int, swap: str) -> dict[str, Any]:
     out: dict[str, Any] = {where: _fails(rank, swap, where) for where in ("forward", "backward", "step")}
     out["refused"] = _refused(rank, swap)
+    out["uneven"] = {"memory": _uneven(rank, swap, False), "offload": _uneven(rank, swap, True)}
     return out
 
 
@@ -101,3 +164,11 @@ def test_one_ranks_io_error_is_every_ranks(tmp_path: Path) -> None:
         assert "budget_bytes=4096 is less than offload_shards needs" in refused["said"], refused
         assert "(raised on rank 1)" in refused["said"], refused
         assert refused["left"] == [] and refused["loss"] > 0, refused  # no swap file left behind
+    assert per_rank[0]["uneven"]["offload"]["units"] == ["blocks.0", "blocks.1", "head"]
+    assert per_rank[1]["uneven"]["offload"]["units"] == ["blocks.0", "blocks.1"]
+    for res in per_rank:
+        uneven = res["uneven"]
+        assert uneven["offload"]["losses"] == uneven["memory"]["losses"], uneven
+        errno_, message, filename = uneven["offload"]["closure"].split("|")
+        assert errno_ == "5" and message.startswith("rank 1: ") and not message.startswith("rank 1: rank")
+        assert filename == per_rank[1]["uneven"]["offload"]["file"], uneven

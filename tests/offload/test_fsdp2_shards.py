@@ -37,13 +37,15 @@ def _train(rank: int, case: dict[str, Any], directory: str | None) -> dict[str, 
         shards = offload_shards(m, directory, 4 << 20, checkpoint=checkpoint)
     opt: Any = torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)
     if directory is not None:
-        opt = OffloadedOptimizer(opt, directory, 1 << 20)
+        opt = OffloadedOptimizer(opt, directory, 1 << 20, step_in_backward=case.get("in_backward", False))
     gen = torch.Generator().manual_seed(100 + rank)
     losses = []
     resident_after_step = []
     batches = [torch.randint(0, VOCAB, (2, 12), generator=gen) for _ in range(2 * case["accumulate"])]
     for step in range(STEPS):
         for k in range(case["accumulate"]):
+            if directory is not None and case.get("in_backward"):  # the last micro-batch steps
+                opt.step_in_backward = k == case["accumulate"] - 1
             ids = batches[(step * case["accumulate"] + k) % len(batches)]
             loss = m(input_ids=ids, labels=ids).loss
             (loss / case["accumulate"]).backward()
@@ -75,6 +77,12 @@ CASES = {
     "llama-checkpointing-bf16": dict(arch="llama", bf16=True, checkpointing=True, accumulate=1, clip=False),
     "mixtral-accumulate-checkpointing": dict(arch="mixtral", bf16=False, checkpointing=True, accumulate=2,
                                              clip=False),
+    # The optimizer stepped in each unit's backward (its gradients never written), with accumulation and
+    # activation checkpointing, and with bf16 compute.
+    "llama-in-backward-accumulate": dict(arch="llama", bf16=False, checkpointing=True, accumulate=2,
+                                         clip=False, in_backward=True),
+    "mixtral-in-backward-bf16": dict(arch="mixtral", bf16=True, checkpointing=False, accumulate=1,
+                                     clip=False, in_backward=True),
 }
 
 
@@ -98,6 +106,9 @@ def test_offloaded_shards_train_as_fsdp2_in_memory(tmp_path: Path) -> None:
     per_rank = launch(2, _body, (str(swap), CASES), tmp_path, DEADLINE_S)
     for name, case in CASES.items():
         _check(per_rank, name, case)
+    for res in per_rank:  # stepped in the backward, the last micro-batch's gradients are never written
+        sib, plain = res["llama-in-backward-accumulate"]["offload"], res["llama-clip-accumulate"]["offload"]
+        assert sib["stats"]["bytes_written"] < plain["stats"]["bytes_written"], (sib["stats"], plain["stats"])
     assert os.listdir(swap) == []
 
 

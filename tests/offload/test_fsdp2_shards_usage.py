@@ -168,6 +168,32 @@ def _failed_wrap() -> list[str]:
     return [type(p).__name__ for g in adamw.param_groups for p in g["params"]]
 
 
+def _twice_in_backward(directory: str) -> list[str]:
+    """Stepped in the backward, a second backward before step() is refused (the gradients it would add to
+    are gone); after step() and zero_grad() training goes on."""
+    m = sharded()
+    shards = offload_shards(m, directory, 4 << 20)
+    opt = OffloadedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), directory, 1 << 20,
+                             step_in_backward=True)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    out = []
+    try:
+        for call in ("backward", "backward", "step", "backward"):
+            try:
+                if call == "step":
+                    opt.step()
+                    opt.zero_grad()
+                else:
+                    m(input_ids=ids, labels=ids).loss.backward()
+                out.append("ok")
+            except RuntimeError as exc:
+                out.append(str(exc))
+    finally:
+        opt.close()
+        shards.close()
+    return out
+
+
 def _body(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for case in ("frozen", "clip-pageout", "kept-grads", "pickle"):
@@ -178,6 +204,7 @@ def _body(rank: int, world: int) -> dict[str, Any]:
                         "offload": _train("frozen", True, budget=2_097_152, layers=16, prefetch=5)}
     out["corrupt"] = _corrupt(tempfile.mkdtemp())
     out["failed-wrap"] = _failed_wrap()
+    out["twice-in-backward"] = _twice_in_backward(tempfile.mkdtemp())
     out["dcp"] = _dcp_refusals(tempfile.mkdtemp())
     return out
 
@@ -195,6 +222,8 @@ def test_offloaded_shards_between_steps_and_under_faults(tmp_path: Path) -> None
     errno_, filename, _ = res["corrupt"].split(" ", 2)
     assert errno_ == "5" and filename.endswith("swap.bin"), res["corrupt"]  # EIO naming the swap file
     assert set(res["failed-wrap"]) == {"DTensor"}  # the caller's optimizer is left as it was
+    first, twice, stepped, again = res["twice-in-backward"]
+    assert first == stepped == again == "ok" and "stepped by the optimizer in an earlier backward" in twice
     dcp = res["dcp"]
     assert "holds no tensor model.model.layers.2." in dcp["missing"] and dcp["unchanged"], dcp
     assert "holds no optimizer state" in dcp["no-optimizer"] and "may not use the keys" in dcp["reserved"]

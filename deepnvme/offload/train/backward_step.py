@@ -22,6 +22,8 @@ import torch
 
 from deepnvme.offload.train.held import Held
 from deepnvme.offload.train.lending import owner_of
+from deepnvme.offload.train.shard_backward_step import ShardStepper
+from deepnvme.offload.train.shard_units import unit_of
 
 if TYPE_CHECKING:
     from deepnvme.offload.train.optimizer import OffloadedOptimizer
@@ -48,12 +50,23 @@ class Present:
 
 
 def check_can_step(optimizer: torch.optim.Optimizer, elementwise: bool) -> Any:
-    """The OffloadedParameters whose units `optimizer` would step in their backward; TypeError or
-    ValueError, before anything changes, when it cannot."""
+    """The OffloadedParameters (or, for FSDP2's shards, the OffloadedShards) whose units `optimizer` would
+    step in their backward; TypeError or ValueError, before anything changes, when it cannot."""
     if not elementwise:
         raise TypeError("step_in_backward=True needs an element-wise optimizer (each element updated "
                         f"from its own gradient and state); {type(optimizer).__name__} is not one (or "
                         "declare it with elementwise=True): step it after the backward")
+    shards = {id(u.owner): u.owner for g in optimizer.param_groups for p in g["params"]
+              if (u := unit_of(p)) is not None}
+    if shards:
+        if len(shards) != 1:
+            raise ValueError("step_in_backward=True needs the shards of one model offloaded by "
+                             f"offload_shards; these have {len(shards)} such models")
+        owner = next(iter(shards.values()))
+        if owner.stepper is not None:
+            raise ValueError("another OffloadedOptimizer steps these shards in their backward already (close "
+                             "it first)")
+        return owner
     owners = {id(o): o for g in optimizer.param_groups for p in g["params"] if (o := owner_of(p)) is not None}
     if len(owners) != 1:
         raise ValueError("step_in_backward=True needs the parameters of one model offloaded by "
@@ -159,6 +172,22 @@ def merge(into: Any, profiles: list[Any]) -> None:
 
 
 
+def _stepper_of(opt: OffloadedOptimizer) -> Any:
+    """The stepper in the backward of what `opt` steps: FSDP2's shards (shard_backward_step.py), or the
+    units of offload_parameters."""
+    dtensors = list(opt._views.dtensor_of.values())
+    if any(unit_of(d) is not None for d in dtensors):
+        return ShardStepper(opt, check_can_step(_Groups(dtensors), opt.elementwise))
+    return BackwardStepper(opt)
+
+
+class _Groups:
+    """Parameters as the param_groups check_can_step reads (the optimizer's now hold views)."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.param_groups = [{"params": params}]
+
+
 if TYPE_CHECKING:
     _Base = OffloadedOptimizer
 else:
@@ -182,7 +211,7 @@ class StepsInBackward(_Base):
             raise TypeError(f"step_in_backward must be a bool, got {on!r}")
         if self._stepper is None and on:
             self._check_open()
-            self._stepper = BackwardStepper(self)
+            self._stepper = _stepper_of(self)
         if self._stepper is not None:
             self._stepper.on = on
 

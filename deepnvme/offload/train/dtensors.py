@@ -69,9 +69,13 @@ class ShardViews:
                 g["params"] = [self.view_of(p) for p in g["params"]]
 
     @torch.no_grad()
-    def sync(self) -> None:
-        """Point every view at its DTensor's local shard and give it the local shard of its gradient."""
+    def sync(self, only: list[torch.Tensor] | None = None) -> None:
+        """Point every view (of the DTensors `only`, when given) at its DTensor's local shard and give it
+        the local shard of its gradient."""
+        wanted = None if only is None else {id(p) for p in only}
         for view, p in self._views:
+            if wanted is not None and id(p) not in wanted:
+                continue
             local = p.to_local()
             if (view.untyped_storage().data_ptr() != local.untyped_storage().data_ptr()
                     or view.storage_offset() != local.storage_offset() or view.shape != local.shape

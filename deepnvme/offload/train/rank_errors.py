@@ -21,8 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# A gloo group of each set of ranks, made once (every rank of the set makes it, in the same order).
-_GROUPS: dict[tuple[int, tuple[int, ...]], Any] = {}
+# A gloo group of each set of ranks, made once (every rank of the set makes it, in the same order), with the
+# default group it was made in (a group of an earlier process group is not this one's).
+_GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
+# Set on an error agree() raised: every rank raises it at once, so an agree() around the one that raised it
+# (a step's closure running the hooks) raises it as it is, without another collective.
+_AGREED = "_deepnvme_agreed"
 
 
 def group_of(tensor: torch.Tensor) -> Any:
@@ -33,10 +37,11 @@ def group_of(tensor: torch.Tensor) -> Any:
     ranks = tuple(sorted(int(r) for r in tensor.device_mesh.mesh.flatten().tolist()))  # type: ignore[attr-defined]
     if len(ranks) < 2:
         return None
-    key = (id(dist.group.WORLD), ranks)
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-    return _GROUPS[key]
+    made = _GROUPS.get(ranks)
+    if made is None or made[0] is not dist.group.WORLD:
+        made = _GROUPS[ranks] = (dist.group.WORLD, dist.new_group(list(ranks), backend="gloo",
+                                                                  use_local_synchronization=True))
+    return made[1]
 
 
 def world() -> Any:
@@ -57,7 +62,7 @@ def agree(run: Callable[[], Any], group: Any) -> Any:
         result = run()
     except BaseException as exc:  # noqa: BLE001 - told to every rank, then raised
         failure = exc
-    if group is None:
+    if group is None or getattr(failure, _AGREED, False):
         if failure is not None:
             raise failure
         return result
@@ -102,9 +107,12 @@ def raise_named(rank: int, first: BaseException, cause: BaseException | None) ->
     the rank; another error as it is, with a note naming the rank; a KeyboardInterrupt (or any other
     BaseException) as it is."""
     if isinstance(first, OSError) and first.errno is not None:
-        raise OSError(first.errno, f"rank {rank}: {first.strerror or first}", first.filename) from cause
+        named = OSError(first.errno, f"rank {rank}: {first.strerror or first}", first.filename)
+        setattr(named, _AGREED, True)
+        raise named from cause
     if isinstance(first, Exception):
         first.add_note(f"(raised on rank {rank})")
+    setattr(first, _AGREED, True)
     raise first from (None if cause is first else cause)
 
 

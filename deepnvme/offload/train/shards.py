@@ -21,7 +21,8 @@ writes a shard between uses gets what it would get in memory.
 
 A unit's parameters are written only when they changed (by the optimizer's step, or through the mapping):
 a forward reads them and writes nothing. Gradients are written after each backward of their unit (with
-gradient accumulation, read back before the next one adds to them).
+gradient accumulation, read back before the next one adds to them), unless the optimizer steps the unit
+in its backward (shard_backward_step.py): then they are dropped, and the stepped shards written.
 
 Every hook runs under rank_errors.agree: a rank's failure in one (a read's EIO, a write's full disk) is
 raised on every rank of the model's mesh there, instead of leaving the others in FSDP's next collective.
@@ -33,6 +34,7 @@ space's I/O threads stay in the parent); make the model anew there.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +55,7 @@ from deepnvme.offload.swap import (
 from deepnvme.offload.train.dtensors import is_dtensor
 from deepnvme.offload.train.model_io import Checkpoint
 from deepnvme.offload.train.rank_errors import agree, group_of
+from deepnvme.offload.train.shard_bystanders import Bystander
 from deepnvme.offload.train.shard_fill import fill_unit
 from deepnvme.offload.train.shard_parts import CAN_MAP, Parts, storages_of
 from deepnvme.offload.train.shard_units import ShardUnit, check_buffers, fsdp_groups, plan_units, shard_bytes
@@ -129,6 +132,8 @@ class OffloadedShards(Closing):
         self._task = -1  # the backward whose end is queued
         self.counts = {"unit_reads": 0, "bytes_read": 0, "bytes_written": 0, "read_from_mapping": 0}
         self.refused: str | None = None  # why forwards are refused (refuse_use)
+        self._stepper: Any = None  # a weak reference to the ShardStepper of an optimizer (step_in_backward)
+        self.bystanders: list[Bystander] = []  # units with no element here, whose hooks only agree
         try:
             self.fd = os.open(self.space.file, os.O_RDWR)  # type: ignore[arg-type] - the mappings' file
             self._take_units(model, plans, checkpoint)
@@ -161,6 +166,10 @@ class OffloadedShards(Closing):
         for u in self.units:
             u.claim()
             self._hook(u)
+        held = {id(u.module) for u in self.units}
+        if self.group is not None:
+            self.bystanders = [Bystander(m, self.group) for _, m, _ in fsdp_groups(model)
+                               if id(m) not in held]
 
     # ------------------------------------------------------------------------------------------ hooks
     # Every rank runs these hooks at the same points, so each can be agreed on (module docstring).
@@ -221,7 +230,19 @@ class OffloadedShards(Closing):
         self._release(u.data, u)
         return output
 
+    @property
+    def stepper(self) -> Any:
+        """The ShardStepper of the optimizer that steps the units in their backward (None: none does)."""
+        return self._stepper() if self._stepper is not None else None
+
+    @stepper.setter
+    def stepper(self, stepper: Any) -> None:
+        self._stepper = weakref.ref(stepper) if stepper is not None else None
+
     def _backward_begins(self, u: ShardUnit, task: int) -> None:
+        stepper = self.stepper
+        if stepper is not None:
+            stepper.check(u)
         if self._task != task:
             self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._ended_soon)
@@ -232,11 +253,16 @@ class OffloadedShards(Closing):
         if back:  # FSDP's backward prefetch gathers the unit that ran before this one
             self._bring(back[0], grads=False)
         self._read_ahead(back[:1 + self.prefetch], grads=True)
+        if stepper is not None:  # its optimizer state read while its backward computes
+            stepper.prefetch(u)
 
     def _backward_ends(self, u: ShardUnit) -> None:
         if u.in_backward == -1:
             return
         u.in_backward = -1
+        stepper = self.stepper
+        if stepper is not None and stepper.step(u):  # stepped: its gradients dropped, its shards written
+            u.data.dirty = True
         self._take_grads(u)
         if u.grads is not None:
             self._release(u.grads, u)
@@ -252,6 +278,8 @@ class OffloadedShards(Closing):
         def end() -> None:
             for u in self.units:  # units whose inputs needed no gradient (the root's): no identity ran
                 self._backward_ends(u)
+            for b in self.bystanders:
+                b.in_backward = -1
             self._task = -1
             self.settle()
 
@@ -472,6 +500,8 @@ class OffloadedShards(Closing):
                 self._drain(block=True)
             except BaseException as exc:  # noqa: BLE001 - raised below, after everything is let go
                 errors.append(exc)
+            for b in self.bystanders:
+                b.remove()
             for u in self.units:
                 for h in u.handles:
                     h.remove()
