@@ -1,14 +1,16 @@
 """One rank's failure while training offloaded by offload_shards is the error of every rank (gloo, 2
 processes): rank 1's swap file damaged before a forward, before a backward, and its optimizer state
-damaged before a step; rank 1 catches its error and stays, the worst case for rank 0, which without the
-agreement waits in FSDP's next collective until the group's timeout. Each rank must raise an OSError
-(EIO) naming rank 1 and rank 1's file within seconds. A rank refusing offload_shards (its budget too
-small) is every rank's ValueError, and the rank that had offloaded has its shards back in memory. A unit
-with no element on rank 1 (a head of one output) trains as in memory, and an error inside a step's closure
-names rank 1, not the rank whose agreement around the closure saw it second."""
+damaged before a step; its I/O failing with ENOSPC part way through a step (the fault engine). Rank 1
+catches its error and stays, the worst case for rank 0, which without the agreement waits in FSDP's next
+collective until the group's timeout. Each rank must raise an OSError (EIO, ENOSPC) naming rank 1 and
+rank 1's file within seconds. A rank refusing offload_shards (its budget too small) is every rank's
+ValueError, and the rank that had offloaded has its shards back in memory. A unit with no element on
+rank 1 (a head of one output) trains as in memory, and an error inside a step's closure names rank 1,
+not the rank whose agreement around the closure saw it second."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ pytest.importorskip("torch.distributed.fsdp")
 pytest.importorskip("transformers")
 
 DEADLINE_S = 240
+FULL_AT = 43  # rank 1's block operation that fails (_full_disk)
 
 
 def _damage(path: str) -> None:
@@ -58,6 +61,37 @@ def _fails(rank: int, swap: str, where: str) -> dict[str, Any]:
             out["said"] = f"{exc.errno}|{exc.strerror}|{exc.filename}"
         out["seconds"] = time.monotonic() - began
         out["file"] = opt.swap.file if where == "step" else shards.space.file
+    finally:
+        for close in (lambda: shards.close(restore=False), opt.close):
+            try:
+                close()
+            except OSError:
+                pass
+    return out
+
+
+def _full_disk(rank: int, swap: str) -> dict[str, Any]:
+    """Rank 1's drive full part way through training: the fault engine fails its 43rd block operation (a
+    read or a write of the second step, by the order its I/O threads take them) with ENOSPC."""
+    if rank == 1:
+        os.environ.update(DEEPNVME_ENGINE="fault", DEEPNVME_FAULT=f"enospc@{FULL_AT}")
+    try:
+        m = sharded("llama")
+        shards = offload_shards(m, Path(swap) / "full", 4 << 20)
+        opt = OffloadedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), Path(swap) / "full", 1 << 20)
+    finally:
+        os.environ.pop("DEEPNVME_ENGINE", None)
+        os.environ.pop("DEEPNVME_FAULT", None)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(rank))
+    out: dict[str, Any] = {"said": "no error", "file": shards.space.file}
+    try:
+        for step in range(6):
+            out["step"] = step
+            m(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    except OSError as exc:
+        out["said"] = f"{exc.errno}|{exc.strerror}|{exc.filename}"
     finally:
         for close in (lambda: shards.close(restore=False), opt.close):
             try:
@@ -144,6 +178,7 @@ def _uneven(rank: int, swap: str, offload: bool) -> dict[str, Any]:
 def _body(rank: int, world: int, swap: str) -> dict[str, Any]:
     out: dict[str, Any] = {where: _fails(rank, swap, where) for where in ("forward", "backward", "step")}
     out["refused"] = _refused(rank, swap)
+    out["full"] = _full_disk(rank, swap)
     out["uneven"] = {"memory": _uneven(rank, swap, False), "offload": _uneven(rank, swap, True)}
     return out
 
@@ -164,6 +199,11 @@ def test_one_ranks_io_error_is_every_ranks(tmp_path: Path) -> None:
         assert "budget_bytes=4096 is less than offload_shards needs" in refused["said"], refused
         assert "(raised on rank 1)" in refused["said"], refused
         assert refused["left"] == [] and refused["loss"] > 0, refused  # no swap file left behind
+    full = [res["full"] for res in per_rank]
+    assert full[0]["said"] == full[1]["said"] and full[0]["step"] == full[1]["step"] > 0, full
+    errno_, message, filename = full[0]["said"].split("|")
+    assert errno_ == "28" and message.startswith("rank 1: No space left on device"), full
+    assert filename == full[1]["file"], full
     assert per_rank[0]["uneven"]["offload"]["units"] == ["blocks.0", "blocks.1", "head"]
     assert per_rank[1]["uneven"]["offload"]["units"] == ["blocks.0", "blocks.1"]
     for res in per_rank:
