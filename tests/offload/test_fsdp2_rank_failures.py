@@ -35,6 +35,15 @@ def _damage(path: str) -> None:
         f.write(b"\xff" * (1 << 20))
 
 
+def _close(shards: Any, opt: Any) -> None:
+    """Close both after a failure (each may raise the error again: the test asserted it already)."""
+    for close in (lambda: shards.close(restore=False), opt.close):
+        try:
+            close()
+        except OSError:
+            pass
+
+
 def _fails(rank: int, swap: str, where: str) -> dict[str, Any]:
     m = sharded("llama")
     shards = offload_shards(m, Path(swap) / where, 4 << 20)
@@ -62,11 +71,7 @@ def _fails(rank: int, swap: str, where: str) -> dict[str, Any]:
         out["seconds"] = time.monotonic() - began
         out["file"] = opt.swap.file if where == "step" else shards.space.file
     finally:
-        for close in (lambda: shards.close(restore=False), opt.close):
-            try:
-                close()
-            except OSError:
-                pass
+        _close(shards, opt)
     return out
 
 
@@ -93,11 +98,7 @@ def _full_disk(rank: int, swap: str) -> dict[str, Any]:
     except OSError as exc:
         out["said"] = f"{exc.errno}|{exc.strerror}|{exc.filename}"
     finally:
-        for close in (lambda: shards.close(restore=False), opt.close):
-            try:
-                close()
-            except OSError:
-                pass
+        _close(shards, opt)
     return out
 
 
@@ -167,11 +168,7 @@ def _uneven(rank: int, swap: str, offload: bool) -> dict[str, Any]:
         except OSError as exc:
             out["closure"] = f"{exc.errno}|{exc.strerror}|{exc.filename}"
         out["file"] = shards.space.file
-        for close in (lambda: shards.close(restore=False), opt.close):
-            try:
-                close()
-            except OSError:
-                pass
+        _close(shards, opt)
     return out
 
 

@@ -21,32 +21,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepnvme.offload.train.held import Held
-from deepnvme.offload.train.lending import owner_of
+from deepnvme.offload.train.lending import Present, owner_of
 from deepnvme.offload.train.shard_backward_step import ShardStepper
 from deepnvme.offload.train.shard_units import unit_of
 
 if TYPE_CHECKING:
     from deepnvme.offload.train.optimizer import OffloadedOptimizer
-
-
-class Present:
-    """The lending of a step in the backward: the unit's parameters are in memory already, with their
-    gradients; the owner writes them back after the step."""
-
-    def __init__(self, lent: dict[torch.Tensor, torch.Tensor]) -> None:
-        self.lent = lent
-
-    def take(self, i: int) -> dict[torch.Tensor, torch.Tensor]:
-        return self.lent
-
-    def give_back(self, i: int) -> None:
-        pass
-
-    def done(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def check_can_step(optimizer: torch.optim.Optimizer, elementwise: bool) -> Any:
@@ -58,20 +38,12 @@ def check_can_step(optimizer: torch.optim.Optimizer, elementwise: bool) -> Any:
                         "declare it with elementwise=True): step it after the backward")
     shards = {id(u.owner): u.owner for g in optimizer.param_groups for p in g["params"]
               if (u := unit_of(p)) is not None}
-    if shards:
-        if len(shards) != 1:
-            raise ValueError("step_in_backward=True needs the shards of one model offloaded by "
-                             f"offload_shards; these have {len(shards)} such models")
-        owner = next(iter(shards.values()))
-        if owner.stepper is not None:
-            raise ValueError("another OffloadedOptimizer steps these shards in their backward already (close "
-                             "it first)")
-        return owner
-    owners = {id(o): o for g in optimizer.param_groups for p in g["params"] if (o := owner_of(p)) is not None}
+    owners = shards or {id(o): o for g in optimizer.param_groups for p in g["params"]
+                        if (o := owner_of(p)) is not None}
+    how = "offload_shards" if shards else "offload_parameters (made on model.parameters() after it)"
     if len(owners) != 1:
-        raise ValueError("step_in_backward=True needs the parameters of one model offloaded by "
-                         f"offload_parameters (made on model.parameters() after it); these have "
-                         f"{len(owners)} such models")
+        raise ValueError(f"step_in_backward=True needs the parameters of one model offloaded by {how}; these "
+                         f"have {len(owners)} such models")
     owner = next(iter(owners.values()))
     if owner.stepper is not None:
         raise ValueError("another OffloadedOptimizer steps this model in its backward already (close it "

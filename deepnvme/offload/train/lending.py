@@ -163,3 +163,23 @@ def zero_offloaded_grads(params: Sequence[torch.Tensor], set_to_none: bool) -> l
             h.grad, h.stand.grad = GRAD_ZERO, None
             out.append((p, h.marker))
     return out
+
+
+class Present:
+    """The lending of a step in the backward: the unit's parameters are in memory already, with their
+    gradients; the owner writes them back after the step."""
+
+    def __init__(self, lent: dict[torch.Tensor, torch.Tensor]) -> None:
+        self.lent = lent
+
+    def take(self, i: int) -> dict[torch.Tensor, torch.Tensor]:
+        return self.lent
+
+    def give_back(self, i: int) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -21,26 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deepnvme.offload.train.lending import Present
+
 if TYPE_CHECKING:
     from deepnvme.offload.train.optimizer import OffloadedOptimizer
     from deepnvme.offload.train.shard_units import ShardUnit
     from deepnvme.offload.train.shards import OffloadedShards
-
-
-class _InPlace:
-    """The lending of a step in the backward: the views are the shards' own tensors, in memory already."""
-
-    def take(self, i: int) -> dict[torch.Tensor, torch.Tensor]:
-        return {}
-
-    def give_back(self, i: int) -> None:
-        pass
-
-    def done(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class ShardStepper:
@@ -120,7 +106,7 @@ class ShardStepper:
             if ahead is not None:
                 ahead[2].close()
             tiles, reader = opt._make_records(work), None
-        self.profiles.append(opt._run_tiles(work, tiles, _InPlace(), reader))
+        self.profiles.append(opt._run_tiles(work, tiles, Present({}), reader))
         opt._outline([v for _, v in work if v in opt._records])
         for _, v in work:
             opt._views.dtensor_of[id(v)].grad = None
