@@ -19,7 +19,7 @@ import pytest
 import torch
 from dist_helpers import launch
 
-from deepnvme.offload import OffloadedOptimizer, offload_shards
+from deepnvme.offload import OffloadedOptimizer, dcp_load, dcp_save, offload_shards
 from tests.offload.fsdp_models import VOCAB, sharded
 
 pytest.importorskip("torch.distributed.fsdp")
@@ -102,6 +102,41 @@ def _full_disk(rank: int, swap: str) -> dict[str, Any]:
     return out
 
 
+def _in_backward_fails(rank: int, swap: str) -> dict[str, Any]:
+    """Stepped in the backward, rank 1's optimizer state damaged before a backward: both ranks raise its
+    error, then refuse to step (rank 0 may have stepped units rank 1 did not) until dcp_load restores the
+    last checkpoint, after which training goes on."""
+    m = sharded("llama")
+    shards = offload_shards(m, Path(swap) / "sib", 4 << 20)
+    opt = OffloadedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), Path(swap) / "sib", 1 << 20,
+                             step_in_backward=True)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(rank))
+    checkpoint = Path(swap) / "sib-checkpoint"
+    out: dict[str, Any] = {}
+    try:
+        m(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dcp_save(checkpoint, m, opt)
+        loss = m(input_ids=ids, labels=ids).loss
+        if rank == 1:
+            _damage(opt.swap.file)
+        for key, call in (("said", loss.backward), ("step", opt.step)):
+            try:
+                call()
+                out[key] = "no error"
+            except (OSError, RuntimeError) as exc:
+                out[key] = f"{type(exc).__name__}|{exc}"
+        dcp_load(checkpoint, m, opt)
+        opt.zero_grad()
+        m(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        out["after"] = m(input_ids=ids, labels=ids).loss.item()
+    finally:
+        _close(shards, opt)
+    return out
+
+
 def _refused(rank: int, swap: str) -> dict[str, Any]:
     m = sharded("llama")
     try:
@@ -176,6 +211,7 @@ def _body(rank: int, world: int, swap: str) -> dict[str, Any]:
     out: dict[str, Any] = {where: _fails(rank, swap, where) for where in ("forward", "backward", "step")}
     out["refused"] = _refused(rank, swap)
     out["full"] = _full_disk(rank, swap)
+    out["in-backward"] = _in_backward_fails(rank, swap)
     out["uneven"] = {"memory": _uneven(rank, swap, False), "offload": _uneven(rank, swap, True)}
     return out
 
@@ -196,6 +232,11 @@ def test_one_ranks_io_error_is_every_ranks(tmp_path: Path) -> None:
         assert "budget_bytes=4096 is less than offload_shards needs" in refused["said"], refused
         assert "(raised on rank 1)" in refused["said"], refused
         assert refused["left"] == [] and refused["loss"] > 0, refused  # no swap file left behind
+    sib = [res["in-backward"] for res in per_rank]
+    assert sib[0]["said"] == sib[1]["said"] and sib[0]["said"].startswith("OSError|[Errno 5] rank 1: "), sib
+    refused = "RuntimeError|a backward whose units the optimizer steps failed"
+    assert all(r["step"].startswith(refused) for r in sib), sib
+    assert all(r["after"] > 0 for r in sib), sib
     full = [res["full"] for res in per_rank]
     assert full[0]["said"] == full[1]["said"] and full[0]["step"] == full[1]["step"] > 0, full
     errno_, message, filename = full[0]["said"].split("|")

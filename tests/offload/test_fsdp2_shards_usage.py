@@ -170,20 +170,38 @@ def _failed_wrap() -> list[str]:
 
 def _twice_in_backward(directory: str) -> list[str]:
     """Stepped in the backward, a second backward before step() is refused (the gradients it would add to
-    are gone); after step() and zero_grad() training goes on."""
+    are gone), with the flag on or turned off since; after step() and zero_grad() training goes on. A
+    backward abandoned (a hook of the user's raises) after the optimizer read a unit's state ahead: that
+    read's pool memory is given back, and state_dict() (which needs the pool) does not wait for ever."""
     m = sharded()
     shards = offload_shards(m, directory, 4 << 20)
-    opt = OffloadedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), directory, 1 << 20,
+    opt = OffloadedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), directory, 1 << 17,
                              step_in_backward=True)
     ids = torch.zeros(1, 4, dtype=torch.long)
     out = []
+
+    def abandoned() -> None:
+        def fail(grad: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("a hook of the user's")
+
+        loss = m(input_ids=ids, labels=ids).loss
+        m.model.layers[1].mlp.down_proj.weight.register_hook(fail)
+        try:
+            loss.backward()
+        except RuntimeError:
+            pass
+        opt.state_dict()
+
     try:
-        for call in ("backward", "backward", "step", "backward"):
+        for call in ("backward", "backward", "off-backward", "step", "backward", "step", "abandoned"):
             try:
                 if call == "step":
                     opt.step()
                     opt.zero_grad()
+                elif call == "abandoned":
+                    abandoned()
                 else:
+                    opt.step_in_backward = call == "backward"
                     m(input_ids=ids, labels=ids).loss.backward()
                 out.append("ok")
             except RuntimeError as exc:
@@ -222,8 +240,9 @@ def test_offloaded_shards_between_steps_and_under_faults(tmp_path: Path) -> None
     errno_, filename, _ = res["corrupt"].split(" ", 2)
     assert errno_ == "5" and filename.endswith("swap.bin"), res["corrupt"]  # EIO naming the swap file
     assert set(res["failed-wrap"]) == {"DTensor"}  # the caller's optimizer is left as it was
-    first, twice, stepped, again = res["twice-in-backward"]
-    assert first == stepped == again == "ok" and "stepped by the optimizer in an earlier backward" in twice
+    first, twice, off, stepped, again, stepped_again, abandoned = res["twice-in-backward"]
+    assert first == stepped == again == stepped_again == abandoned == "ok", res["twice-in-backward"]
+    assert "stepped by the optimizer in an earlier backward" in twice == off
     dcp = res["dcp"]
     assert "holds no tensor model.model.layers.2." in dcp["missing"] and dcp["unchanged"], dcp
     assert "holds no optimizer state" in dcp["no-optimizer"] and "may not use the keys" in dcp["reserved"]

@@ -122,6 +122,10 @@ class BackwardStepper:
         opt._outline([p for _, p in work if p in opt._records])
         return [by_stand[id(p)] for _, p in work]
 
+    def reset(self) -> None:
+        """The optimizer's state was loaded: a read ahead is stale."""
+        self.drop_prefetch()
+
     def step_began(self) -> None:
         """The optimizer's step() begins: forwards from now are those of the next step."""
         self.drop_prefetch()
@@ -192,6 +196,17 @@ class StepsInBackward(_Base):
         the next step."""
         if self._stepper is not None:
             self._stepper.step_began()
+
+    def _backward_steps_reset(self) -> None:
+        """The state was loaded: nothing stepped in a backward since, no read ahead."""
+        if self._stepper is not None:
+            self._stepper.reset()
+
+    def _drop_backward_prefetch(self) -> None:
+        """Give back the pool memory of a read issued for a unit's step in a backward that never reached it
+        (the backward raised): the pool's other users would wait for it for ever."""
+        if self._stepper is not None:
+            self._stepper.drop_prefetch()
 
     def _backward_steps_into(self, profile: Any) -> None:
         if self._stepper is not None:

@@ -139,6 +139,7 @@ class Checkpoints(_Base):
         page-cache window. Clears the refusal to step that an interrupted step leaves.
         """
         self._check_open()
+        self._backward_steps_reset()
         sd = torch.load(os.fspath(path), map_location="cpu", mmap=True, weights_only=True)
         self._load_packed(sd, drop_pages=True)
 
@@ -193,6 +194,7 @@ class Checkpoints(_Base):
         For checkpoint backends loading a part at a time. Refused before anything changes when a state
         would not fit the budget."""
         self._check_open()
+        self._backward_steps_reset()
         live = self._in_groups()
         for p in states:
             if id(p) not in live:
@@ -217,6 +219,7 @@ class Checkpoints(_Base):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take a whole state (as state_dict() gives, or the wrapped optimizer's) onto the drive."""
         self._check_open()
+        self._backward_steps_reset()
         self._load_packed(local_state(state_dict), drop_pages=False)
 
     def _load_packed(self, sd: dict[str, Any], drop_pages: bool) -> None:

@@ -536,6 +536,7 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, TileWalk, Closing
 
     def _check_usable(self) -> None:
         self._check_open()
+        self._drop_backward_prefetch()  # before anything takes pool memory
         if self._broken is not None:
             raise RuntimeError(f"{self._broken}, so parameters and optimizer state may be a mix of updated "
                                "and old tiles; this optimizer refuses to step until load(path) or "

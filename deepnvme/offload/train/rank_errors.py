@@ -24,9 +24,11 @@ import torch.distributed as dist
 # A gloo group of each set of ranks, made once (every rank of the set makes it, in the same order), with the
 # default group it was made in (a group of an earlier process group is not this one's).
 _GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
-# Set on an error agree() raised: every rank raises it at once, so an agree() around the one that raised it
-# (a step's closure running the hooks) raises it as it is, without another collective.
+# Set on an error agree() raised, to the number of that agree() call: every rank raises it at once, so an
+# agree() begun before it (around a step's closure running the hooks) raises it as it is, without another
+# collective. An error agreed on earlier and raised again (kept by a future) is agreed on as any other.
 _AGREED = "_deepnvme_agreed"
+_calls = [0]  # agree() calls made so far in this process
 
 
 def group_of(tensor: torch.Tensor) -> Any:
@@ -56,13 +58,15 @@ def agree(run: Callable[[], Any], group: Any) -> Any:
     rank) whether it raised anywhere: if it did, raise the lowest failed rank's error on every rank
     (raise_named); else return what `run` returned. Every rank of the group must call it at the same point.
     A KeyboardInterrupt is told too (the others raise a RuntimeError naming the interrupted rank)."""
+    _calls[0] += 1
+    began = _calls[0]
     failure: BaseException | None = None
     result = None
     try:
         result = run()
     except BaseException as exc:  # noqa: BLE001 - told to every rank, then raised
         failure = exc
-    if group is None or getattr(failure, _AGREED, False):
+    if group is None or getattr(failure, _AGREED, 0) > began:
         if failure is not None:
             raise failure
         return result
@@ -108,11 +112,11 @@ def raise_named(rank: int, first: BaseException, cause: BaseException | None) ->
     BaseException) as it is."""
     if isinstance(first, OSError) and first.errno is not None:
         named = OSError(first.errno, f"rank {rank}: {first.strerror or first}", first.filename)
-        setattr(named, _AGREED, True)
+        setattr(named, _AGREED, _calls[0])
         raise named from cause
     if isinstance(first, Exception):
         first.add_note(f"(raised on rank {rank})")
-    setattr(first, _AGREED, True)
+    setattr(first, _AGREED, _calls[0])
     raise first from (None if cause is first else cause)
 
 

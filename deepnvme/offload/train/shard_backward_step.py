@@ -56,8 +56,9 @@ class ShardStepper:
                 if id(d := views.dtensor_of.get(id(v))) in mine and ready(d)]
 
     def check(self, u: ShardUnit) -> None:
-        """A backward reaches `u`: refused if `u` was stepped in an earlier one since step()."""
-        if self.on and u.index in self.stepped:
+        """A backward reaches `u`: refused if `u` was stepped in an earlier one since step() (alike on every
+        rank: not a failure the ranks need to agree on)."""
+        if u.index in self.stepped:
             raise RuntimeError(f"{u.name} was stepped by the optimizer in an earlier backward and its "
                                "gradients are gone, so this backward cannot add to them: call opt.step() "
                                "(and opt.zero_grad()) before it, or set opt.step_in_backward = False for the "
@@ -116,8 +117,22 @@ class ShardStepper:
 
     def step_began(self) -> None:
         """The optimizer's step() begins: backwards from now are those of the next step."""
+        self.reset()
+
+    def reset(self) -> None:
+        """The optimizer's state was loaded (or a step begins): nothing is stepped yet."""
         self.drop_prefetch()
         self.stepped.clear()
+
+    def failed(self) -> None:
+        """A backward failed on some rank (its hooks raised on every rank): units stepped before it on one
+        rank may not be on another, so the optimizer refuses to step until a load (its steps in backwards
+        too: what was stepped is forgotten, alike on every rank)."""
+        self.drop_prefetch()
+        self.stepped.clear()
+        if self.on:
+            self.opt.refuse_steps("a backward whose units the optimizer steps failed part way, so the ranks' "
+                                  "shards and optimizer state may differ; load a checkpoint (dcp_load)")
 
     def close(self) -> None:
         self.drop_prefetch()

@@ -136,6 +136,8 @@ def _check(model: nn.Module, optimizer: Any) -> None:
     if optimizer is not None and not isinstance(optimizer, OffloadedOptimizer):
         raise TypeError(f"optimizer must be an OffloadedOptimizer (or None: the model only), got "
                         f"{type(optimizer).__name__}")
+    for _, m, _ in fsdp_groups(model):  # a backward that raised part way leaves units gathered
+        m.reshard()
 
 
 def _groups_by_name(model: nn.Module, optimizer: OffloadedOptimizer) -> list[dict[str, Any]]:

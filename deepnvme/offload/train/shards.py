@@ -202,8 +202,10 @@ class OffloadedShards(Closing):
         ahead = self._after(u, self.starts)
         self._read_ahead(ahead[:self.prefetch], grads=False)
         if torch.is_grad_enabled():  # the unit's inputs: their gradients are complete after FSDP's reduction
-            args, kwargs = through(BackwardEnds, lambda: agree(lambda: self._backward_ends(u), self.group),
-                                   (args, kwargs))
+            def ends() -> None:
+                self._agreed_in_backward(lambda: self._backward_ends(u))
+
+            args, kwargs = through(BackwardEnds, ends, (args, kwargs))
         return args, kwargs
 
     def _post_forward(self, u: ShardUnit, output: Any) -> Any:
@@ -221,7 +223,9 @@ class OffloadedShards(Closing):
                 task = torch._C._current_graph_task_id()
                 if fired[0] != task:
                     fired[0] = task
-                    agree(lambda: self._backward_begins(u, task), self.group)
+                    if self.stepper is not None:
+                        self.stepper.check(u)
+                    self._agreed_in_backward(lambda: self._backward_begins(u, task))
                 return grad
 
             for t in {id(t): t for t in needs}.values():
@@ -241,8 +245,6 @@ class OffloadedShards(Closing):
 
     def _backward_begins(self, u: ShardUnit, task: int) -> None:
         stepper = self.stepper
-        if stepper is not None:
-            stepper.check(u)
         if self._task != task:
             self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._ended_soon)
@@ -283,7 +285,18 @@ class OffloadedShards(Closing):
             self._task = -1
             self.settle()
 
-        agree(end, self.group)
+        self._agreed_in_backward(end)
+
+    def _agreed_in_backward(self, run: Any) -> None:
+        """`run` (a part of the backward) agreed on by the ranks; when it failed on any, the optimizer
+        stepping the units in the backward refuses to step until a load (stepper.failed)."""
+        try:
+            agree(run, self.group)
+        except BaseException:
+            stepper = self.stepper
+            if stepper is not None:
+                stepper.failed()
+            raise
 
     def settle(self) -> None:
         """Between passes: units still brought (FSDP's backward prefetch of a frozen unit, a forward
