@@ -121,7 +121,10 @@ def _in_backward_fails(rank: int, swap: str) -> dict[str, Any]:
         loss = m(input_ids=ids, labels=ids).loss
         if rank == 1:
             _damage(opt.swap.file)
-        for key, call in (("said", loss.backward), ("step", opt.step)):
+        calls = [("said", loss.backward), ("step", opt.step)]
+        # Going on without a load: every backward and step refused alike on both ranks, never a wait.
+        calls += [(f"again{i}", lambda: m(input_ids=ids, labels=ids).loss.backward()) for i in range(2)]
+        for key, call in calls:
             try:
                 call()
                 out[key] = "no error"
@@ -144,11 +147,23 @@ def _refused(rank: int, swap: str) -> dict[str, Any]:
         said = "no error"
     except ValueError as exc:
         said = f"{exc} {getattr(exc, '__notes__', [])}"
+    refusals = {}  # an optimizer's budget, and an argument of dcp_save, refused on rank 1 only
+    adamw = torch.optim.AdamW(m.parameters())
+    for key, call in (("optimizer", lambda: OffloadedOptimizer(adamw, Path(swap) / "refused",
+                                                               1 << 20 if rank == 0 else 4096)),
+                      ("dcp_save", lambda: dcp_save(Path(swap) / "no-checkpoint", m,
+                                                    extra={} if rank == 0 else [1]))):
+        try:
+            call()
+            refusals[key] = "no error"
+        except (ValueError, TypeError) as exc:
+            refusals[key] = f"{type(exc).__name__}: {exc} {getattr(exc, '__notes__', [])}"
+    refusals["groups"] = sorted({type(p).__name__ for g in adamw.param_groups for p in g["params"]})
     # Rank 0's shards back in memory (no mapping): a forward needs nothing of offload_shards.
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     loss = m(input_ids=ids, labels=ids).loss.item()
     left = [str(p) for p in (Path(swap) / "refused").rglob("*") if p.is_file()]
-    return {"said": said, "loss": loss, "left": left}
+    return {"said": said, "loss": loss, "left": left, **refusals}
 
 
 class _Net(torch.nn.Module):
@@ -232,10 +247,15 @@ def test_one_ranks_io_error_is_every_ranks(tmp_path: Path) -> None:
         assert "budget_bytes=4096 is less than offload_shards needs" in refused["said"], refused
         assert "(raised on rank 1)" in refused["said"], refused
         assert refused["left"] == [] and refused["loss"] > 0, refused  # no swap file left behind
+        assert refused["optimizer"].startswith("ValueError: budget_bytes=4096") and "rank 1" in refused[
+            "optimizer"] and refused["groups"] == ["DTensor"], refused  # the caller's optimizer as it was
+        assert refused["dcp_save"].startswith("TypeError: extra must be a dict"), refused
     sib = [res["in-backward"] for res in per_rank]
     assert sib[0]["said"] == sib[1]["said"] and sib[0]["said"].startswith("OSError|[Errno 5] rank 1: "), sib
     refused = "RuntimeError|a backward whose units the optimizer steps failed"
     assert all(r["step"].startswith(refused) for r in sib), sib
+    assert sib[0]["again0"] == sib[1]["again0"] and sib[0]["again1"] == sib[1]["again1"], sib
+    assert "refuses to step until" in sib[0]["again1"], sib
     assert all(r["after"] > 0 for r in sib), sib
     full = [res["full"] for res in per_rank]
     assert full[0]["said"] == full[1]["said"] and full[0]["step"] == full[1]["step"] > 0, full

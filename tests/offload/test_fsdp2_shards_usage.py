@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import gc
 import io
 import mmap
 import os
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -81,17 +83,46 @@ def _train(case: str, offload: bool, budget: int = 4 << 20, layers: int = 3, pre
     return out
 
 
-def _corrupt(directory: str) -> str:
+def _corrupt(directory: str) -> tuple[str, bool]:
+    """A byte changed on the drive: EIO naming the file; the model is freed once let go (the error kept
+    by the failed read held the frames of every raise of it, and through them the model)."""
     m = sharded()
     shards = offload_shards(m, directory, 4 << 20)
     swap = next(str(p) for p in Path(directory).rglob("swap.bin"))
     with open(swap, "r+b") as f:  # through the page cache, not O_DIRECT
         f.write(b"\xff" * 4096)
+    said = "no error"
     try:
         m(input_ids=torch.zeros(1, 4, dtype=torch.long)).logits.sum()
     except OSError as exc:
-        return f"{exc.errno} {exc.filename} {exc.strerror}"
+        said = f"{exc.errno} {exc.filename} {exc.strerror}"
     finally:
+        shards.close(restore=False)
+    alive = weakref.ref(m)
+    del m, shards
+    gc.collect()
+    return said, alive() is None
+
+
+def _clip_damaged(directory: str) -> str:
+    """A gradient's bytes changed on the drive, then clipped in place through its mapping (the pages
+    clipping writes become the process's own): the step's read still checks the drive's bytes."""
+    m = sharded()
+    shards = offload_shards(m, directory, 4 << 20)
+    opt = OffloadedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), directory, 1 << 20)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    try:
+        m(input_ids=ids, labels=ids).loss.backward()
+        unit = shards.units[1].grad_unit
+        with open(shards.space.file, "r+b") as f:
+            f.seek(unit.io_start)
+            f.write(b"\x7f" * 16)
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+        opt.step()
+    except OSError as exc:
+        return f"{exc.errno} {exc.filename}"
+    finally:
+        opt.close()
         shards.close(restore=False)
     return "no error"
 
@@ -220,7 +251,8 @@ def _body(rank: int, world: int) -> dict[str, Any]:
     # this thread would give back (it hung).
     out["far-ahead"] = {"memory": _train("frozen", False, layers=16),
                         "offload": _train("frozen", True, budget=2_097_152, layers=16, prefetch=5)}
-    out["corrupt"] = _corrupt(tempfile.mkdtemp())
+    out["corrupt"], out["corrupt-freed"] = _corrupt(tempfile.mkdtemp())
+    out["clip-damaged"] = _clip_damaged(tempfile.mkdtemp())
     out["failed-wrap"] = _failed_wrap()
     out["twice-in-backward"] = _twice_in_backward(tempfile.mkdtemp())
     out["dcp"] = _dcp_refusals(tempfile.mkdtemp())
@@ -239,6 +271,9 @@ def test_offloaded_shards_between_steps_and_under_faults(tmp_path: Path) -> None
     assert res["pickle"]["offload"]["pickled"] > 0
     errno_, filename, _ = res["corrupt"].split(" ", 2)
     assert errno_ == "5" and filename.endswith("swap.bin"), res["corrupt"]  # EIO naming the swap file
+    assert res["corrupt-freed"]
+    errno_, filename = res["clip-damaged"].split(" ", 1)
+    assert errno_ == "5" and filename.endswith("swap.bin"), res["clip-damaged"]
     assert set(res["failed-wrap"]) == {"DTensor"}  # the caller's optimizer is left as it was
     first, twice, off, stepped, again, stepped_again, abandoned = res["twice-in-backward"]
     assert first == stepped == again == stepped_again == abandoned == "ok", res["twice-in-backward"]

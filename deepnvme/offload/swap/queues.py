@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import copy
 import errno
 import heapq
 import itertools
@@ -66,8 +67,17 @@ class Ticket:
     def wait(self) -> None:
         """Wait for this request only; raise its error (an OSError naming the file)."""
         self._done.wait()
-        if self.error is not None:
-            raise self.error
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        """Raise this request's error, if any: a copy each time, so that the one the ticket keeps never
+        holds the frames of a raise (they reach the model, and through the ticket would keep it alive)."""
+        exc = self.error
+        if exc is None:
+            return
+        if isinstance(exc, OSError) and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror, exc.filename)
+        raise copy.copy(exc)
 
     def settle(self) -> None:
         """Wait for this request, ignoring its error (used when unwinding after another error)."""

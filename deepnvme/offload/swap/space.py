@@ -159,8 +159,7 @@ class Lease:
         for t in self.tickets:
             t.settle()
         for t in self.tickets:
-            if t.error is not None:
-                raise t.error
+            t.raise_error()
 
     def write_back(self, parts: int = 1) -> list[Ticket]:
         """Queue writes of every owned unit from the pool; memory goes back to the pool once written.
@@ -450,8 +449,7 @@ class SwapSpace(Closing):
         for t in pending:
             t.settle()
         for t in pending:
-            if t.error is not None:
-                raise t.error
+            t.raise_error()
 
     def _check_open(self) -> None:
         if self.pid != os.getpid():

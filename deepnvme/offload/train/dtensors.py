@@ -68,6 +68,11 @@ class ShardViews:
             if any(is_dtensor(p) for p in g["params"]):
                 g["params"] = [self.view_of(p) for p in g["params"]]
 
+    def give_back(self, groups: list[dict[str, Any]]) -> None:
+        """Put each DTensor back in place of its view in `groups` (undoes take)."""
+        for g in groups:
+            g["params"] = [self.dtensor_of.get(id(p), p) for p in g["params"]]
+
     @torch.no_grad()
     def sync(self, only: list[torch.Tensor] | None = None) -> None:
         """Point every view (of the DTensors `only`, when given) at its DTensor's local shard and give it

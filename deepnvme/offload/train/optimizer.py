@@ -47,7 +47,7 @@ from deepnvme.offload.swap import Closing, Lease, SwapSpace, budget_arg, check_m
 from deepnvme.offload.train.backward_step import StepsInBackward, check_can_step
 from deepnvme.offload.train.checkpoints import Checkpoints
 from deepnvme.offload.train.checks import Checks
-from deepnvme.offload.train.dtensors import ShardViews
+from deepnvme.offload.train.dtensors import ShardViews, is_dtensor
 from deepnvme.offload.train.grouping import how_stepped, whole_step_too_large
 from deepnvme.offload.train.held import HIDDEN_ATTR
 from deepnvme.offload.train.lending import Lending, applied_in_backward, owner_of, zero_offloaded_grads
@@ -122,6 +122,23 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, TileWalk, Closing
                  budget_bytes: int | None = None, *, master_weights: bool = False, handle: Any = None,
                  tile_bytes: int | None = None, elementwise: bool | None = None,
                  chunks: bool | None = None, step_in_backward: bool = False) -> None:
+        self._closed = True
+        # Over FSDP2's shards every rank makes its optimizer: one rank's refusal is every rank's.
+        groups = getattr(optimizer, "param_groups", [])
+        shard = next((p for g in groups for p in g["params"] if is_dtensor(p)), None)
+        try:
+            agree(lambda: self._make(optimizer, directory, budget_bytes, master_weights, handle, tile_bytes,
+                                     elementwise, chunks, step_in_backward),
+                  None if shard is None else group_of(shard))
+        except BaseException:
+            if not self._closed:  # made here, refused on another rank: the caller's optimizer as it was
+                self._views.give_back(optimizer.param_groups)
+                self.close()
+            raise
+
+    def _make(self, optimizer: torch.optim.Optimizer, directory: str | os.PathLike, budget_bytes: int | None,
+              master_weights: bool, handle: Any, tile_bytes: int | None, elementwise: bool | None,
+              chunks: bool | None, step_in_backward: bool) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OffloadedOptimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         budget = budget_arg(DEFAULT_BUDGET if budget_bytes is None else budget_bytes)

@@ -32,6 +32,8 @@ class Bystander:
 
     def _pre(self, _mod: nn.Module, args: Any, kwargs: Any) -> Any:
         agree(_nothing, self.group)
+        if torch._C._current_graph_task_id() == -1:  # not a recompute: a backward left part way is over
+            self.in_backward = -1
         if self.in_backward == -1 and torch.is_grad_enabled():
             args, kwargs = through(BackwardEnds, self._ends, (args, kwargs))
         return args, kwargs

@@ -215,8 +215,7 @@ def dcp_save(path: str | os.PathLike, model: nn.Module, optimizer: OffloadedOpti
     streamed from the drive; `extra` (tensors and picklable values: the step, an LR scheduler's
     state_dict()) is saved beside them. Collective: every rank calls it. `storage_writer` defaults to
     deepnvme's AioStorageWriter(path)."""
-    _check(model, optimizer)
-    _check_extra(extra)
+    agree(lambda: (_check(model, optimizer), _check_extra(extra)), world())  # one rank's is every rank's
     owners = _owners(model)
     reads = _Reads(optimizer)
     sources: dict[int, Callable[[], torch.Tensor]] = {}
@@ -236,8 +235,7 @@ def dcp_load(path: str | os.PathLike, model: nn.Module, optimizer: OffloadedOpti
     time onto the drive (see the module docstring); `extra` is the template of what was saved beside them
     (DCP loads into what it is given), filled in place and returned. The optimizer's state is replaced
     for the parameters the checkpoint has state for. Collective: every rank calls it."""
-    _check(model, optimizer)
-    _check_extra(extra)
+    agree(lambda: (_check(model, optimizer), _check_extra(extra)), world())  # one rank's is every rank's
     reader = AioStorageReader(path) if storage_reader is None else storage_reader
     names = _names(model)
 

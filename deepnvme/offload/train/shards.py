@@ -190,6 +190,8 @@ class OffloadedShards(Closing):
             raise RuntimeError(f"{self.refused}: the shards are a mix of old and loaded units; load a "
                                "checkpoint again before using the model")
         self._drain(block=False)
+        if self._task != -1 and torch._C._current_graph_task_id() == -1:
+            self._abandoned()
         if u.in_backward != -1:  # recomputed in its backward (activation checkpointing): in memory already
             self._bring(u, grads=True)
             return args, kwargs
@@ -298,6 +300,17 @@ class OffloadedShards(Closing):
                 stepper.failed()
             raise
 
+    def _abandoned(self) -> None:
+        """A forward outside any backward while a backward is begun and not ended: that backward raised
+        part way (on every rank: its hooks are agreed on). Its units are in none now (a unit left in it
+        would take the next forward for a recompute and skip its hooks)."""
+        for u in self.units:
+            u.in_backward = -1
+        for b in self.bystanders:
+            b.in_backward = -1
+        self._task = -1
+        self.settle()
+
     def settle(self) -> None:
         """Between passes: units still brought (FSDP's backward prefetch of a frozen unit, a forward
         that raised) are given back, reads issued ahead and not taken are dropped (their memory held for
@@ -357,7 +370,8 @@ class OffloadedShards(Closing):
         mapping would show the bytes written there next."""
         if not parts.resident and parts.shared():
             self.space.check_files()
-            parts.fill(None)
+            self._fill_checked(parts, parts.reading)
+            parts.reading = None
         parts.forget()
         self._busy.discard(id(parts))
 
@@ -390,27 +404,30 @@ class OffloadedShards(Closing):
                 continue
             # A file cut short would make the mapping's pages unreadable (SIGBUS): an OSError naming it.
             self.space.check_files()
-            if parts.written():  # written through the mapping: its pages hold the values now
-                if lease is not None:
-                    lease.release()
-                parts.fill(None)
-                parts.stamp = _versions(u.tensors(parts))
-                self.counts["read_from_mapping"] += parts.nbytes
-                continue
-            if lease is None:
-                lease = self.space.read([parts.unit], demand=True, block=False)  # type: ignore[list-item]
-            if lease is None:  # the pool holds reads issued ahead, which only this thread takes: dropped
-                self._drop_read_aheads()
-                lease = self.space.read([parts.unit], demand=True)  # type: ignore[list-item]
-            lease.demand()
-            try:
-                lease.wait()
-                parts.fill(lease)
-            finally:
-                lease.release()
+            self._fill_checked(parts, lease)
             parts.stamp = _versions(u.tensors(parts))
-            self.counts["unit_reads"] += 1
-            self.counts["bytes_read"] += parts.nbytes
+
+    def _fill_checked(self, parts: Parts, lease: Lease | None) -> None:
+        """Make `parts` resident from a read of its unit (`lease`, issued ahead, or issued now), whose bytes
+        are checked against their CRC-32. Where code wrote through the mapping (a gradient clipped in place)
+        its pages hold the values and are taken instead, but the read still checks the drive's bytes: the
+        pages it did not write show the file's, which may have changed."""
+        written = parts.written()
+        if lease is None:
+            lease = self.space.read([parts.unit], demand=True, block=False)  # type: ignore[list-item]
+        if lease is None:  # the pool holds reads issued ahead, which only this thread takes: dropped
+            self._drop_read_aheads()
+            lease = self.space.read([parts.unit], demand=True)  # type: ignore[list-item]
+        lease.demand()
+        try:
+            lease.wait()
+            parts.fill(None if written else lease)
+        finally:
+            lease.release()
+        self.counts["unit_reads"] += 1
+        self.counts["bytes_read"] += parts.nbytes
+        if written:
+            self.counts["read_from_mapping"] += parts.nbytes
 
     def _release(self, parts: Parts, u: ShardUnit) -> None:
         """Give `parts`' memory back: at once if the drive holds its values, else once they are written
