@@ -64,9 +64,14 @@ def test_pickling_or_copying_is_refused(workdir: Path) -> None:
                 attempt()
 
 
-def test_an_empty_directory_name_is_refused(workdir: Path) -> None:
-    with pytest.raises(ValueError, match="directory is empty"):
+def test_a_directory_that_names_no_folder_is_refused_naming_it(workdir: Path) -> None:
+    """An empty name, or no path at all: the error names the argument (os.fspath's own did not)."""
+    with pytest.raises(ValueError, match="directory must name the folder"):
         OffloadedOptimizer(torch.optim.Adam(model().parameters()), "", BUDGET)
+    for wrong in (123, None, b"/tmp"):
+        with pytest.raises(TypeError, match="directory must name the folder") as err:
+            OffloadedOptimizer(torch.optim.Adam(model().parameters()), wrong, BUDGET)  # type: ignore[arg-type]
+        assert type(wrong).__name__ in str(err.value)
 
 
 def test_budget_takes_any_integral_but_not_a_bool(workdir: Path) -> None:

@@ -18,10 +18,11 @@ from __future__ import annotations
 from deepnvme.offload.swap.cgroup import check_memory_room, memory_left, memory_room, return_freed_memory
 from deepnvme.offload.swap.closing import Closing
 from deepnvme.offload.swap.pool import Buffer, BufferPool, PoolClosedError, round_up
-from deepnvme.offload.swap.preflight import budget_arg
+from deepnvme.offload.swap.preflight import budget_arg, directory_arg
 from deepnvme.offload.swap.queues import DEMAND, PREFETCH, Ticket
 from deepnvme.offload.swap.space import MAX_REQUESTS_IN_FLIGHT, SWAP_FILE, Lease, ReadAhead, SwapSpace, Unit
 
 __all__ = ["DEMAND", "MAX_REQUESTS_IN_FLIGHT", "PREFETCH", "SWAP_FILE", "Buffer", "BufferPool", "Closing",
            "Lease", "PoolClosedError", "ReadAhead", "SwapSpace", "Ticket", "Unit", "budget_arg",
-           "check_memory_room", "memory_left", "memory_room", "return_freed_memory", "round_up"]
+           "check_memory_room", "directory_arg", "memory_left", "memory_room", "return_freed_memory",
+           "round_up"]

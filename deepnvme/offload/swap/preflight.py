@@ -14,8 +14,20 @@ import os
 
 from deepnvme.offload._doors import PAGE, has_cap_ipc_lock, memlock_limit, open_maybe_direct
 
-__all__ = ["budget_arg", "check_free_space", "check_memlock", "check_writable", "has_cap_ipc_lock",
-           "open_direct"]
+__all__ = ["budget_arg", "check_free_space", "check_memlock", "check_writable", "directory_arg",
+           "has_cap_ipc_lock", "open_direct"]
+
+
+def directory_arg(directory: object) -> str:
+    """`directory` as a path string (a str or os.PathLike, not empty), else TypeError or ValueError naming
+    directory."""
+    if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory must name the folder the swap files go in (a str or os.PathLike), got "
+                        f"{type(directory).__name__}")
+    path = os.fspath(directory)
+    if not isinstance(path, str) or path == "":
+        raise ValueError(f"directory must name the folder the swap files go in, got {directory!r}")
+    return path
 
 
 def budget_arg(budget_bytes: object) -> int:

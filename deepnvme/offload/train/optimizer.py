@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from deepnvme.offload._doors import PAGE, SWAP
-from deepnvme.offload.swap import Closing, Lease, SwapSpace, budget_arg, check_memory_room
+from deepnvme.offload.swap import Closing, Lease, SwapSpace, budget_arg, check_memory_room, directory_arg
 from deepnvme.offload.train.backward_step import StepsInBackward, check_can_step
 from deepnvme.offload.train.checkpoints import Checkpoints
 from deepnvme.offload.train.checks import Checks
@@ -149,8 +149,7 @@ class OffloadedOptimizer(Checks, Checkpoints, StepsInBackward, TileWalk, Closing
             raise TypeError(f"{type(optimizer).__name__}.step needs a closure (it evaluates the loss several "
                             "times a step, over all parameters at once): it cannot be stepped with its state "
                             "on a drive; keep it in memory")
-        if os.fspath(directory) == "":
-            raise ValueError("directory is empty: name the folder the swap files go in")
+        directory_arg(directory)
         self.optimizer = optimizer
         self.master_weights = bool(master_weights)
         self.elementwise, self.chunks = how_stepped(optimizer, elementwise, chunks)

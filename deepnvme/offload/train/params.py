@@ -47,6 +47,7 @@ from deepnvme.offload.swap import (
     Unit,
     budget_arg,
     check_memory_room,
+    directory_arg,
     return_freed_memory,
     round_up,
 )
@@ -85,8 +86,7 @@ class OffloadedParameters(Closing):
             raise ValueError("this model's parameters are offloaded already (close() that first)")
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
             raise ValueError(f"ahead must be an int >= 0 (units read ahead), got {ahead!r}")
-        if os.fspath(directory) == "":
-            raise ValueError("directory is empty: name the folder the swap files go in")
+        directory_arg(directory)
         budget = budget_arg(budget_bytes)
         self._closed = True
         self.model, self.ahead, self.pid = model, ahead, os.getpid()

@@ -49,6 +49,7 @@ from deepnvme.offload.swap import (
     SwapSpace,
     budget_arg,
     check_memory_room,
+    directory_arg,
     return_freed_memory,
     round_up,
 )
@@ -87,8 +88,7 @@ class OffloadedShards(Closing):
                                "(UntypedStorage._swap_data_ptr_): shards cannot be offloaded with it")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (units read ahead), got {prefetch!r}")
-        if directory is None or os.fspath(directory) == "":
-            raise ValueError(f"directory must name the folder the swap files go in, got {directory!r}")
+        directory_arg(directory)
         budget = budget_arg(budget_bytes)
         plans = plan_units(model)
         meta = [name for name, _, ps in plans if any(p.is_meta for p in ps)]
