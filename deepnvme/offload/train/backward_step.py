@@ -29,17 +29,19 @@ if TYPE_CHECKING:
     from deepnvme.offload.train.optimizer import OffloadedOptimizer
 
 
-def check_can_step(optimizer: torch.optim.Optimizer, elementwise: bool) -> Any:
+def check_can_step(optimizer: torch.optim.Optimizer, elementwise: bool,
+                   params: list[torch.Tensor] | None = None) -> Any:
     """The OffloadedParameters (or, for FSDP2's shards, the OffloadedShards) whose units `optimizer` would
-    step in their backward; TypeError or ValueError, before anything changes, when it cannot."""
+    step in their backward (its parameters, or `params` where its groups hold views of DTensors now);
+    TypeError or ValueError, before anything changes, when it cannot."""
     if not elementwise:
         raise TypeError("step_in_backward=True needs an element-wise optimizer (each element updated "
                         f"from its own gradient and state); {type(optimizer).__name__} is not one (or "
                         "declare it with elementwise=True): step it after the backward")
-    shards = {id(u.owner): u.owner for g in optimizer.param_groups for p in g["params"]
-              if (u := unit_of(p)) is not None}
-    owners = shards or {id(o): o for g in optimizer.param_groups for p in g["params"]
-                        if (o := owner_of(p)) is not None}
+    if params is None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+    shards = {id(u.owner): u.owner for p in params if (u := unit_of(p)) is not None}
+    owners = shards or {id(o): o for p in params if (o := owner_of(p)) is not None}
     how = "offload_shards" if shards else "offload_parameters (made on model.parameters() after it)"
     if len(owners) != 1:
         raise ValueError(f"step_in_backward=True needs the parameters of one model offloaded by {how}; these "
@@ -153,15 +155,8 @@ def _stepper_of(opt: OffloadedOptimizer) -> Any:
     units of offload_parameters."""
     dtensors = list(opt._views.dtensor_of.values())
     if any(unit_of(d) is not None for d in dtensors):
-        return ShardStepper(opt, check_can_step(_Groups(dtensors), opt.elementwise))
+        return ShardStepper(opt, check_can_step(opt.optimizer, opt.elementwise, dtensors))
     return BackwardStepper(opt)
-
-
-class _Groups:
-    """Parameters as the param_groups check_can_step reads (the optimizer's now hold views)."""
-
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self.param_groups = [{"params": params}]
 
 
 if TYPE_CHECKING:

@@ -87,27 +87,26 @@ class ShardStepper:
         """Step `u`'s shards that have gradients (complete: FSDP reduced them) and drop those gradients;
         whether any was stepped."""
         ahead, self.ahead = self.ahead, None
-        if not self.on:
-            if ahead is not None:
+        try:
+            if not self.on:
+                return False
+            opt = self.opt
+            opt._check_usable()
+            opt._views.sync(u.params)
+            work = self._work(u, lambda d: d.grad is not None)
+            if not work:
+                return False
+            for _, v in work:
+                opt._check_work(v)
+            reader = None
+            if ahead is not None and ahead[0] == [id(v) for _, v in work]:
+                (_, tiles, reader), ahead = ahead, None  # the step takes the read (and closes it)
+            else:
+                tiles = opt._make_records(work)
+            self.profiles.append(opt._run_tiles(work, tiles, Present({}), reader))
+        finally:
+            if ahead is not None:  # not taken: its pool memory back
                 ahead[2].close()
-            return False
-        opt = self.opt
-        opt._check_usable()
-        opt._views.sync(u.params)
-        work = self._work(u, lambda d: d.grad is not None)
-        if not work:
-            if ahead is not None:
-                ahead[2].close()
-            return False
-        for _, v in work:
-            opt._check_work(v)
-        if ahead is not None and ahead[0] == [id(v) for _, v in work]:
-            tiles, reader = ahead[1], ahead[2]
-        else:
-            if ahead is not None:
-                ahead[2].close()
-            tiles, reader = opt._make_records(work), None
-        self.profiles.append(opt._run_tiles(work, tiles, Present({}), reader))
         opt._outline([v for _, v in work if v in opt._records])
         for _, v in work:
             opt._views.dtensor_of[id(v)].grad = None

@@ -191,7 +191,7 @@ class OffloadedShards(Closing):
                                "checkpoint again before using the model")
         self._drain(block=False)
         if self._task != -1 and torch._C._current_graph_task_id() == -1:
-            self._abandoned()
+            self._backward_over()
         if u.in_backward != -1:  # recomputed in its backward (activation checkpointing): in memory already
             self._bring(u, grads=True)
             return args, kwargs
@@ -282,10 +282,7 @@ class OffloadedShards(Closing):
         def end() -> None:
             for u in self.units:  # units whose inputs needed no gradient (the root's): no identity ran
                 self._backward_ends(u)
-            for b in self.bystanders:
-                b.in_backward = -1
-            self._task = -1
-            self.settle()
+            self._backward_over()
 
         self._agreed_in_backward(end)
 
@@ -300,10 +297,10 @@ class OffloadedShards(Closing):
                 stepper.failed()
             raise
 
-    def _abandoned(self) -> None:
-        """A forward outside any backward while a backward is begun and not ended: that backward raised
-        part way (on every rank: its hooks are agreed on). Its units are in none now (a unit left in it
-        would take the next forward for a recompute and skip its hooks)."""
+    def _backward_over(self) -> None:
+        """The backward is over: ended, or (a forward outside any backward while one is begun and not
+        ended) raised part way, on every rank as its hooks are agreed on. No unit is in one now (a unit
+        left in it would take the next forward for a recompute and skip its hooks)."""
         for u in self.units:
             u.in_backward = -1
         for b in self.bystanders:
