@@ -98,29 +98,30 @@ class BackwardStepper:
         """Step those of `helds` (a unit's parameters, their values and gradients in memory) that are in
         the optimizer's groups; the ones stepped, their new values in place."""
         ahead, self.ahead = self.ahead, None
-        if not self.on:
-            if ahead is not None:
+        try:
+            if not self.on:
+                return []
+            opt = self.opt
+            by_stand = {id(h.stand): h for h in helds}
+            work = self._work(helds, lambda h: True)
+            if not work:
+                return []
+            opt._check_usable()
+            for _, p in work:
+                g = by_stand[id(p)].real.grad
+                if g.is_sparse:  # type: ignore[union-attr]
+                    raise RuntimeError(f"{by_stand[id(p)].name} has a sparse gradient: OffloadedOptimizer "
+                                       "does not take sparse gradients")
+            reader = None
+            if ahead is not None and ahead[0] == [id(p) for _, p in work]:
+                (_, tiles, reader), ahead = ahead, None  # the step takes the read (and closes it)
+            else:
+                tiles = opt._make_records(work)
+            lent = Present({p: by_stand[id(p)].real for _, p in work})
+            self.profiles.append(opt._run_tiles(work, tiles, lent, reader))
+        finally:
+            if ahead is not None:  # not taken: its pool memory back
                 ahead[2].close()
-            return []
-        opt = self.opt
-        by_stand = {id(h.stand): h for h in helds}
-        work = self._work(helds, lambda h: True)
-        if not work:
-            return []
-        opt._check_usable()
-        for _, p in work:
-            g = by_stand[id(p)].real.grad
-            if g.is_sparse:  # type: ignore[union-attr]
-                raise RuntimeError(f"{by_stand[id(p)].name} has a sparse gradient: OffloadedOptimizer does "
-                                   "not take sparse gradients")
-        if ahead is not None and ahead[0] == [id(p) for _, p in work]:
-            tiles, reader = ahead[1], ahead[2]
-        else:
-            if ahead is not None:
-                ahead[2].close()
-            tiles, reader = opt._make_records(work), None
-        lent = Present({p: by_stand[id(p)].real for _, p in work})
-        self.profiles.append(opt._run_tiles(work, tiles, lent, reader))
         opt._outline([p for _, p in work if p in opt._records])
         return [by_stand[id(p)] for _, p in work]
 

@@ -14,7 +14,10 @@ def plan_units(model: nn.Module, chosen: list[tuple[str, nn.Module]],
     unit_of = {id(mod): i for i, (_, mod) in enumerate(chosen)}
     paths = dict(model.named_modules(remove_duplicate=False))
     where: dict[int, set[int]] = {}
+    sparse: set[int] = set()  # parameters whose gradients autograd makes sparse
     for path, m in paths.items():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+            sparse.update(id(p) for p in m._parameters.values() if p is not None)
         parts = path.split(".") if path else []
         i = next((unit_of[id(paths[".".join(parts[:k])])] for k in range(1, len(parts) + 1)
                   if id(paths[".".join(parts[:k])]) in unit_of), -1)
@@ -26,6 +29,10 @@ def plan_units(model: nn.Module, chosen: list[tuple[str, nn.Module]],
         places = where[id(p)]
         if len(places) == 1 and -1 not in places:
             check_param(name, p, meta_ok)
+            if id(p) in sparse and p.requires_grad:
+                raise ValueError(f"{name} gets sparse gradients (its module has sparse=True): "
+                                 "offload_parameters writes dense gradients only; make the module with "
+                                 "sparse=False, or leave it out of the units (it then stays in memory)")
             out[next(iter(places))].append((name, p))
     return out
 
