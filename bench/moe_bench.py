@@ -54,14 +54,22 @@ HIDDEN = 1024
 CAPACITY_FACTOR = 1.25
 MIN_CAPACITY = 4
 AUX_COEFF = 0.01
-CONTENDERS = ("deepnvme op", "deepnvme torch", "deepnvme loop", "deepnvme dropless", "DeepSpeed",
-              "DeepSpeed no-drop", "dense mask")
+CONTENDERS = ("deepnvme op", "deepnvme torch", "deepnvme loop", "deepnvme segments", "deepnvme dropless",
+              "DeepSpeed",
+              "DeepSpeed no-drop", "dense mask", "products kept", "products C")
+# The experts' matrix products alone (--expert ffn), with nothing else of the layer: each Linear's forward
+# (addmm), its input's and weight's gradients (mm) and its bias's (a column sum), on the rows deepnvme keeps
+# (each expert its kept routes) or on DeepSpeed's padded blocks (C rows each). No layer calling the same BLAS
+# on those rows can take less, so DeepSpeed's step over "products kept" is the most any such layer can gain
+# over DeepSpeed's here (the "ceiling" column).
+PRODUCTS = {"products kept": False, "products C": True}
 # What each deepnvme contender changes: the routing implementation, the experts' computation
 # (DEEPNVME_MOE_EXPERTS; unset = the library's choice), dropless routing.
 DEEPNVME_SETTINGS = {
     "deepnvme op": {"impl": "op", "experts": "", "dropless": False},
     "deepnvme torch": {"impl": "torch", "experts": "", "dropless": False},
     "deepnvme loop": {"impl": "op", "experts": "loop", "dropless": False},
+    "deepnvme segments": {"impl": "op", "experts": "segments", "dropless": False},
     "deepnvme dropless": {"impl": "op", "experts": "", "dropless": True},
 }
 # DeepSpeed's drop_tokens=False: every route kept, each expert padded to the largest one's count (C agreed
@@ -265,6 +273,42 @@ def step(layer: Any, x: Any, g: Any, fn: Any = None) -> None:
     xx.grad = None
 
 
+def products(layer: Any, x: Any, padded: bool) -> Any:
+    """The experts' matrix products of one step (see PRODUCTS) as a function to time: their rows are the
+    counts the layer's gate keeps for ``x`` (``padded``: DeepSpeed's C rows per expert instead)."""
+    import torch
+    from torch import nn
+
+    moe = layer.deepspeed_moe
+    with torch.no_grad():
+        r = moe.gate.route(x.detach())
+    if padded:
+        counts = [int(r.capacity)] * r.num_experts
+    else:
+        kept = r.expert_idx[r.slot >= 0].reshape(-1).long()
+        counts = torch.bincount(kept, minlength=r.num_experts).tolist()
+    gen = torch.Generator().manual_seed(0)
+    work = []
+    for expert, n in zip(moe.experts.deepspeed_experts, counts):
+        for lin in (m for m in expert.modules() if isinstance(m, nn.Linear)):
+            h = torch.randn(n, lin.in_features, generator=gen).to(x.dtype)
+            g = torch.randn(n, lin.out_features, generator=gen).to(x.dtype)
+            work.append((lin.weight.detach(), None if lin.bias is None else lin.bias.detach(), h, g))
+
+    def run() -> None:
+        for w, b, h, g in work:
+            if h.shape[0]:
+                if b is None:
+                    torch.mm(h, w.t())
+                else:
+                    torch.addmm(b, h, w.t())
+                torch.mm(g, w)
+                torch.mm(g.t(), h)
+                if b is not None:
+                    g.sum(0)
+    return run
+
+
 # --------------------------------------------------------------------------------------------- worker side
 def serve(family: str, threads: int) -> int:
     """Worker: build layers on request and answer ``time`` / ``memory`` requests, one JSON line each."""
@@ -312,11 +356,13 @@ def serve(family: str, threads: int) -> int:
                 os.environ["DEEPNVME_MOE_EXPERTS"] = req["experts"]
             layer, (x, _, g) = layers[key]
             if req["cmd"] == "time":
-                path = (*key, req.get("impl"), req.get("experts"))
+                path = (*key, req.get("impl"), req.get("experts"), req.get("padded"))
+                fn = (partial(step, layer, x, g) if req.get("padded") is None
+                      else products(layer, x, req["padded"]))
                 if path not in warm:
-                    step(layer, x, g)  # first touch of this layer and path: not timed
+                    fn()  # first touch of this layer and path: not timed
                     warm.add(path)
-                samples = [list(timed(partial(step, layer, x, g))) for _ in range(req["steps"])]
+                samples = [list(timed(fn)) for _ in range(req["steps"])]
                 print(json.dumps({"samples": samples}), file=proto)
             else:
                 fn = routing_only(req["layer"], layer) if req["scope"] == "routing" else None
@@ -393,6 +439,8 @@ def request_for(contender: str, cfg: Config, args: argparse.Namespace, cmd: str,
                            "steps": args.steps, "dtype": args.dtype if cmd == "time" else "float32"}
     if contender.startswith("deepnvme"):
         req.update(layer="deepnvme", **DEEPNVME_SETTINGS[contender])
+    elif contender in PRODUCTS:
+        req.update(layer="deepnvme", padded=PRODUCTS[contender], **DEEPNVME_SETTINGS["deepnvme op"])
     else:
         req["layer"] = "deepspeed" if contender.startswith("DeepSpeed") else "dense"
         req["dropless"] = contender == "DeepSpeed no-drop"
@@ -429,7 +477,8 @@ def measure(args: argparse.Namespace, configs: list[Config]) -> dict[str, Any]:
         for rep in range(args.repeats):
             for cfg in configs:
                 order = [c for c in args.contenders
-                         if c != "dense mask" or (dense_allowed(cfg, args) and rep == 0)]
+                         if (c != "dense mask" or (dense_allowed(cfg, args) and rep == 0))
+                         and (c not in PRODUCTS or args.expert == "ffn")]
                 order = order[rep % len(order):] + order[:rep % len(order)]  # rotate who goes first
                 for contender in order:
                     side = sides.get(side_of(contender))
@@ -554,20 +603,26 @@ def render(args: argparse.Namespace, configs: list[Config], res: dict[str, Any],
              f"versions: {json.dumps(res['versions'])}", "",
              "Step time: median wall s (median CPU s); ratio = DeepSpeed's wall time / this one's "
              "(>1: faster), dropless against DeepSpeed's drop_tokens=False (the same routes, padded to the "
-             "largest expert). op = the library's defaults (routing op, experts grouped where they qualify); "
-             "loop = experts one by one. The dense mask is timed in the first round only, its memory for "
-             "the routing alone.",
+             "largest expert). op = the library's defaults (routing op; experts that qualify computed on "
+             "their kept rows, on the CPU expert by expert); loop = experts one by one on padded blocks; "
+             "segments = experts that qualify computed together, one product per step for all of them. "
+             "The dense mask is timed in the first round only, its memory for "
+             "the routing alone. products kept / C: the experts' matrix products alone on the rows deepnvme "
+             "keeps / on DeepSpeed's C rows per expert (ffn experts; see PRODUCTS in the script); the "
+             "ceiling is the most a layer calling the same BLAS on the kept rows could gain over DeepSpeed.",
              ""]
     shown = [c for c in CONTENDERS if c in args.contenders]
     ours = [c for c in shown if c.startswith("deepnvme")]
+    ceiling = "products kept" in shown
     lines += ["| config | C | " + " | ".join(shown) + " | " + " | ".join(
         f"{'DS no-drop' if versus(c) != 'DeepSpeed' else 'DS'}/{c.split()[1]}" for c in ours)
-              + " |", "|---|---|" + "---|" * (len(shown) + len(ours))]
+              + (" | ceiling: DS/products kept" if ceiling else "") + " |",
+              "|---|---|" + "---|" * (len(shown) + len(ours) + ceiling)]
     for cfg in configs:
         t = res["times"][cfg.label]
         cells = [f"{med(t[c], 0):.3f} ({med(t[c], 1):.3f})" if c in t else "—" for c in shown]
         ratios = [f"{med(t[versus(c)], 0) / med(t[c], 0):.2f}x" if c in t and versus(c) in t else "—"
-                  for c in ours]
+                  for c in ours + (["products kept"] if ceiling else [])]
         lines.append(f"| {cfg.label} | {cfg.capacity} | " + " | ".join(cells + ratios) + " |")
     mem_shown = [c for c in MEMORY_CONTENDERS if c in args.contenders]
     mem_ours = [c for c in mem_shown if c.startswith("deepnvme")]

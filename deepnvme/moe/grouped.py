@@ -11,9 +11,12 @@ Anything else (PR-MoE's differently shaped experts, custom modules, hooks inside
 forwards, dropout in training) runs through the per-expert loop, which stays the reference.
 
 How the multiply is done (``IMPLS``) is chosen per device type and dtype (``choose``: torch's grouped mm on
-CUDA where a tiny forward and backward runs, ``segments`` elsewhere), or forced with
-``DEEPNVME_MOE_EXPERTS``:
+CUDA where a tiny forward and backward runs, ``rows`` on the CPU), or forced with ``DEEPNVME_MOE_EXPERTS``:
 
+* ``rows``: at ``ep_size == 1``, each qualifying expert module called on its own kept rows in turn, expert
+  by expert (the layer's choice, :mod:`deepnvme.moe.sharded_moe`; elsewhere it stands for ``segments``):
+  nothing padded, the loop's bits, and each expert's intermediate rows still in the cache when its next
+  product and its activation take them.
 * ``segments``: each expert's rows through the BLAS products its own ``nn.Linear`` would make, written into
   one output, forward and backward in one autograd node, activations applied as the expert's own call
   would: the loop's bits on the same rows (see _SegmentLinear), nothing padded.
@@ -51,6 +54,7 @@ from torch.autograd.function import once_differentiable
 
 IMPL_ENV = "DEEPNVME_MOE_EXPERTS"
 IMPLS = {
+    "rows": "each expert module on its own kept rows, expert by expert (nothing padded)",
     "segments": "one matrix multiply per expert's rows, all in one autograd node (nothing padded)",
     "grouped_mm": "torch's grouped matrix multiply over each expert's rows (nothing padded)",
     "bmm": "one batched matrix multiply over rows padded to the largest expert's",
@@ -106,10 +110,12 @@ def _try_grouped_mm(fn: Callable[..., Tensor], device_type: str, dtype: torch.dt
 
 def choose(device: torch.device, dtype: torch.dtype) -> str:
     """How experts are multiplied on ``device`` in ``dtype``: ``$DEEPNVME_MOE_EXPERTS`` when set; else on
-    CUDA torch's grouped mm where it works there (one kernel for all experts), and ``segments`` otherwise:
-    on the CPU torch's grouped mm is itself a loop over the groups, and measured slower forward + backward
-    than the BLAS products ``segments`` calls (bench/grouped_mm_bench.py: 64 groups of 150-320 rows,
-    1024x1024, fp32, one core, torch 2.13: 68.7 against 75.7 GFLOP/s)."""
+    CUDA torch's grouped mm where it works there (one kernel for all experts), ``segments`` on other
+    accelerators, and ``rows`` on the CPU. There torch's grouped mm is itself a loop over the groups, and
+    both it and ``segments`` (one product of every expert, then the activation of all their rows, then the
+    next product) take each product's operands back from memory: on Linear-ReLU-Linear experts of width
+    1024 the whole layer measured as fast or faster expert by expert (bench/moe_bench.py, contender
+    "deepnvme segments"; bf16, where the products are fast, up to 1.4x)."""
     forced = os.environ.get(IMPL_ENV, "").strip()
     if forced:
         if forced not in IMPLS:
@@ -117,7 +123,7 @@ def choose(device: torch.device, dtype: torch.dtype) -> str:
         return forced
     if device.type == "cuda" and _grouped_mm_works(device.type, dtype)[0]:
         return "grouped_mm"
-    return "segments"
+    return "rows" if device.type == "cpu" else "segments"
 
 
 def describe() -> str:

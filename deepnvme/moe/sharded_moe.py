@@ -29,9 +29,10 @@ class MOELayer(nn.Module):
     1``, experts that keep no token are not run at all (see :meth:`_active_experts`). After ``forward``,
     ``l_aux`` and ``exp_counts`` hold the batch's aux loss and per-expert counts.
 
-    When the experts qualify (:mod:`deepnvme.moe.grouped`) they are computed together: at ``ep_size == 1``
-    on each expert's kept rows only (:mod:`deepnvme.moe.rows`; the padding up to C is never computed), or
-    on the padded buffer with one ``baddbmm`` where that is the choice (``bmm``); with
+    When the experts qualify (:mod:`deepnvme.moe.grouped`) they are computed on each expert's kept rows
+    only at ``ep_size == 1`` (:mod:`deepnvme.moe.rows`; the padding up to C is never computed): expert by
+    expert (``rows``, the CPU's choice) or together, or on the padded buffer with one ``baddbmm`` where
+    that is the choice (``bmm``); with
     ``ep_size > 1`` on each local expert's exchanged ``ep*C`` rows. A dropless gate
     (``gate.dropless``) sends exactly the kept rows: at ``ep_size > 1`` through a variable all-to-all
     whose row counts are exchanged first. ``last_path`` names the path the last forward took.
@@ -87,6 +88,7 @@ class MOELayer(nn.Module):
         impl = choose(tokens.device, tokens.dtype)
         plan, streamed = self._plan(tokens, impl)
         if self.ep_size > 1:
+            impl = "segments" if impl == "rows" else impl  # an expert's ep*C rows: one product each
             out = (self._rows_across_ranks(tokens, routes, plan, impl) if dropless
                    else self._padded_across_ranks(tokens, routes, plan, impl))
         elif dropless or streamed or (plan is not None and impl != "bmm"):
@@ -109,22 +111,24 @@ class MOELayer(nn.Module):
     def _rows(self, tokens: Tensor, routes: Any, plan: GroupedExperts | None, impl: str,
               streamed: bool = False) -> Tensor:
         """ep_size 1: every kept route's token in a row of its own, grouped by expert (no padding), the
-        experts on those rows, the weighted combine."""
+        experts on those rows (together, or with ``rows`` each qualifying expert on its own rows in turn),
+        the weighted combine."""
         rows = expert_rows(routes.expert_idx, routes.slot, routes.num_experts)
         buffer = dispatch(tokens, rows.index, rows.slot, 1, rows.total)
         flat = buffer.view(rows.total, tokens.shape[1])
         self.experts._announce([n > 0 for n in rows.counts])
         out = None
-        if plan is not None:
+        if plan is not None and impl != "rows":
             out = plan.run(flat, rows.counts, impl)
             self.last_path = f"rows, {impl}"
-        elif streamed:
+        elif streamed:  # the streamer computes from views of its cache: one product per step, as segments
+            impl = "segments" if impl == "rows" else impl
             out = self.experts.run_streamed(flat, rows.counts, impl)
             self.last_path = f"rows, streamed {impl}"
         if out is None:
             active = [n > 0 for n in rows.counts] if self._inference(tokens) else None
             out = self.experts.run_rows(flat, rows.counts, active, announce=False)
-            self.last_path = "rows, loop"
+            self.last_path = "rows, each expert" if plan is not None else "rows, loop"
         return combine(out.view(1, rows.total, out.shape[-1]), rows.index, rows.slot, routes.weight)
 
     def _padded(self, tokens: Tensor, routes: Any, plan: GroupedExperts | None) -> Tensor:

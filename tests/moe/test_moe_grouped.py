@@ -82,13 +82,15 @@ def test_grouped_paths_equal_the_loop(monkeypatch: pytest.MonkeyPatch, dtype: to
     # One baddbmm per Linear: the loop's bits for shapes like these (torch takes other kernels for tiny
     # matrices, so it is not promised).
     _same(bmm, ref, exact=dtype == torch.float32, dtype=dtype)
-    for impl in ("segments", "grouped_mm"):  # the kept rows only: other row counts, so within rounding
-        got = _step(monkeypatch, impl, dtype=dtype, k=k, drop_tokens=drop)
-        assert got["path"] == f"rows, {impl}"
-        _same(got, ref, exact=False, dtype=dtype)
+    kept = {}
+    for impl in ("segments", "grouped_mm", "rows"):  # the kept rows only: other row counts: within rounding
+        kept[impl] = _step(monkeypatch, impl, dtype=dtype, k=k, drop_tokens=drop)
+        assert kept[impl]["path"] == f"rows, {'each expert' if impl == 'rows' else impl}"
+        _same(kept[impl], ref, exact=False, dtype=dtype)
+    _same(kept["rows"], kept["segments"], exact=True, dtype=dtype)  # the same products on the same rows
 
 
-@pytest.mark.parametrize("impl", ["loop", "segments", "bmm", "grouped_mm"])
+@pytest.mark.parametrize("impl", ["loop", "rows", "segments", "bmm", "grouped_mm"])
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_dropless_keeps_every_route_and_equals_the_padded_no_drop_layer(monkeypatch: pytest.MonkeyPatch,
                                                                         impl: str, k: int) -> None:
@@ -96,7 +98,7 @@ def test_dropless_keeps_every_route_and_equals_the_padded_no_drop_layer(monkeypa
     drop_tokens=False) through the loop gives the same numbers."""
     ref = _step(monkeypatch, "loop", k=k, drop_tokens=False)
     got = _step(monkeypatch, impl, k=k, dropless=True)
-    assert got["path"] == f"rows, {impl}"
+    assert got["path"] == f"rows, {'each expert' if impl == 'rows' else impl}"
     assert int(got["counts"].sum()) == 40 * k
     _same(got, ref, exact=False, dtype=torch.float32)
 
@@ -288,8 +290,8 @@ def test_unpacked_experts_are_stacked_by_copy(monkeypatch: pytest.MonkeyPatch) -
 def test_choice_is_reported_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DEEPNVME_MOE_EXPERTS", raising=False)
     line = describe()
-    assert line.startswith("cpu: float32 segments, bfloat16 segments, float16 segments, torch grouped mm ")
-    assert choose(torch.device("cpu"), torch.float32) == "segments"
+    assert line.startswith("cpu: float32 rows, bfloat16 rows, float16 rows, torch grouped mm ")
+    assert choose(torch.device("cpu"), torch.float32) == "rows"
     monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "bmm")
     assert choose(torch.device("cpu"), torch.float32) == "bmm"
     assert "forced" in describe()
@@ -369,7 +371,7 @@ def test_changed_experts_fall_back_or_follow(monkeypatch: pytest.MonkeyPatch) ->
     moe = _moe(expert=nn.Sequential(nn.Linear(M, FFN), nn.LeakyReLU(0.1), nn.Linear(FFN, M)))
     with torch.no_grad():
         moe(x)
-    assert moe.deepspeed_moe.last_path == "rows, segments"
+    assert moe.deepspeed_moe.last_path == "rows, each expert"
     moe.deepspeed_moe.experts.deepspeed_experts[1][1].negative_slope = 0.5
     with torch.no_grad():
         moe(x)
