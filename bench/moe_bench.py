@@ -21,14 +21,16 @@ Measured:
     extra memory. These workers use an elementwise expert, so what they measure is the gate, the dispatch
     and combine buffers and what autograd keeps of them (torch has no CPU allocator statistics);
   * the all-to-all of one ``[E, C, M]`` buffer, forward and backward, at 2 processes over gloo: deepnvme's
-    ``deepnvme.moe.comm.all_to_all`` and DeepSpeed's ``_AllToAll`` interleaved in one process group.
+    ``deepnvme.moe.comm.all_to_all`` and DeepSpeed's ``_AllToAll`` interleaved in one process group;
+  * with ``--expert ffn``, the experts' matrix products alone ("products kept" / "products C", see
+    PRODUCTS), which bound what any layer making the same BLAS calls can gain over DeepSpeed's.
 
 ``--expert scale`` (the default) gives every expert an elementwise scale, so the step is the routing (gate,
 capacity, dispatch, combine and their backward); ``--expert ffn`` gives each a Linear-ReLU-Linear of width
 ``--ffn``, whose matrix products then dominate and are the same work in every contender. The dense-mask layer
 builds ``S x E x C`` tensors (k * cf * S^2 elements) and runs only up to ``--dense-max-tokens``; being 30-100x
 slower than the others, it is timed in the first round only and its memory taken for the routing alone, which
-keeps the full run (8 shapes, 3 repeats) to a few minutes.
+keeps the full run (8 shapes, 3 repeats, elementwise experts) to a few minutes.
 Writes a markdown table to stdout and <out>.md, every sample to <out>.json.
 """
 
@@ -43,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -55,13 +58,13 @@ CAPACITY_FACTOR = 1.25
 MIN_CAPACITY = 4
 AUX_COEFF = 0.01
 CONTENDERS = ("deepnvme op", "deepnvme torch", "deepnvme loop", "deepnvme segments", "deepnvme dropless",
-              "DeepSpeed",
-              "DeepSpeed no-drop", "dense mask", "products kept", "products C")
+              "DeepSpeed", "DeepSpeed no-drop", "dense mask", "products kept", "products C")
 # The experts' matrix products alone (--expert ffn), with nothing else of the layer: each Linear's forward
 # (addmm), its input's and weight's gradients (mm) and its bias's (a column sum), on the rows deepnvme keeps
-# (each expert its kept routes) or on DeepSpeed's padded blocks (C rows each). No layer calling the same BLAS
-# on those rows can take less, so DeepSpeed's step over "products kept" is the most any such layer can gain
-# over DeepSpeed's here (the "ceiling" column).
+# (each expert its kept routes) or on DeepSpeed's padded blocks (C rows each), in the order an expert-by-
+# expert layer makes them. DeepSpeed's step over "products kept" estimates the most a layer making the same
+# BLAS calls on the kept rows can gain over DeepSpeed's here (the "bound" column): an estimate, as the
+# products alone leave the cache to them.
 PRODUCTS = {"products kept": False, "products C": True}
 # What each deepnvme contender changes: the routing implementation, the experts' computation
 # (DEEPNVME_MOE_EXPERTS; unset = the library's choice), dropless routing.
@@ -273,9 +276,11 @@ def step(layer: Any, x: Any, g: Any, fn: Any = None) -> None:
     xx.grad = None
 
 
-def products(layer: Any, x: Any, padded: bool) -> Any:
+def products(layer: Any, x: Any, padded: bool) -> Callable[[], None]:
     """The experts' matrix products of one step (see PRODUCTS) as a function to time: their rows are the
-    counts the layer's gate keeps for ``x`` (``padded``: DeepSpeed's C rows per expert instead)."""
+    counts the layer's gate keeps for ``x`` (``padded``: DeepSpeed's C rows per expert instead). Made in a
+    layer's order, expert by expert: each Linear's forward takes the last one's output, then the backward
+    runs the Linears in reverse, each input gradient the next one's output gradient."""
     import torch
     from torch import nn
 
@@ -288,24 +293,26 @@ def products(layer: Any, x: Any, padded: bool) -> Any:
         kept = r.expert_idx[r.slot >= 0].reshape(-1).long()
         counts = torch.bincount(kept, minlength=r.num_experts).tolist()
     gen = torch.Generator().manual_seed(0)
-    work = []
+    work = []  # per expert: its rows' input, its output's gradient, its Linears' (weight, bias)
     for expert, n in zip(moe.experts.deepspeed_experts, counts):
-        for lin in (m for m in expert.modules() if isinstance(m, nn.Linear)):
-            h = torch.randn(n, lin.in_features, generator=gen).to(x.dtype)
-            g = torch.randn(n, lin.out_features, generator=gen).to(x.dtype)
-            work.append((lin.weight.detach(), None if lin.bias is None else lin.bias.detach(), h, g))
+        linears = [(m.weight.detach(), None if m.bias is None else m.bias.detach())
+                   for m in expert.modules() if isinstance(m, nn.Linear)]
+        if n and linears:
+            h = torch.randn(n, linears[0][0].shape[1], generator=gen).to(x.dtype)
+            g = torch.randn(n, linears[-1][0].shape[0], generator=gen).to(x.dtype)
+            work.append((h, g, linears))
 
     def run() -> None:
-        for w, b, h, g in work:
-            if h.shape[0]:
-                if b is None:
-                    torch.mm(h, w.t())
-                else:
-                    torch.addmm(b, h, w.t())
-                torch.mm(g, w)
+        for h, g, linears in work:
+            inputs = []
+            for w, b in linears:
+                inputs.append(h)
+                h = torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
+            for (w, b), h in zip(reversed(linears), reversed(inputs)):
                 torch.mm(g.t(), h)
                 if b is not None:
                     g.sum(0)
+                g = torch.mm(g, w)
     return run
 
 
@@ -609,20 +616,21 @@ def render(args: argparse.Namespace, configs: list[Config], res: dict[str, Any],
              "The dense mask is timed in the first round only, its memory for "
              "the routing alone. products kept / C: the experts' matrix products alone on the rows deepnvme "
              "keeps / on DeepSpeed's C rows per expert (ffn experts; see PRODUCTS in the script); the "
-             "ceiling is the most a layer calling the same BLAS on the kept rows could gain over DeepSpeed.",
+             "bound estimates the most a layer making the same BLAS calls on the kept rows could gain over "
+             "DeepSpeed.",
              ""]
     shown = [c for c in CONTENDERS if c in args.contenders]
     ours = [c for c in shown if c.startswith("deepnvme")]
-    ceiling = "products kept" in shown
+    bound = "products kept" in shown and args.expert == "ffn"
     lines += ["| config | C | " + " | ".join(shown) + " | " + " | ".join(
         f"{'DS no-drop' if versus(c) != 'DeepSpeed' else 'DS'}/{c.split()[1]}" for c in ours)
-              + (" | ceiling: DS/products kept" if ceiling else "") + " |",
-              "|---|---|" + "---|" * (len(shown) + len(ours) + ceiling)]
+              + (" | bound: DS/products kept" if bound else "") + " |",
+              "|---|---|" + "---|" * (len(shown) + len(ours) + bound)]
     for cfg in configs:
         t = res["times"][cfg.label]
         cells = [f"{med(t[c], 0):.3f} ({med(t[c], 1):.3f})" if c in t else "—" for c in shown]
         ratios = [f"{med(t[versus(c)], 0) / med(t[c], 0):.2f}x" if c in t and versus(c) in t else "—"
-                  for c in ours + (["products kept"] if ceiling else [])]
+                  for c in ours + (["products kept"] if bound else [])]
         lines.append(f"| {cfg.label} | {cfg.capacity} | " + " | ".join(cells + ratios) + " |")
     mem_shown = [c for c in MEMORY_CONTENDERS if c in args.contenders]
     mem_ours = [c for c in mem_shown if c.startswith("deepnvme")]

@@ -1,5 +1,6 @@
-"""Grouped experts: a layer's local experts computed as one matrix multiply per linear step instead of one
-module call per expert.
+"""Grouped experts: a layer's local experts that share one chain of Linear layers and element-wise
+activations, computed on exactly their rows (expert by expert through their own modules, or one matrix
+multiply per linear step for all of them) instead of on blocks padded to the capacity.
 
 An expert qualifies when it is a ``nn.Linear`` or an ``nn.Sequential`` of ``nn.Linear`` layers and
 element-wise activations (ReLU, GELU, SiLU, Tanh, Sigmoid, LeakyReLU, Identity, Dropout at p = 0 or in eval
@@ -14,9 +15,9 @@ How the multiply is done (``IMPLS``) is chosen per device type and dtype (``choo
 CUDA where a tiny forward and backward runs, ``rows`` on the CPU), or forced with ``DEEPNVME_MOE_EXPERTS``:
 
 * ``rows``: at ``ep_size == 1``, each qualifying expert module called on its own kept rows in turn, expert
-  by expert (the layer's choice, :mod:`deepnvme.moe.sharded_moe`; elsewhere it stands for ``segments``):
-  nothing padded, the loop's bits, and each expert's intermediate rows still in the cache when its next
-  product and its activation take them.
+  by expert (:mod:`deepnvme.moe.sharded_moe`; for expert-parallel ranks and streamed experts it stands for
+  ``segments``, see :func:`products_of`): nothing padded, the loop's bits on the same rows, and each
+  expert's intermediate rows still in the cache when its activation and next product take them.
 * ``segments``: each expert's rows through the BLAS products its own ``nn.Linear`` would make, written into
   one output, forward and backward in one autograd node, activations applied as the expert's own call
   would: the loop's bits on the same rows (see _SegmentLinear), nothing padded.
@@ -124,6 +125,17 @@ def choose(device: torch.device, dtype: torch.dtype) -> str:
     if device.type == "cuda" and _grouped_mm_works(device.type, dtype)[0]:
         return "grouped_mm"
     return "rows" if device.type == "cpu" else "segments"
+
+
+def products_of(impl: str) -> str:
+    """How :meth:`GroupedExperts.run` multiplies for the choice ``impl``: ``rows`` calls the expert modules
+    themselves, which only the layer at ``ep_size == 1`` does with the experts in memory; given to
+    ``run`` (expert-parallel ranks, streamed experts, a batch with no row at all) it stands for
+    ``segments``, the same products on the same rows."""
+    if impl not in IMPLS or impl == "loop":
+        raise ValueError(f"experts computed together by {impl!r}: expected one of "
+                         f"{sorted(set(IMPLS) - {'loop'})}")
+    return "segments" if impl == "rows" else impl
 
 
 def describe() -> str:
@@ -492,11 +504,12 @@ class GroupedExperts:
 
     def run(self, x: Tensor, counts: list[int], impl: str) -> Tensor:
         """Rows ``x`` ``[T, M]`` grouped by expert (``counts[e]`` rows of expert e, in order) through every
-        expert's chain: ``[T, M_out]``. ``impl`` is ``segments``, ``grouped_mm`` or ``bmm`` (see
-        :data:`IMPLS`)."""
+        expert's chain: ``[T, M_out]``. ``impl``: one of :data:`IMPLS` but ``loop`` (see
+        :func:`products_of`)."""
         if len(counts) != len(self.experts) or sum(counts) != x.shape[0]:
             raise ValueError(f"counts must give {len(self.experts)} group sizes summing to {x.shape[0]} "
                              f"rows, got {counts}")
+        impl = products_of(impl)
         if impl == "bmm" or (impl == "grouped_mm" and not self._aligned(x)):
             return self._run_padded_rows(x, counts)
         if impl == "segments":
@@ -573,4 +586,5 @@ class GroupedExperts:
         return x.data_ptr() % 16 == 0 and (x.stride(0) * size) % 16 == 0
 
 
-__all__ = ["IMPLS", "IMPL_ENV", "GroupedExperts", "choose", "describe", "is_packed", "pack", "stack_views"]
+__all__ = ["IMPLS", "IMPL_ENV", "GroupedExperts", "choose", "describe", "is_packed", "pack", "products_of",
+           "stack_views"]

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from deepnvme.moe.comm import all_to_all, all_to_all_rows, exchange_counts
 from deepnvme.moe.experts import Experts
 from deepnvme.moe.gating import TopKGate
-from deepnvme.moe.grouped import GroupedExperts, choose
+from deepnvme.moe.grouped import GroupedExperts, choose, products_of
 from deepnvme.moe.routing import combine, combine_per_expert, dispatch, dispatch_per_expert, uses_op
 from deepnvme.moe.rows import Regroup, expert_rows
 
@@ -29,11 +29,11 @@ class MOELayer(nn.Module):
     1``, experts that keep no token are not run at all (see :meth:`_active_experts`). After ``forward``,
     ``l_aux`` and ``exp_counts`` hold the batch's aux loss and per-expert counts.
 
-    When the experts qualify (:mod:`deepnvme.moe.grouped`) they are computed on each expert's kept rows
-    only at ``ep_size == 1`` (:mod:`deepnvme.moe.rows`; the padding up to C is never computed): expert by
-    expert (``rows``, the CPU's choice) or together, or on the padded buffer with one ``baddbmm`` where
-    that is the choice (``bmm``); with
-    ``ep_size > 1`` on each local expert's exchanged ``ep*C`` rows. A dropless gate
+    When the experts qualify (:mod:`deepnvme.moe.grouped`), at ``ep_size == 1`` they are computed on each
+    expert's kept rows only (:mod:`deepnvme.moe.rows`; the padding up to C is never computed), expert by
+    expert (``rows``, the CPU's choice; a streamed layer makes the same products one step at a time) or
+    together (``segments``, ``grouped_mm``), unless the choice is ``bmm`` (one ``baddbmm`` over the padded
+    buffer); with ``ep_size > 1`` together, on each local expert's exchanged rows. A dropless gate
     (``gate.dropless``) sends exactly the kept rows: at ``ep_size > 1`` through a variable all-to-all
     whose row counts are exchanged first. ``last_path`` names the path the last forward took.
     """
@@ -88,7 +88,6 @@ class MOELayer(nn.Module):
         impl = choose(tokens.device, tokens.dtype)
         plan, streamed = self._plan(tokens, impl)
         if self.ep_size > 1:
-            impl = "segments" if impl == "rows" else impl  # an expert's ep*C rows: one product each
             out = (self._rows_across_ranks(tokens, routes, plan, impl) if dropless
                    else self._padded_across_ranks(tokens, routes, plan, impl))
         elif dropless or streamed or (plan is not None and impl != "bmm"):
@@ -99,9 +98,11 @@ class MOELayer(nn.Module):
 
     def _plan(self, tokens: Tensor, impl: str) -> tuple[GroupedExperts | None, bool]:
         """(the experts' grouped plan, or None; whether a weight streamer computes them grouped instead).
-        A streamed layer takes the path the same layer in memory would: the streamer's placeholders stand
-        for its tensors when deciding, and where memory would run the loop over padded blocks (a hook,
-        autocast, the bmm choice) the streamed layer does too."""
+        A streamed layer decides as the same layer in memory would: the streamer's placeholders stand for
+        its tensors when deciding, and where memory would run the loop over padded blocks (a hook,
+        autocast, the bmm choice) the streamed layer does too; where memory computes the kept rows
+        expert by expert (``rows``) the streamer makes the same products one step at a time (the same
+        bits)."""
         if impl == "loop" or not isinstance(self.experts, Experts):
             return None, False
         if self.experts.run_streamed is not None:
@@ -118,13 +119,12 @@ class MOELayer(nn.Module):
         flat = buffer.view(rows.total, tokens.shape[1])
         self.experts._announce([n > 0 for n in rows.counts])
         out = None
-        if plan is not None and impl != "rows":
-            out = plan.run(flat, rows.counts, impl)
-            self.last_path = f"rows, {impl}"
-        elif streamed:  # the streamer computes from views of its cache: one product per step, as segments
-            impl = "segments" if impl == "rows" else impl
+        if plan is not None and (impl != "rows" or not any(rows.counts)):
+            out = plan.run(flat, rows.counts, impl)  # no row at all: it still gives the output's width
+            self.last_path = f"rows, {products_of(impl)}"
+        elif streamed:  # the streamer computes from views of its cache, one product per step
             out = self.experts.run_streamed(flat, rows.counts, impl)
-            self.last_path = f"rows, streamed {impl}"
+            self.last_path = f"rows, streamed {products_of(impl)}"
         if out is None:
             active = [n > 0 for n in rows.counts] if self._inference(tokens) else None
             out = self.experts.run_rows(flat, rows.counts, active, announce=False)
@@ -174,7 +174,7 @@ class MOELayer(nn.Module):
                 rows = self.ep_size * c
                 out = plan.run(local.reshape(-1, d_model), [rows] * self.num_local_experts, impl)
             out = out.reshape(self.num_local_experts, self.ep_size, c, -1).transpose(0, 1)
-            self.last_path = f"padded across ranks, {impl}"
+            self.last_path = f"padded across ranks, {products_of(impl)}"
         else:
             out = self.experts(buffer)
             self.last_path = "padded across ranks, loop"
@@ -198,7 +198,7 @@ class MOELayer(nn.Module):
         if plan is not None:
             self.experts._announce([True] * self.num_local_experts)
             out = plan.run(local, regroup.counts, impl)
-            self.last_path = f"rows across ranks, {impl}"
+            self.last_path = f"rows across ranks, {products_of(impl)}"
         else:
             out = self.experts.run_rows(local, regroup.counts)
             self.last_path = "rows across ranks, loop"

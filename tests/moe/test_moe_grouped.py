@@ -135,7 +135,7 @@ def test_dropless_ignores_capacity_and_drop_tokens(monkeypatch: pytest.MonkeyPat
 
 
 def test_empty_batch_and_idle_experts(monkeypatch: pytest.MonkeyPatch) -> None:
-    for impl in ("segments", "grouped_mm", "bmm", "loop"):
+    for impl in ("rows", "segments", "grouped_mm", "bmm", "loop"):
         monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", impl)
         for dropless in (False, True):
             moe = _moe(dropless=dropless)
@@ -379,9 +379,11 @@ def test_changed_experts_fall_back_or_follow(monkeypatch: pytest.MonkeyPatch) ->
     wide = _moe()
     with torch.no_grad():
         wide.deepspeed_moe.experts.deepspeed_experts[1][0].weight = nn.Parameter(torch.randn(FFN + 8, M))
+    monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "segments")
     with pytest.raises(RuntimeError, match="size"):  # the expert itself no longer fits its next Linear
         wide(x)
-    assert "segments" not in wide.deepspeed_moe.last_path
+    assert wide.deepspeed_moe.last_path == ""  # raised in the loop, not in a grouped product
+    monkeypatch.delenv("DEEPNVME_MOE_EXPERTS")
 
     shared = nn.Linear(M, M)
 
@@ -445,3 +447,37 @@ def test_row_exchange_checks_its_counts() -> None:
         all_to_all_rows(x, [3, 2], [5], None)
     counts = torch.tensor([[2, 3]])
     assert exchange_counts(counts, None) is counts
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_rows_runs_each_routed_expert_module_once_on_its_rows(monkeypatch: pytest.MonkeyPatch,
+                                                              training: bool) -> None:
+    """The CPU's choice calls each expert module on its own kept rows, and only those with rows when no
+    gradient is recorded (an idle expert runs in training: its parameters get zero gradients, as in the
+    loop); a batch with no row at all still gives the experts' output width (here not the input's)."""
+    monkeypatch.delenv("DEEPNVME_MOE_EXPERTS", raising=False)
+    calls: list[tuple[int, int]] = []
+    forward = nn.Sequential.forward
+
+    def counted(self: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+        calls.append((id(self), x.shape[0]))
+        return forward(self, x)
+
+    monkeypatch.setattr(nn.Sequential, "forward", counted)  # on the class: the plan sees no hook
+    moe = _moe(num_experts=4, expert=nn.Sequential(nn.Linear(M, FFN), nn.ReLU(), nn.Linear(FFN, M + 8)))
+    experts = {id(e): i for i, e in enumerate(moe.deepspeed_moe.experts.deepspeed_experts)}
+    x = torch.randn(3, M)
+    with torch.set_grad_enabled(training):
+        out, _, counts = moe(x)
+    assert moe.deepspeed_moe.last_path == "rows, each expert"
+    ran = {experts[i]: n for i, n in calls if i in experts}
+    assert len(ran) == sum(1 for i, _ in calls if i in experts)  # each once
+    want = {e: int(n) for e, n in enumerate(counts.tolist()) if n or training}
+    assert ran == want and out.shape == (3, M + 8)
+    calls.clear()
+    with torch.no_grad():
+        out, _, _ = moe(torch.zeros(0, M))
+        assert out.shape == (0, M + 8)
+        out, _, _ = moe(x, torch.zeros(3))  # every token unused: no expert has a row
+        assert out.shape == (3, M + 8) and not out.any()
+    assert not [i for i, _ in calls if i in experts]

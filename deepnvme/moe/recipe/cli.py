@@ -22,6 +22,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from deepnvme.moe.grouped import IMPLS
 from deepnvme.moe.recipe.gpt import ConfigError, GPTConfig
 from deepnvme.moe.recipe.settings import Teacher, TrainSettings
 from deepnvme.moe.recipe.synthetic import TopicTask
@@ -115,9 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--disable-moe-token-dropping", action="store_true")
     e.add_argument("--moe-dropless", action="store_true",
                    help="keep every route: no capacity, no padding, exactly the routed rows per expert")
-    e.add_argument("--moe-experts", choices=("auto", "segments", "grouped_mm", "bmm", "loop"), default="auto",
-                   help="how a layer's experts are multiplied (DEEPNVME_MOE_EXPERTS; auto: grouped where "
-                   "they qualify, see deepnvme.moe.grouped)")
+    e.add_argument("--moe-experts", choices=("auto", *IMPLS), default="auto",
+                   help="how a layer's experts are multiplied (DEEPNVME_MOE_EXPERTS; auto: the library's "
+                   "choice for the device and dtype, see deepnvme.moe.grouped)")
     e.add_argument("--disable-moe-top2-2nd-expert-sampling", action="store_true")
     e.add_argument(
         "--moe-loss-coeff",

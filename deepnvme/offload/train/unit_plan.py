@@ -8,7 +8,8 @@ from torch import nn
 
 def plan_units(model: nn.Module, chosen: list[tuple[str, nn.Module]],
           meta_ok: bool) -> list[list[tuple[str, nn.Parameter]]]:
-    """For each unit, the (qualified name, parameter) it offloads: those found only inside it."""
+    """For each unit, the (qualified name, parameter) it offloads: those found only inside it. ValueError
+    (check_param) for a parameter it cannot take, or one that gets sparse gradients."""
     # Every place of every module (a module registered in several places is seen in each): a parameter is
     # in a unit where a module above it, or its own, is that unit's module.
     unit_of = {id(mod): i for i, (_, mod) in enumerate(chosen)}
@@ -32,7 +33,8 @@ def plan_units(model: nn.Module, chosen: list[tuple[str, nn.Module]],
             if id(p) in sparse and p.requires_grad:
                 raise ValueError(f"{name} gets sparse gradients (its module has sparse=True): "
                                  "offload_parameters writes dense gradients only; make the module with "
-                                 "sparse=False, or leave it out of the units (it then stays in memory)")
+                                 "sparse=False, or leave it out of the units (it then stays in memory, for "
+                                 "an optimizer in memory such as torch.optim.SparseAdam to step)")
             out[next(iter(places))].append((name, p))
     return out
 
