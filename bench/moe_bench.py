@@ -57,12 +57,12 @@ HIDDEN = 1024
 CAPACITY_FACTOR = 1.25
 MIN_CAPACITY = 4
 AUX_COEFF = 0.01
-CONTENDERS = ("deepnvme op", "deepnvme torch", "deepnvme loop", "deepnvme segments", "deepnvme dropless",
-              "DeepSpeed", "DeepSpeed no-drop", "dense mask", "products kept", "products C")
+CONTENDERS = ("deepnvme op", "deepnvme torch", "deepnvme loop", "deepnvme dropless", "DeepSpeed",
+              "DeepSpeed no-drop", "dense mask", "products kept", "products C")
 # The experts' matrix products alone (--expert ffn), with nothing else of the layer: each Linear's forward
 # (addmm), its input's and weight's gradients (mm) and its bias's (a column sum), on the rows deepnvme keeps
-# (each expert its kept routes) or on DeepSpeed's padded blocks (C rows each), in the order an expert-by-
-# expert layer makes them. DeepSpeed's step over "products kept" estimates the most a layer making the same
+# (each expert its kept routes) or on DeepSpeed's padded blocks (C rows each), expert by expert in a
+# layer's order. DeepSpeed's step over "products kept" estimates the most a layer making the same
 # BLAS calls on the kept rows can gain over DeepSpeed's here (the "bound" column): an estimate, as the
 # products alone leave the cache to them.
 PRODUCTS = {"products kept": False, "products C": True}
@@ -72,7 +72,6 @@ DEEPNVME_SETTINGS = {
     "deepnvme op": {"impl": "op", "experts": "", "dropless": False},
     "deepnvme torch": {"impl": "torch", "experts": "", "dropless": False},
     "deepnvme loop": {"impl": "op", "experts": "loop", "dropless": False},
-    "deepnvme segments": {"impl": "op", "experts": "segments", "dropless": False},
     "deepnvme dropless": {"impl": "op", "experts": "", "dropless": True},
 }
 # DeepSpeed's drop_tokens=False: every route kept, each expert padded to the largest one's count (C agreed
@@ -610,9 +609,8 @@ def render(args: argparse.Namespace, configs: list[Config], res: dict[str, Any],
              f"versions: {json.dumps(res['versions'])}", "",
              "Step time: median wall s (median CPU s); ratio = DeepSpeed's wall time / this one's "
              "(>1: faster), dropless against DeepSpeed's drop_tokens=False (the same routes, padded to the "
-             "largest expert). op = the library's defaults (routing op; experts that qualify computed on "
-             "their kept rows, on the CPU expert by expert); loop = experts one by one on padded blocks; "
-             "segments = experts that qualify computed together, one product per step for all of them. "
+             "largest expert). op = the library's defaults (routing op, experts that qualify computed "
+             "together on their kept rows); loop = experts one by one on padded blocks. "
              "The dense mask is timed in the first round only, its memory for "
              "the routing alone. products kept / C: the experts' matrix products alone on the rows deepnvme "
              "keeps / on DeepSpeed's C rows per expert (ffn experts; see PRODUCTS in the script); the "

@@ -1,6 +1,5 @@
-"""Grouped experts: a layer's local experts that share one chain of Linear layers and element-wise
-activations, computed on exactly their rows (expert by expert through their own modules, or one matrix
-multiply per linear step for all of them) instead of on blocks padded to the capacity.
+"""Grouped experts: a layer's local experts computed as one matrix multiply per linear step instead of one
+module call per expert.
 
 An expert qualifies when it is a ``nn.Linear`` or an ``nn.Sequential`` of ``nn.Linear`` layers and
 element-wise activations (ReLU, GELU, SiLU, Tanh, Sigmoid, LeakyReLU, Identity, Dropout at p = 0 or in eval
@@ -12,12 +11,9 @@ Anything else (PR-MoE's differently shaped experts, custom modules, hooks inside
 forwards, dropout in training) runs through the per-expert loop, which stays the reference.
 
 How the multiply is done (``IMPLS``) is chosen per device type and dtype (``choose``: torch's grouped mm on
-CUDA where a tiny forward and backward runs, ``rows`` on the CPU), or forced with ``DEEPNVME_MOE_EXPERTS``:
+CUDA where a tiny forward and backward runs, ``segments`` elsewhere), or forced with
+``DEEPNVME_MOE_EXPERTS``:
 
-* ``rows``: at ``ep_size == 1``, each qualifying expert module called on its own kept rows in turn, expert
-  by expert (:mod:`deepnvme.moe.sharded_moe`; for expert-parallel ranks and streamed experts it stands for
-  ``segments``, see :func:`products_of`): nothing padded, the loop's bits on the same rows, and each
-  expert's intermediate rows still in the cache when its activation and next product take them.
 * ``segments``: each expert's rows through the BLAS products its own ``nn.Linear`` would make, written into
   one output, forward and backward in one autograd node, activations applied as the expert's own call
   would: the loop's bits on the same rows (see _SegmentLinear), nothing padded.
@@ -55,7 +51,6 @@ from torch.autograd.function import once_differentiable
 
 IMPL_ENV = "DEEPNVME_MOE_EXPERTS"
 IMPLS = {
-    "rows": "each expert module on its own kept rows, expert by expert (nothing padded)",
     "segments": "one matrix multiply per expert's rows, all in one autograd node (nothing padded)",
     "grouped_mm": "torch's grouped matrix multiply over each expert's rows (nothing padded)",
     "bmm": "one batched matrix multiply over rows padded to the largest expert's",
@@ -111,12 +106,10 @@ def _try_grouped_mm(fn: Callable[..., Tensor], device_type: str, dtype: torch.dt
 
 def choose(device: torch.device, dtype: torch.dtype) -> str:
     """How experts are multiplied on ``device`` in ``dtype``: ``$DEEPNVME_MOE_EXPERTS`` when set; else on
-    CUDA torch's grouped mm where it works there (one kernel for all experts), ``segments`` on other
-    accelerators, and ``rows`` on the CPU. There torch's grouped mm is itself a loop over the groups, and
-    both it and ``segments`` (one product of every expert, then the activation of all their rows, then the
-    next product) take each product's operands back from memory: on Linear-ReLU-Linear experts of width
-    1024 the whole layer measured as fast or faster expert by expert (bench/moe_bench.py, contender
-    "deepnvme segments"; bf16, where the products are fast, up to 1.4x)."""
+    CUDA torch's grouped mm where it works there (one kernel for all experts), and ``segments`` otherwise:
+    on the CPU torch's grouped mm is itself a loop over the groups, and measured slower forward + backward
+    than the BLAS products ``segments`` calls (bench/grouped_mm_bench.py: 64 groups of 150-320 rows,
+    1024x1024, fp32, one core, torch 2.13: 68.7 against 75.7 GFLOP/s)."""
     forced = os.environ.get(IMPL_ENV, "").strip()
     if forced:
         if forced not in IMPLS:
@@ -124,18 +117,7 @@ def choose(device: torch.device, dtype: torch.dtype) -> str:
         return forced
     if device.type == "cuda" and _grouped_mm_works(device.type, dtype)[0]:
         return "grouped_mm"
-    return "rows" if device.type == "cpu" else "segments"
-
-
-def products_of(impl: str) -> str:
-    """How :meth:`GroupedExperts.run` multiplies for the choice ``impl``: ``rows`` calls the expert modules
-    themselves, which only the layer at ``ep_size == 1`` does with the experts in memory; given to
-    ``run`` (expert-parallel ranks, streamed experts, a batch with no row at all) it stands for
-    ``segments``, the same products on the same rows."""
-    if impl not in IMPLS or impl == "loop":
-        raise ValueError(f"experts computed together by {impl!r}: expected one of "
-                         f"{sorted(set(IMPLS) - {'loop'})}")
-    return "segments" if impl == "rows" else impl
+    return "segments"
 
 
 def describe() -> str:
@@ -504,12 +486,14 @@ class GroupedExperts:
 
     def run(self, x: Tensor, counts: list[int], impl: str) -> Tensor:
         """Rows ``x`` ``[T, M]`` grouped by expert (``counts[e]`` rows of expert e, in order) through every
-        expert's chain: ``[T, M_out]``. ``impl``: one of :data:`IMPLS` but ``loop`` (see
-        :func:`products_of`)."""
+        expert's chain: ``[T, M_out]``. ``impl`` is ``segments``, ``grouped_mm`` or ``bmm`` (see
+        :data:`IMPLS`)."""
+        if impl not in IMPLS or impl == "loop":
+            raise ValueError(f"impl: experts computed together by {impl!r}: expected one of "
+                             f"{sorted(set(IMPLS) - {'loop'})}")
         if len(counts) != len(self.experts) or sum(counts) != x.shape[0]:
             raise ValueError(f"counts must give {len(self.experts)} group sizes summing to {x.shape[0]} "
                              f"rows, got {counts}")
-        impl = products_of(impl)
         if impl == "bmm" or (impl == "grouped_mm" and not self._aligned(x)):
             return self._run_padded_rows(x, counts)
         if impl == "segments":
@@ -586,5 +570,4 @@ class GroupedExperts:
         return x.data_ptr() % 16 == 0 and (x.stride(0) * size) % 16 == 0
 
 
-__all__ = ["IMPLS", "IMPL_ENV", "GroupedExperts", "choose", "describe", "is_packed", "pack", "products_of",
-           "stack_views"]
+__all__ = ["IMPLS", "IMPL_ENV", "GroupedExperts", "choose", "describe", "is_packed", "pack", "stack_views"]

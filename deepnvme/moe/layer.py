@@ -58,7 +58,7 @@ class MoE(nn.Module):
     padding, no token dropped; each expert computes exactly the rows routed to it, and with ``ep_size > 1``
     the all-to-all sends exactly those rows (``drop_tokens`` and the capacity factors are then ignored; the
     aux loss is computed as before). Experts that are Linear / Sequential-of-Linear-and-activation modules of
-    one shape are computed on exactly their rows (:mod:`deepnvme.moe.grouped`), in either mode.
+    one shape are computed together (:mod:`deepnvme.moe.grouped`), in either mode.
 
     Where DeepSpeed misbehaves, this layer differs (see also :mod:`deepnvme.moe.gating`):
 

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from deepnvme.moe.comm import all_to_all, all_to_all_rows, exchange_counts
 from deepnvme.moe.experts import Experts
 from deepnvme.moe.gating import TopKGate
-from deepnvme.moe.grouped import GroupedExperts, choose, products_of
+from deepnvme.moe.grouped import GroupedExperts, choose
 from deepnvme.moe.routing import combine, combine_per_expert, dispatch, dispatch_per_expert, uses_op
 from deepnvme.moe.rows import Regroup, expert_rows
 
@@ -29,11 +29,10 @@ class MOELayer(nn.Module):
     1``, experts that keep no token are not run at all (see :meth:`_active_experts`). After ``forward``,
     ``l_aux`` and ``exp_counts`` hold the batch's aux loss and per-expert counts.
 
-    When the experts qualify (:mod:`deepnvme.moe.grouped`), at ``ep_size == 1`` they are computed on each
-    expert's kept rows only (:mod:`deepnvme.moe.rows`; the padding up to C is never computed), expert by
-    expert (``rows``, the CPU's choice; a streamed layer makes the same products one step at a time) or
-    together (``segments``, ``grouped_mm``), unless the choice is ``bmm`` (one ``baddbmm`` over the padded
-    buffer); with ``ep_size > 1`` together, on each local expert's exchanged rows. A dropless gate
+    When the experts qualify (:mod:`deepnvme.moe.grouped`) they are computed together: at ``ep_size == 1``
+    on each expert's kept rows only (:mod:`deepnvme.moe.rows`; the padding up to C is never computed), or
+    on the padded buffer with one ``baddbmm`` where that is the choice (``bmm``); with
+    ``ep_size > 1`` on each local expert's exchanged ``ep*C`` rows. A dropless gate
     (``gate.dropless``) sends exactly the kept rows: at ``ep_size > 1`` through a variable all-to-all
     whose row counts are exchanged first. ``last_path`` names the path the last forward took.
     """
@@ -98,11 +97,9 @@ class MOELayer(nn.Module):
 
     def _plan(self, tokens: Tensor, impl: str) -> tuple[GroupedExperts | None, bool]:
         """(the experts' grouped plan, or None; whether a weight streamer computes them grouped instead).
-        A streamed layer decides as the same layer in memory would: the streamer's placeholders stand for
-        its tensors when deciding, and where memory would run the loop over padded blocks (a hook,
-        autocast, the bmm choice) the streamed layer does too; where memory computes the kept rows
-        expert by expert (``rows``) the streamer makes the same products one step at a time (the same
-        bits)."""
+        A streamed layer takes the path the same layer in memory would: the streamer's placeholders stand
+        for its tensors when deciding, and where memory would run the loop over padded blocks (a hook,
+        autocast, the bmm choice) the streamed layer does too."""
         if impl == "loop" or not isinstance(self.experts, Experts):
             return None, False
         if self.experts.run_streamed is not None:
@@ -112,23 +109,22 @@ class MOELayer(nn.Module):
     def _rows(self, tokens: Tensor, routes: Any, plan: GroupedExperts | None, impl: str,
               streamed: bool = False) -> Tensor:
         """ep_size 1: every kept route's token in a row of its own, grouped by expert (no padding), the
-        experts on those rows (together, or with ``rows`` each qualifying expert on its own rows in turn),
-        the weighted combine."""
+        experts on those rows, the weighted combine."""
         rows = expert_rows(routes.expert_idx, routes.slot, routes.num_experts)
         buffer = dispatch(tokens, rows.index, rows.slot, 1, rows.total)
         flat = buffer.view(rows.total, tokens.shape[1])
         self.experts._announce([n > 0 for n in rows.counts])
         out = None
-        if plan is not None and (impl != "rows" or not any(rows.counts)):
-            out = plan.run(flat, rows.counts, impl)  # no row at all: it still gives the output's width
-            self.last_path = f"rows, {products_of(impl)}"
-        elif streamed:  # the streamer computes from views of its cache, one product per step
+        if plan is not None:
+            out = plan.run(flat, rows.counts, impl)
+            self.last_path = f"rows, {impl}"
+        elif streamed:
             out = self.experts.run_streamed(flat, rows.counts, impl)
-            self.last_path = f"rows, streamed {products_of(impl)}"
+            self.last_path = f"rows, streamed {impl}"
         if out is None:
             active = [n > 0 for n in rows.counts] if self._inference(tokens) else None
             out = self.experts.run_rows(flat, rows.counts, active, announce=False)
-            self.last_path = "rows, each expert" if plan is not None else "rows, loop"
+            self.last_path = "rows, loop"
         return combine(out.view(1, rows.total, out.shape[-1]), rows.index, rows.slot, routes.weight)
 
     def _padded(self, tokens: Tensor, routes: Any, plan: GroupedExperts | None) -> Tensor:
@@ -174,7 +170,7 @@ class MOELayer(nn.Module):
                 rows = self.ep_size * c
                 out = plan.run(local.reshape(-1, d_model), [rows] * self.num_local_experts, impl)
             out = out.reshape(self.num_local_experts, self.ep_size, c, -1).transpose(0, 1)
-            self.last_path = f"padded across ranks, {products_of(impl)}"
+            self.last_path = f"padded across ranks, {impl}"
         else:
             out = self.experts(buffer)
             self.last_path = "padded across ranks, loop"
@@ -198,7 +194,7 @@ class MOELayer(nn.Module):
         if plan is not None:
             self.experts._announce([True] * self.num_local_experts)
             out = plan.run(local, regroup.counts, impl)
-            self.last_path = f"rows across ranks, {products_of(impl)}"
+            self.last_path = f"rows across ranks, {impl}"
         else:
             out = self.experts.run_rows(local, regroup.counts)
             self.last_path = "rows across ranks, loop"

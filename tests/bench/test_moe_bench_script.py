@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CONTENDERS = ["deepnvme op", "deepnvme segments", "products kept", "products C"]
+CONTENDERS = ["deepnvme op", "deepnvme loop", "products kept", "products C"]
 
 
 def test_tiny_run_end_to_end(tmp_path: Path) -> None:

@@ -82,15 +82,13 @@ def test_grouped_paths_equal_the_loop(monkeypatch: pytest.MonkeyPatch, dtype: to
     # One baddbmm per Linear: the loop's bits for shapes like these (torch takes other kernels for tiny
     # matrices, so it is not promised).
     _same(bmm, ref, exact=dtype == torch.float32, dtype=dtype)
-    kept = {}
-    for impl in ("segments", "grouped_mm", "rows"):  # the kept rows only: other row counts: within rounding
-        kept[impl] = _step(monkeypatch, impl, dtype=dtype, k=k, drop_tokens=drop)
-        assert kept[impl]["path"] == f"rows, {'each expert' if impl == 'rows' else impl}"
-        _same(kept[impl], ref, exact=False, dtype=dtype)
-    _same(kept["rows"], kept["segments"], exact=True, dtype=dtype)  # the same products on the same rows
+    for impl in ("segments", "grouped_mm"):  # the kept rows only: other row counts, so within rounding
+        got = _step(monkeypatch, impl, dtype=dtype, k=k, drop_tokens=drop)
+        assert got["path"] == f"rows, {impl}"
+        _same(got, ref, exact=False, dtype=dtype)
 
 
-@pytest.mark.parametrize("impl", ["loop", "rows", "segments", "bmm", "grouped_mm"])
+@pytest.mark.parametrize("impl", ["loop", "segments", "bmm", "grouped_mm"])
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_dropless_keeps_every_route_and_equals_the_padded_no_drop_layer(monkeypatch: pytest.MonkeyPatch,
                                                                         impl: str, k: int) -> None:
@@ -98,7 +96,7 @@ def test_dropless_keeps_every_route_and_equals_the_padded_no_drop_layer(monkeypa
     drop_tokens=False) through the loop gives the same numbers."""
     ref = _step(monkeypatch, "loop", k=k, drop_tokens=False)
     got = _step(monkeypatch, impl, k=k, dropless=True)
-    assert got["path"] == f"rows, {'each expert' if impl == 'rows' else impl}"
+    assert got["path"] == f"rows, {impl}"
     assert int(got["counts"].sum()) == 40 * k
     _same(got, ref, exact=False, dtype=torch.float32)
 
@@ -135,7 +133,7 @@ def test_dropless_ignores_capacity_and_drop_tokens(monkeypatch: pytest.MonkeyPat
 
 
 def test_empty_batch_and_idle_experts(monkeypatch: pytest.MonkeyPatch) -> None:
-    for impl in ("rows", "segments", "grouped_mm", "bmm", "loop"):
+    for impl in ("segments", "grouped_mm", "bmm", "loop"):
         monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", impl)
         for dropless in (False, True):
             moe = _moe(dropless=dropless)
@@ -287,11 +285,21 @@ def test_unpacked_experts_are_stacked_by_copy(monkeypatch: pytest.MonkeyPatch) -
         torch.testing.assert_close(p.grad, ref["grads"][n], rtol=1e-5, atol=1e-6, msg=n)
 
 
+def test_a_plan_refuses_what_it_does_not_compute() -> None:
+    """GroupedExperts.run takes the choices that multiply the experts together; another (the loop, a typo)
+    is a ValueError naming it (it ran torch's grouped mm)."""
+    plan = GroupedExperts.of([nn.Linear(M, M) for _ in range(2)])
+    assert plan is not None
+    for impl in ("loop", "fast"):
+        with pytest.raises(ValueError, match=f"impl: experts computed together by '{impl}'"):
+            plan.run(torch.randn(3, M), [1, 2], impl)
+
+
 def test_choice_is_reported_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DEEPNVME_MOE_EXPERTS", raising=False)
     line = describe()
-    assert line.startswith("cpu: float32 rows, bfloat16 rows, float16 rows, torch grouped mm ")
-    assert choose(torch.device("cpu"), torch.float32) == "rows"
+    assert line.startswith("cpu: float32 segments, bfloat16 segments, float16 segments, torch grouped mm ")
+    assert choose(torch.device("cpu"), torch.float32) == "segments"
     monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "bmm")
     assert choose(torch.device("cpu"), torch.float32) == "bmm"
     assert "forced" in describe()
@@ -371,7 +379,7 @@ def test_changed_experts_fall_back_or_follow(monkeypatch: pytest.MonkeyPatch) ->
     moe = _moe(expert=nn.Sequential(nn.Linear(M, FFN), nn.LeakyReLU(0.1), nn.Linear(FFN, M)))
     with torch.no_grad():
         moe(x)
-    assert moe.deepspeed_moe.last_path == "rows, each expert"
+    assert moe.deepspeed_moe.last_path == "rows, segments"
     moe.deepspeed_moe.experts.deepspeed_experts[1][1].negative_slope = 0.5
     with torch.no_grad():
         moe(x)
@@ -379,11 +387,8 @@ def test_changed_experts_fall_back_or_follow(monkeypatch: pytest.MonkeyPatch) ->
     wide = _moe()
     with torch.no_grad():
         wide.deepspeed_moe.experts.deepspeed_experts[1][0].weight = nn.Parameter(torch.randn(FFN + 8, M))
-    monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "segments")
     with pytest.raises(RuntimeError, match="size"):  # the expert itself no longer fits its next Linear
         wide(x)
-    assert wide.deepspeed_moe.last_path == ""  # raised in the loop, not in a grouped product
-    monkeypatch.delenv("DEEPNVME_MOE_EXPERTS")
 
     shared = nn.Linear(M, M)
 
@@ -447,37 +452,3 @@ def test_row_exchange_checks_its_counts() -> None:
         all_to_all_rows(x, [3, 2], [5], None)
     counts = torch.tensor([[2, 3]])
     assert exchange_counts(counts, None) is counts
-
-
-@pytest.mark.parametrize("training", [True, False])
-def test_rows_runs_each_routed_expert_module_once_on_its_rows(monkeypatch: pytest.MonkeyPatch,
-                                                              training: bool) -> None:
-    """The CPU's choice calls each expert module on its own kept rows, and only those with rows when no
-    gradient is recorded (an idle expert runs in training: its parameters get zero gradients, as in the
-    loop); a batch with no row at all still gives the experts' output width (here not the input's)."""
-    monkeypatch.delenv("DEEPNVME_MOE_EXPERTS", raising=False)
-    calls: list[tuple[int, int]] = []
-    forward = nn.Sequential.forward
-
-    def counted(self: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
-        calls.append((id(self), x.shape[0]))
-        return forward(self, x)
-
-    monkeypatch.setattr(nn.Sequential, "forward", counted)  # on the class: the plan sees no hook
-    moe = _moe(num_experts=4, expert=nn.Sequential(nn.Linear(M, FFN), nn.ReLU(), nn.Linear(FFN, M + 8)))
-    experts = {id(e): i for i, e in enumerate(moe.deepspeed_moe.experts.deepspeed_experts)}
-    x = torch.randn(3, M)
-    with torch.set_grad_enabled(training):
-        out, _, counts = moe(x)
-    assert moe.deepspeed_moe.last_path == "rows, each expert"
-    ran = {experts[i]: n for i, n in calls if i in experts}
-    assert len(ran) == sum(1 for i, _ in calls if i in experts)  # each once
-    want = {e: int(n) for e, n in enumerate(counts.tolist()) if n or training}
-    assert ran == want and out.shape == (3, M + 8)
-    calls.clear()
-    with torch.no_grad():
-        out, _, _ = moe(torch.zeros(0, M))
-        assert out.shape == (0, M + 8)
-        out, _, _ = moe(x, torch.zeros(3))  # every token unused: no expert has a row
-        assert out.shape == (3, M + 8) and not out.any()
-    assert not [i for i, _ in calls if i in experts]
