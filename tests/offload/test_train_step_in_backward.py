@@ -203,7 +203,6 @@ def test_what_would_read_an_applied_gradient_raises(workdir: Path) -> None:
         train("sequential", m, opt, 1)
 
 
-
 def test_modules_making_sparse_gradients_are_refused(workdir: Path) -> None:
     """offload_parameters writes dense gradients: a unit holding nn.Embedding(sparse=True) is refused up
     front, naming the parameter (torch's own error came at the end of the first backward)."""
@@ -211,4 +210,7 @@ def test_modules_making_sparse_gradients_are_refused(workdir: Path) -> None:
     with pytest.raises(ValueError, match=r"0\.weight gets sparse gradients .*sparse=False"):
         offload_parameters(m, workdir, BUDGET, units=[m[0], m[1]])
     m[0].weight.requires_grad_(False)  # frozen: no gradient at all, taken
-    offload_parameters(m, workdir, BUDGET, units=[m[0], m[1]]).close()
+    with offload_parameters(m, workdir, BUDGET, units=[m[0], m[1]]):
+        m[0].weight.requires_grad_(True)  # unfrozen after: its first backward says what torch's did not
+        with pytest.raises(RuntimeError, match=r"0\.weight got a sparse gradient"):
+            m(torch.tensor([1, 2])).sum().backward()

@@ -67,7 +67,7 @@ from deepnvme.offload.train.model_io import Checkpoint, converted, fill_resident
 from deepnvme.offload.train.model_io import save as save_model
 from deepnvme.offload.train.model_methods import ModelMethods
 from deepnvme.offload.train.unit_hooks import unwrap_unit, wrap_unit
-from deepnvme.offload.train.unit_plan import check_param, memory_need, plan_units
+from deepnvme.offload.train.unit_plan import check_param, dense_grads, memory_need, plan_units
 
 # Units read ahead of the one in use, in the direction of the pass (as far as the budget allows).
 DEFAULT_AHEAD = 2
@@ -449,7 +449,7 @@ class OffloadedParameters(Closing):
         """`u`'s backward is done: its gradients to the drive (or, stepped in the backward, its parameters),
         its memory freed (unless a forward of it is running)."""
         u.graphs = max(u.graphs - 1, 0)
-        done = [h for h in u.params if h.real.grad is not None and h.real.grad is not h.marker]
+        done = dense_grads([h for h in u.params if h.real.grad is not None and h.real.grad is not h.marker])
         late = [h for h in done if h.grad_state() == GRAD_ON_DRIVE and not h.loaded_grad]
         stepper = self.stepper
         if done and not (late or interrupted or u.graphs or u.depth) and stepper is not None:

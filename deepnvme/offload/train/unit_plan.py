@@ -3,6 +3,8 @@ in memory, and which parameters it cannot take."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 
@@ -69,3 +71,14 @@ def check_param(name: str, p: nn.Parameter, meta_ok: bool) -> None:
         raise ValueError(f"{name} does not own its storage whole (a view of a larger tensor, or not "
                          "contiguous): offload_parameters frees each parameter's storage between uses; "
                          "give it a storage of its own (param.data = param.data.clone())")
+
+
+def dense_grads(held: list[Any]) -> list[Any]:
+    """`held` (a unit's parameters whose backward made gradients), after checking that no gradient is sparse
+    (a module switched to sparse=True, or unfrozen, after offload_parameters refused or passed it): a
+    RuntimeError naming the parameter, before anything is written."""
+    for h in held:
+        if h.real.grad.is_sparse:
+            raise RuntimeError(f"{h.name} got a sparse gradient: offload_parameters writes dense gradients "
+                               "only (make its module with sparse=False)")
+    return held
