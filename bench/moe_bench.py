@@ -617,7 +617,7 @@ def render(args: argparse.Namespace, configs: list[Config], res: dict[str, Any],
              "bound estimates the most a layer making the same BLAS calls on the kept rows could gain over "
              "DeepSpeed.",
              ""]
-    shown = [c for c in CONTENDERS if c in args.contenders]
+    shown = [c for c in CONTENDERS if c in args.contenders and (c not in PRODUCTS or args.expert == "ffn")]
     ours = [c for c in shown if c.startswith("deepnvme")]
     bound = "products kept" in shown and args.expert == "ffn"
     lines += ["| config | C | " + " | ".join(shown) + " | " + " | ".join(
