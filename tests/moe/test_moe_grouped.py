@@ -389,6 +389,7 @@ def test_changed_experts_fall_back_or_follow(monkeypatch: pytest.MonkeyPatch) ->
         wide.deepspeed_moe.experts.deepspeed_experts[1][0].weight = nn.Parameter(torch.randn(FFN + 8, M))
     with pytest.raises(RuntimeError, match="size"):  # the expert itself no longer fits its next Linear
         wide(x)
+    assert wide.deepspeed_moe.experts.grouped(x) is None  # the loop raised it: no plan takes these experts
 
     shared = nn.Linear(M, M)
 
