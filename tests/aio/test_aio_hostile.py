@@ -54,7 +54,13 @@ def test_file_rewritten_during_read(workdir: Path) -> None:
     """A file cut to an unaligned length inside its last block and written back at once, over and over, while
     it is read: each read gives the file's bytes, OSError(EIO) or (cut when submitted) ValueError, on every
     engine, for locked and plain (staged) tensors, and memory around the buffer stays untouched. (A short,
-    unaligned O_DIRECT read whose rest then appears is the case: its remainder went to the wrong address.)"""
+    unaligned O_DIRECT read whose rest then appears is the case: its remainder went to the wrong address.)
+
+    One outcome is Linux's, not the handle's: a read that raced a truncation may return, in full, the zeros
+    the truncation wrote over the rest of the page holding the new end (the kernel orders no read against
+    another descriptor's truncate). So a successful read may differ from the file only by zeros, only where
+    a cut could fall; the buffer is filled with another byte first, so bytes the handle failed to deliver,
+    or delivered to the wrong place, still fail the test."""
     out = run_child(workdir, """
         import random
         size = 1 << 20
@@ -88,7 +94,7 @@ def test_file_rewritten_during_read(workdir: Path) -> None:
                 guarded = torch.full((size + 8192,), 0xA5, dtype=torch.uint8)
                 for kind, buf in (("locked", locked), ("plain", guarded[4097:4097 + size])):
                     for _ in range(20):
-                        buf.zero_()
+                        buf.fill_(0x5A)
                         try:
                             h.sync_pread(buf, path)
                         except OSError as e:
@@ -98,8 +104,11 @@ def test_file_rewritten_during_read(workdir: Path) -> None:
                             assert "past end of file" in str(e), e
                             result = "cut at submit"
                         else:
-                            assert torch.equal(buf, ref), f"{engine} {kind}: a successful read, wrong bytes"
-                            result = "ok"
+                            wrong = (buf != ref).nonzero().flatten()
+                            result = "ok" if wrong.numel() == 0 else "zeros of a racing truncate"
+                            assert wrong.numel() == 0 or (int(wrong[0]) >= size - 65536
+                                                          and bool((buf[wrong] == 0).all())), (
+                                f"{engine} {kind}: a successful read, wrong bytes at {wrong[:8].tolist()}")
                         seen[result] = seen.get(result, 0) + 1
                         outside = torch.cat([guarded[:4097], guarded[4097 + size:]])
                         assert bool((outside == 0xA5).all()), f"{engine}: wrote outside the buffer"
