@@ -77,7 +77,7 @@ def _launch(cgroups: list[Path], limit: int, checkpoint: Path, swap: Path, budge
 def test_each_rank_trains_inside_a_cgroup_a_quarter_of_its_share(cgroups: list[Path], checkpoint: Path,
                                                                   tmp_path: Path) -> None:
     swap = tmp_path / "swap"
-    done = _launch(cgroups, LIMIT, checkpoint, swap, BUDGET, steps=2, saved=tmp_path / "dcp")
+    done = _launch(cgroups, LIMIT, checkpoint, swap, BUDGET, steps=1, saved=tmp_path / "dcp")
     for rank, d in enumerate(done):
         assert d.returncode == 0, (rank, d.stderr[-3000:])
     for rank, (d, cg) in enumerate(zip(done, cgroups)):
@@ -89,7 +89,7 @@ def test_each_rank_trains_inside_a_cgroup_a_quarter_of_its_share(cgroups: list[P
               f" MiB written by the shards, needed up front {r['memory_bytes'] >> 20} MiB")
         assert 4 * r["shard_bytes"] >= 4 * LIMIT  # parameters + gradients + AdamW's two moments
         assert peak <= LIMIT
-        assert all(x == x for x in r["losses"]) and len(r["losses"]) == 3
+        assert all(x == x for x in r["losses"]) and len(r["losses"]) == 2
         assert r["left"] == []
 
 
