@@ -11,8 +11,8 @@ Anything else (PR-MoE's differently shaped experts, custom modules, hooks inside
 forwards, dropout in training) runs through the per-expert loop, which stays the reference.
 
 How the multiply is done (``IMPLS``) is chosen per device type and dtype (``choose``: torch's grouped mm on
-CUDA where a tiny forward and backward runs; on the CPU the loop for a bf16 forward autograd records and
-``segments`` otherwise), or forced with ``DEEPNVME_MOE_EXPERTS``:
+CUDA where a tiny forward and backward runs, ``segments`` elsewhere), or forced with
+``DEEPNVME_MOE_EXPERTS``:
 
 * ``segments``: each expert's rows through the BLAS products its own ``nn.Linear`` would make, written into
   one output, forward and backward in one autograd node, activations applied as the expert's own call
@@ -104,23 +104,12 @@ def _try_grouped_mm(fn: Callable[..., Tensor], device_type: str, dtype: torch.dt
     return True, ""
 
 
-def choose(device: torch.device, dtype: torch.dtype, recorded: bool = True) -> str:
-    """How experts are multiplied on ``device`` in ``dtype`` (``recorded``: autograd records the forward,
-    as in training): ``$DEEPNVME_MOE_EXPERTS`` when set; else on CUDA torch's grouped mm where it works
-    there (one kernel for all experts); on the CPU the loop for a recorded bf16 forward, and ``segments``
-    otherwise.
-
-    Why these, measured with torch 2.13 on one core (bench/moe_bench.py, experts 1024 wide): torch's CPU
-    grouped mm is itself a loop over the groups, slower forward + backward than the BLAS products
-    ``segments`` calls (bench/grouped_mm_bench.py: 64 groups of 150-320 rows, fp32: 68.7 against 75.7
-    GFLOP/s). ``segments`` keeps each Linear's output and gradient for all experts in one tensor of the
-    layer's rows: tens of MB, fresh memory each step, every page faulted in on first touch (at 16384 tokens,
-    64 experts, k=2, bf16: ~191 000 faults a step, against ~74 000 for the loop, whose per-expert blocks
-    glibc's allocator recycles). In fp32 the products take long enough that ``segments`` still wins (the
-    loop 1.03-1.21x slower in capacity mode, even with it dropless); in bf16 (AMX here) they are 3-4x
-    faster and the faults are a third of the step: the loop was even with ``segments`` (within 10%, either
-    way) at k=1 and 1.2-1.5x faster at k=2, capacity and dropless alike. Inference (no autograd) keeps
-    ``segments``: nothing there is kept for a backward, and the streamed decoder was measured with it."""
+def choose(device: torch.device, dtype: torch.dtype) -> str:
+    """How experts are multiplied on ``device`` in ``dtype``: ``$DEEPNVME_MOE_EXPERTS`` when set; else on
+    CUDA torch's grouped mm where it works there (one kernel for all experts), and ``segments`` otherwise:
+    on the CPU torch's grouped mm is itself a loop over the groups, and measured slower forward + backward
+    than the BLAS products ``segments`` calls (bench/grouped_mm_bench.py: 64 groups of 150-320 rows,
+    1024x1024, fp32, one core, torch 2.13: 68.7 against 75.7 GFLOP/s)."""
     forced = os.environ.get(IMPL_ENV, "").strip()
     if forced:
         if forced not in IMPLS:
@@ -128,8 +117,6 @@ def choose(device: torch.device, dtype: torch.dtype, recorded: bool = True) -> s
         return forced
     if device.type == "cuda" and _grouped_mm_works(device.type, dtype)[0]:
         return "grouped_mm"
-    if device.type == "cpu" and dtype == torch.bfloat16 and recorded:
-        return "loop"
     return "segments"
 
 
@@ -139,11 +126,8 @@ def describe() -> str:
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     parts = []
     for dev in devices:
-        picks = []
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            pick, unrecorded = choose(torch.device(dev), dtype), choose(torch.device(dev), dtype, False)
-            picks.append(f"{str(dtype).replace('torch.', '')} {pick}"
-                         + (f" ({unrecorded} without autograd)" if unrecorded != pick else ""))
+        picks = [f"{str(dtype).replace('torch.', '')} {choose(torch.device(dev), dtype)}"
+                 for dtype in (torch.float32, torch.bfloat16, torch.float16)]
         works = _grouped_mm_works(dev, torch.bfloat16)
         picks.append("torch grouped mm " + ("runs" if works[0] else f"unavailable: {works[1]}"))
         parts.append(f"{dev}: " + ", ".join(picks))

@@ -84,7 +84,7 @@ class MOELayer(nn.Module):
         if dropless and not isinstance(self.experts, Experts):
             raise TypeError(f"a dropless gate needs deepnvme.moe.Experts as experts, got "
                             f"{type(self.experts).__name__}")
-        impl = choose(tokens.device, tokens.dtype, torch.is_grad_enabled())
+        impl = choose(tokens.device, tokens.dtype)
         plan, streamed = self._plan(tokens, impl)
         if self.ep_size > 1:
             out = (self._rows_across_ranks(tokens, routes, plan, impl) if dropless

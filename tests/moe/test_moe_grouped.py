@@ -298,37 +298,14 @@ def test_a_plan_refuses_what_it_does_not_compute() -> None:
 def test_choice_is_reported_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DEEPNVME_MOE_EXPERTS", raising=False)
     line = describe()
-    assert line.startswith("cpu: float32 segments, bfloat16 loop (segments without autograd), "
-                           "float16 segments, torch grouped mm ")
+    assert line.startswith("cpu: float32 segments, bfloat16 segments, float16 segments, torch grouped mm ")
     assert choose(torch.device("cpu"), torch.float32) == "segments"
-    assert choose(torch.device("cpu"), torch.bfloat16) == "loop"
-    assert choose(torch.device("cpu"), torch.bfloat16, recorded=False) == "segments"
     monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "bmm")
     assert choose(torch.device("cpu"), torch.float32) == "bmm"
     assert "forced" in describe()
     monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", "fast")
     with pytest.raises(ValueError, match="DEEPNVME_MOE_EXPERTS"):
         choose(torch.device("cpu"), torch.float32)
-
-
-@pytest.mark.parametrize("dropless", [False, True], ids=["capacity", "dropless"])
-def test_bf16_on_the_cpu_trains_through_the_loop_and_infers_grouped(monkeypatch: pytest.MonkeyPatch,
-                                                                    dropless: bool) -> None:
-    """The library's own choice (nothing forced): a bf16 step autograd records runs the experts one by one
-    (choose's docstring says why), with the bits of the loop forced; the same layer under no_grad computes
-    them together, with the bits of segments forced."""
-    monkeypatch.delenv("DEEPNVME_MOE_EXPERTS", raising=False)
-    moe = _moe(dtype=torch.bfloat16, dropless=dropless)
-    x = torch.randn(40, M, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    out = moe(x.requires_grad_())[0]
-    assert "loop" in moe.deepspeed_moe.last_path
-    with torch.no_grad():
-        inferred = moe(x)[0]
-    assert moe.deepspeed_moe.last_path == "rows, segments"
-    for impl, want in (("loop", out), ("segments", inferred)):
-        monkeypatch.setenv("DEEPNVME_MOE_EXPERTS", impl)
-        with torch.no_grad():
-            assert torch.equal(moe(x)[0], want), impl
 
 
 def test_run_checks_counts() -> None:
