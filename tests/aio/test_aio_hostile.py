@@ -52,15 +52,16 @@ def tbytes(t: torch.Tensor) -> bytes:
 
 def test_file_rewritten_during_read(workdir: Path) -> None:
     """A file cut to an unaligned length inside its last block and written back at once, over and over, while
-    it is read: each read gives the file's bytes, OSError(EIO) or (cut when submitted) ValueError, on every
-    engine, for locked and plain (staged) tensors, and memory around the buffer stays untouched. (A short,
-    unaligned O_DIRECT read whose rest then appears is the case: its remainder went to the wrong address.)
+    it is read, on every engine, for locked and plain (staged) tensors: each read raises OSError(EIO) or (cut
+    when submitted) ValueError, or succeeds with the file's bytes, exact up to the lowest cut; memory around
+    the buffer stays untouched; nothing crashes or hangs.
 
-    One outcome is Linux's, not the handle's: a read that raced a truncation may return, in full, the zeros
-    the truncation wrote over the rest of the page holding the new end (the kernel orders no read against
-    another descriptor's truncate). So a successful read may differ from the file only by zeros, only where
-    a cut could fall; the buffer is filled with another byte first, so bytes the handle failed to deliver,
-    or delivered to the wrong place, still fail the test."""
+    Past the lowest cut a successful read may hold zeros, which Linux puts there, not the handle: a read
+    through the page cache that saw the size before a truncation may copy the zeros the truncation left on
+    the rest of the new end's page or folio (no read is atomic against truncate), and a short O_DIRECT read
+    leaves zeros past the new end in its buffer. The second also means that here a lost remainder looks
+    like the first, so where a short, unaligned O_DIRECT read's remainder goes (the bug this test was
+    written for) is checked exactly by test_aio_fault.py::test_unaligned_short_remainder_is_buffered."""
     out = run_child(workdir, """
         import random
         size = 1 << 20

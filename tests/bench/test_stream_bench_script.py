@@ -1,6 +1,6 @@
 """bench/stream_bench.py end to end at its smallest (--tiny: a 1 MiB budget, one repeat, two tokens; the MoE
-and the Llama, the dense GPT-2 being the Llama's path with another architecture, and each model costing
-about 20 s of CI in child processes): every contender runs in its own process and cgroup, decodes the
+and the Llama, as each model costs about 20 s of CI in child processes: the dense GPT-2, with its tied head,
+is streamed by tests/offload's own tests): every contender runs in its own process and cgroup, decodes the
 in-memory model's tokens, and the report holds every row the issue asks for. Nothing here is timed: the
 figures of a tiny run mean nothing."""
 
